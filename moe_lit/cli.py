@@ -1,0 +1,64 @@
+"""The ``moe-lit`` console script.
+
+``moe-lit fit|validate|test ...`` goes to LightningCLI (see ``moe_lit.lit.cli``); every other
+subcommand is registered in ``COMMANDS`` as ``name -> (module, help)``. A command module exposes
+``configure(parser)`` and ``run(args) -> int`` and is imported only when it runs, so optional
+dependencies of one command never slow down or break another.
+
+Errors the user can fix (:class:`~moe_lit.errors.MoeLitError`, including every config error) are
+printed as one line on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+from moe_lit.errors import MoeLitError
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
+    "demo": ("moe_lit.commands.demo", "the README's main job on the bundled default data"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-lit", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in LIGHTNING_SUBCOMMANDS:
+        sub.add_parser(name, help=f"LightningCLI {name} (moe-lit {name} --help)", add_help=False)
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command in LIGHTNING_SUBCOMMANDS:
+            from moe_lit.lit.cli import run_lightning_cli
+
+            return run_lightning_cli([command, *rest])
+        if command not in COMMANDS:
+            allowed = ", ".join([*LIGHTNING_SUBCOMMANDS, *COMMANDS])
+            raise MoeLitError(f"unknown command {command!r}; allowed: {allowed}")
+        module = importlib.import_module(COMMANDS[command][0])
+        sub = argparse.ArgumentParser(prog=f"moe-lit {command}", description=COMMANDS[command][1])
+        module.configure(sub)
+        return int(module.run(sub.parse_args(rest)) or 0)
+    except MoeLitError as exc:
+        print(f"moe-lit {command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Model configuration: one serializable dataclass tree, validated once.
+
+``ModelConfig`` describes a decoder-only LM whose FFNs are dense SwiGLU blocks or MoE layers
+(``MoEConfig``). Every field carries a docstring right below it: LightningCLI / jsonargparse turn
+those into ``--help`` text. Validation lives in ``__post_init__`` and raises :class:`ConfigError`
+naming the offending field and the allowed values; derived fields (``head_dim``, ``expert_sizes``,
+``moe_layer_ids``...) are properties so that a YAML round-trip never carries stale copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from moe_lit.errors import MoeLitError
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+Balancing = Literal["aux_loss", "bias", "none"]
+Backend = Literal["auto", "torch", "megablocks"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+BALANCING = ("aux_loss", "bias", "none")
+BACKENDS = ("auto", "torch", "megablocks")
+
+
+class ConfigError(MoeLitError, ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def _require_choice(value: Any, field_name: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, field_name, f"got {value!r}, allowed values: {', '.join(allowed)}")
+
+
+def _require_positive_int(value: Any, field_name: str) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        field_name,
+        f"must be a positive integer, got {value!r}",
+    )
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN: router, routed experts, optional shared expert."""
+
+    num_experts: int = 8
+    """Number of routed experts E per MoE layer."""
+    expert_size: Union[int, list[int]] = 256
+    """Hidden size F of each expert (granularity). One int for equal experts, or a list of E ints
+    for heterogeneous experts inside one layer."""
+    top_k: int = 2
+    """Experts chosen per token (k <= num_experts)."""
+    shared_expert_size: int = 0
+    """Hidden size of an always-active shared SwiGLU expert; 0 disables it."""
+    score_func: ScoreFunc = "softmax"
+    """Router score function: softmax (MegaBlocks) | sigmoid (DeepSeek-V3)."""
+    renormalize: bool = True
+    """Renormalise the k selected weights to sum to 1 (MegaBlocks moe_normalize_expert_weights=1)."""
+    balancing: Balancing = "aux_loss"
+    """Load balancing: aux_loss (MegaBlocks/Switch loss) | bias (aux-loss-free, DeepSeek-V3) | none."""
+    aux_loss_coef: float = 0.01
+    """Weight w of the load-balancing loss (used when balancing=aux_loss)."""
+    bias_update_rate: float = 1e-3
+    """Step size u of the aux-loss-free bias update b_e += u*sign(mean_load - load_e)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2); 0 disables it."""
+    capacity_factor: Optional[float] = None
+    """Token dropping: each expert takes at most ceil(cf*T*k/E) tokens; null = dropless."""
+    first_dense_layers: int = 0
+    """The first n layers keep a dense FFN (DeepSeek style)."""
+    layer_interval: int = 1
+    """After the first dense layers, every n-th layer is MoE (1 = all of them)."""
+    backend: Backend = "auto"
+    """Expert implementation: auto (MegaBlocks on CUDA when supported, else torch) | torch | megablocks."""
+
+    def __post_init__(self) -> None:
+        _require_positive_int(self.num_experts, "moe.num_experts")
+        if isinstance(self.expert_size, (list, tuple)):
+            self.expert_size = list(self.expert_size)
+            _require(
+                len(self.expert_size) == self.num_experts,
+                "moe.expert_size",
+                f"a list must have num_experts={self.num_experts} entries, got {len(self.expert_size)}",
+            )
+            for i, size in enumerate(self.expert_size):
+                _require_positive_int(size, f"moe.expert_size[{i}]")
+        else:
+            _require_positive_int(self.expert_size, "moe.expert_size")
+        _require_positive_int(self.top_k, "moe.top_k")
+        _require(
+            self.top_k <= self.num_experts,
+            "moe.top_k",
+            f"must be <= num_experts={self.num_experts}, got {self.top_k}",
+        )
+        _require(
+            isinstance(self.shared_expert_size, int) and self.shared_expert_size >= 0,
+            "moe.shared_expert_size",
+            f"must be an integer >= 0, got {self.shared_expert_size!r}",
+        )
+        _require_choice(self.score_func, "moe.score_func", SCORE_FUNCS)
+        _require_choice(self.balancing, "moe.balancing", BALANCING)
+        _require_choice(self.backend, "moe.backend", BACKENDS)
+        _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
+        _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
+        _require(
+            self.bias_update_rate >= 0, "moe.bias_update_rate", f"must be >= 0, got {self.bias_update_rate}"
+        )
+        _require(
+            self.capacity_factor is None or self.capacity_factor > 0,
+            "moe.capacity_factor",
+            f"must be > 0 or null (dropless), got {self.capacity_factor}",
+        )
+        _require(
+            isinstance(self.first_dense_layers, int) and self.first_dense_layers >= 0,
+            "moe.first_dense_layers",
+            f"must be an integer >= 0, got {self.first_dense_layers!r}",
+        )
+        _require_positive_int(self.layer_interval, "moe.layer_interval")
+
+    @property
+    def expert_sizes(self) -> tuple[int, ...]:
+        """Hidden size of every expert, in expert order."""
+        if isinstance(self.expert_size, list):
+            return tuple(self.expert_size)
+        return (self.expert_size,) * self.num_experts
+
+    @property
+    def uniform(self) -> bool:
+        """True when all experts have the same size (MegaBlocks can run the layer)."""
+        return len(set(self.expert_sizes)) == 1
+
+    @property
+    def total_expert_size(self) -> int:
+        """Sum of the routed experts' hidden sizes: the rows of the stacked w1/v1/w2."""
+        return sum(self.expert_sizes)
+
+    @property
+    def mean_active_expert_size(self) -> float:
+        """Expected routed hidden size per token: k * mean(F_e) (exact for equal experts)."""
+        return self.top_k * self.total_expert_size / self.num_experts
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Tokens each expert may take for a batch of ``num_tokens``; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only LM: pre-norm RMSNorm blocks, RoPE, causal SDPA with GQA, SwiGLU or MoE FFN."""
+
+    vocab_size: int = 8192
+    """Vocabulary size (taken from the tokenizer by the CLI)."""
+    d_model: int = 256
+    """Residual stream width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention query heads; d_model must be divisible by it."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; null = n_heads (multi-head attention)."""
+    seq_len: int = 256
+    """Maximum sequence length (RoPE table size)."""
+    rope_base: float = 10000.0
+    """RoPE frequency base theta."""
+    d_ff: int = 1024
+    """Hidden size of the dense SwiGLU FFN (dense model, and dense layers of an MoE model)."""
+    moe: Optional[MoEConfig] = None
+    """MoE settings; null = a dense model."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the output head weights."""
+    init_std: float = 0.02
+    """Std of the normal init; output projections use init_std / sqrt(2 * n_layers)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig(**self.moe)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "d_ff"):
+            _require_positive_int(getattr(self, name), f"model.{name}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}",
+        )
+        if self.n_kv_heads is not None:
+            _require_positive_int(self.n_kv_heads, "model.n_kv_heads")
+            _require(
+                self.n_heads % self.n_kv_heads == 0,
+                "model.n_kv_heads",
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}",
+            )
+        _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} must be even for RoPE")
+        _require(self.rope_base > 0, "model.rope_base", f"must be > 0, got {self.rope_base}")
+        _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        if self.moe is not None:
+            _require(
+                self.moe.first_dense_layers < self.n_layers,
+                "moe.first_dense_layers",
+                f"must be < n_layers={self.n_layers} (otherwise no layer is MoE; set moe: null)",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the blocks whose FFN is an MoE layer."""
+        if self.moe is None:
+            return ()
+        first, every = self.moe.first_dense_layers, self.moe.layer_interval
+        return tuple(i for i in range(first, self.n_layers) if (i - first) % every == 0)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"model: unknown key(s) {unknown}, allowed keys: {sorted(known)}")
+        moe = data.get("moe")
+        if isinstance(moe, dict):
+            moe_known = {f.name for f in dataclasses.fields(MoEConfig)}
+            moe_unknown = sorted(set(moe) - moe_known)
+            if moe_unknown:
+                raise ConfigError(f"moe: unknown key(s) {moe_unknown}, allowed keys: {sorted(moe_known)}")
+            data = {**data, "moe": MoEConfig(**moe)}
+        return cls(**data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text_or_path: Union[str, Path]) -> "ModelConfig":
+        text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
+        data = yaml.safe_load(text)
+        if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
+            data = data["model"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"model: expected a mapping of model fields, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A validated copy with some fields changed (``moe`` may be a dict of MoE field changes)."""
+        if isinstance(changes.get("moe"), dict):
+            changes["moe"] = dataclasses.replace(self.moe or MoEConfig(), **changes["moe"])
+        return dataclasses.replace(self, **changes)
+
+
+def dense_config(**kwargs: Any) -> ModelConfig:
+    """Shorthand for a dense model config."""
+    return ModelConfig(moe=None, **kwargs)
+
+
+def moe_config(moe: Optional[dict[str, Any]] = None, **kwargs: Any) -> ModelConfig:
+    """Shorthand for an MoE model config: ``moe`` holds MoEConfig fields."""
+    return ModelConfig(moe=MoEConfig(**(moe or {})), **kwargs)
+
+
+__all__ = ["ConfigError", "MoEConfig", "ModelConfig", "dense_config", "moe_config"]

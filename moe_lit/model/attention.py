@@ -1,0 +1,50 @@
+"""Causal self-attention with RoPE and grouped-query attention on top of PyTorch SDPA.
+
+Shape legend: B batch, L sequence, D d_model, H query heads, G key/value heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_lit.config import ModelConfig
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``(L, Dh/2)`` for rotary position embeddings."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles_LH = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles_LH.cos(), angles_LH.sin()
+
+
+def apply_rope(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head, as Llama / HF ``rotate_half``."""
+    length = x_BHLDh.shape[-2]
+    cos, sin = cos[:length].to(x_BHLDh.dtype), sin[:length].to(x_BHLDh.dtype)
+    x1, x2 = x_BHLDh.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        # NOTE: derived from the config, so not saved in checkpoints.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x_BLD.shape
+        q = self.q_proj(x_BLD).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BLD).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BLD).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, self.rope_cos, self.rope_sin), apply_rope(k, self.rope_cos, self.rope_sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

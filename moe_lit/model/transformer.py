@@ -1,0 +1,97 @@
+"""Decoder-only LM: token embedding, pre-norm blocks (attention + dense or MoE FFN), head.
+
+Shape legend: B batch, L sequence, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe_lit.config import ModelConfig
+from moe_lit.model.attention import CausalSelfAttention
+from moe_lit.model.mlp import SwiGLU
+from moe_lit.model.moe import MoELayer
+
+
+@dataclass
+class LMOutput:
+    logits_BLV: torch.Tensor
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Weighted auxiliary losses summed over layers, by name (load_balancing, z_loss)."""
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of all auxiliary losses (0 for a dense model)."""
+        return sum(self.aux_losses.values(), torch.zeros((), device=self.logits_BLV.device))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if layer_id in cfg.moe_layer_ids:
+            self.ffn: nn.Module = MoELayer(cfg.d_model, cfg.moe, len(cfg.moe_layer_ids))
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoELayer)
+
+    def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        if self.is_moe:
+            ffn_out, losses = self.ffn(self.ffn_norm(x_BLD))
+        else:
+            ffn_out, losses = self.ffn(self.ffn_norm(x_BLD)), {}
+        return x_BLD + ffn_out, losses
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [block.ffn for block in self.blocks if block.is_moe]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(init_std) everywhere; output projections scaled by 1/sqrt(2*n_layers) (GPT-2)."""
+        std, out_std = self.config.init_std, self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                # norms start at one, expert output biases at zero
+                param.fill_(1.0 if "norm" in name else 0.0)
+            elif name.endswith(("o_proj.weight", "w2.weight", "mlp.w2")):
+                nn.init.normal_(param, std=out_std)
+            else:
+                nn.init.normal_(param, std=std)
+
+    def forward(self, idx_BL: torch.Tensor) -> LMOutput:
+        x_BLD = self.tok_embeddings(idx_BL)
+        aux_losses: dict[str, torch.Tensor] = {}
+        for block in self.blocks:
+            x_BLD, losses = block(x_BLD)
+            for name, value in losses.items():
+                aux_losses[name] = aux_losses[name] + value if name in aux_losses else value
+        return LMOutput(self.lm_head(self.norm(x_BLD)), aux_losses)
+
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Aux-loss-free balancing step for every router (no-op without balancing=bias)."""
+        for layer in self.moe_layers():
+            layer.router.update_bias()

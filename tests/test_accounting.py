@@ -1,0 +1,81 @@
+import pytest
+
+from moe_lit.accounting import (
+    accounting_rows,
+    count_config_params,
+    count_model_params,
+    forward_flops_per_token,
+    matched_moe_config,
+)
+from moe_lit.config import ConfigError
+from moe_lit.model import Transformer
+from tests.conftest import tiny
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny(dense=True),
+        tiny(dense=True, tie_embeddings=True, n_kv_heads=2),
+        tiny(num_experts=8, expert_size=16, top_k=2),
+        tiny(num_experts=4, expert_size=[8, 16, 24, 32], top_k=2),
+        tiny(num_experts=4, expert_size=12, top_k=1, shared_expert_size=20),
+        tiny(num_experts=3, expert_size=[5, 7, 9], top_k=2, n_layers=5, first_dense_layers=1, layer_interval=2),
+        tiny(balancing="bias", tie_embeddings=True),
+    ],
+    ids=["dense", "dense-tied-gqa", "uniform", "hetero", "shared", "interleaved-hetero", "bias-tied"],
+)
+def test_analytic_counts_equal_built_model(cfg):
+    assert count_config_params(cfg) == count_model_params(Transformer(cfg))
+
+
+def test_active_counts_by_hand_for_uniform_moe():
+    cfg = tiny(num_experts=8, expert_size=16, top_k=2, n_layers=1)
+    counts = count_config_params(cfg)
+    d, v = 32, 97
+    attention, norms = 4 * d * d, 2 * d
+    router, bias, experts = 8 * d, d, 3 * d * 16 * 8
+    assert counts.total == 2 * v * d + d + attention + norms + router + bias + experts
+    assert counts.active == counts.total - experts + experts // 4
+
+
+@pytest.mark.parametrize("num_experts, top_k, shared", [(4, 1, 0.0), (8, 2, 0.0), (16, 4, 0.25), (32, 8, 0.0)])
+def test_active_matched_config_hits_budget_within_one_percent(num_experts, top_k, shared):
+    dense = tiny(dense=True, d_ff=256, d_model=64)
+    moe = matched_moe_config(dense, num_experts, top_k, match="active", shared_fraction=shared)
+    dense_active = count_config_params(dense).active_non_embedding
+    moe_counts = count_config_params(moe)
+    assert abs(moe_counts.active_non_embedding - dense_active) / dense_active < 0.01
+    assert moe_counts.total > count_config_params(dense).total
+
+
+@pytest.mark.parametrize("num_experts, top_k", [(4, 1), (8, 2)])
+def test_total_matched_config_hits_budget_within_one_percent(num_experts, top_k):
+    dense = tiny(dense=True, d_ff=256, d_model=64)
+    moe = matched_moe_config(dense, num_experts, top_k, match="total")
+    dense_total = count_config_params(dense).total
+    assert abs(count_config_params(moe).total - dense_total) / dense_total < 0.01
+    assert count_config_params(moe).active < dense_total
+
+
+def test_heterogeneous_profile_keeps_the_mean_size():
+    dense = tiny(dense=True, d_ff=256, d_model=64)
+    uniform = matched_moe_config(dense, 4, 2)
+    hetero = matched_moe_config(dense, 4, 2, size_profile=[1, 1, 2, 4])
+    assert hetero.moe.expert_sizes[3] == pytest.approx(4 * hetero.moe.expert_sizes[0], rel=0.02)
+    assert abs(hetero.moe.total_expert_size - uniform.moe.total_expert_size) <= 4
+
+
+def test_impossible_match_is_a_named_error():
+    with pytest.raises(ConfigError, match="moe.expert_size"):
+        matched_moe_config(tiny(dense=True, d_ff=8), num_experts=64, top_k=1, match="total")
+    with pytest.raises(ConfigError, match="match: got 'both'"):
+        matched_moe_config(tiny(dense=True), 4, 1, match="both")
+
+
+def test_flops_count_active_not_total_parameters():
+    dense = tiny(dense=True, d_ff=256, d_model=64)
+    moe = matched_moe_config(dense, 16, 2)
+    assert forward_flops_per_token(moe) == pytest.approx(forward_flops_per_token(dense), rel=0.02)
+    rows = accounting_rows({"dense": dense, "moe": moe})
+    assert rows[1]["total/active"] > 3

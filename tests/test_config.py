@@ -1,0 +1,74 @@
+import pytest
+
+from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+
+
+@pytest.mark.parametrize(
+    "fields, field_name, fragment",
+    [
+        (dict(num_experts=4, top_k=5), "moe.top_k", "<= num_experts=4"),
+        (dict(num_experts=4, expert_size=[8, 8, 8]), "moe.expert_size", "4 entries"),
+        (dict(num_experts=2, expert_size=[8, -1]), "moe.expert_size[1]", "positive integer"),
+        (dict(expert_size=-3), "moe.expert_size", "positive integer"),
+        (dict(score_func="tanh"), "moe.score_func", "allowed values: softmax, sigmoid"),
+        (dict(balancing="magic"), "moe.balancing", "allowed values: aux_loss, bias, none"),
+        (dict(backend="cuda"), "moe.backend", "allowed values: auto, torch, megablocks"),
+        (dict(capacity_factor=0.0), "moe.capacity_factor", "> 0 or null"),
+        (dict(shared_expert_size=-1), "moe.shared_expert_size", ">= 0"),
+        (dict(num_experts=0), "moe.num_experts", "positive integer"),
+        (dict(layer_interval=0), "moe.layer_interval", "positive integer"),
+    ],
+)
+def test_bad_moe_config_names_the_field(fields, field_name, fragment):
+    with pytest.raises(ConfigError) as err:
+        MoEConfig(**fields)
+    assert str(err.value).startswith(field_name + ":")
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "fields, field_name, fragment",
+    [
+        (dict(d_model=30, n_heads=4), "model.n_heads", "divisible"),
+        (dict(n_heads=4, n_kv_heads=3), "model.n_kv_heads", "divisible"),
+        (dict(d_ff=0), "model.d_ff", "positive integer"),
+        (dict(vocab_size=-5), "model.vocab_size", "positive integer"),
+        (dict(n_layers=2, moe=MoEConfig(first_dense_layers=2)), "moe.first_dense_layers", "< n_layers=2"),
+    ],
+)
+def test_bad_model_config_names_the_field(fields, field_name, fragment):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**fields)
+    assert str(err.value).startswith(field_name + ":")
+    assert fragment in str(err.value)
+
+
+def test_yaml_round_trip_preserves_everything():
+    cfg = ModelConfig(
+        n_layers=5,
+        n_kv_heads=2,
+        moe=MoEConfig(num_experts=3, expert_size=[8, 16, 24], top_k=2, capacity_factor=1.25, first_dense_layers=1),
+    )
+    again = ModelConfig.from_yaml(cfg.to_yaml())
+    assert again == cfg
+    assert again.moe.expert_sizes == (8, 16, 24)
+    assert again.moe_layer_ids == (1, 2, 3, 4)
+
+
+def test_unknown_yaml_key_is_named():
+    with pytest.raises(ConfigError, match=r"model: unknown key\(s\) \['dmodel'\]"):
+        ModelConfig.from_yaml("dmodel: 3\n")
+    with pytest.raises(ConfigError, match=r"moe: unknown key\(s\) \['topk'\]"):
+        ModelConfig.from_yaml("moe: {topk: 3}\n")
+
+
+def test_layer_selection_interval_and_first_dense():
+    cfg = ModelConfig(n_layers=7, moe=MoEConfig(first_dense_layers=1, layer_interval=2))
+    assert cfg.moe_layer_ids == (1, 3, 5)
+    assert ModelConfig(n_layers=3).moe_layer_ids == ()
+
+
+def test_capacity_is_ceil_of_factor_times_share():
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25)
+    assert moe.capacity(10) == 7  # ceil(1.25 * 10 * 2 / 4) = ceil(6.25)
+    assert MoEConfig().capacity(10) is None
