@@ -1,0 +1,1 @@
+"""Throughput benchmarks (not tests): each script prints JSON and saves it under ``benchmarks/results/``."""

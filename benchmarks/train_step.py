@@ -1,0 +1,120 @@
+"""Full training step (forward, backward, AdamW) tokens/s: our MoE vs transformers' OLMoE vs our dense.
+
+    .venv/bin/python -m benchmarks.train_step [--rounds 7] [--threads 2]
+
+All models are built from random weights with identical dimensions (vocab 8192, d_model 256,
+4 layers, 4 heads, seq 256, batch 8, fp32) and timed INTERLEAVED in one process. For each MoE shape
+(E, k, F) three models run: ours, ``OlmoeForCausalLM`` and our dense model with d_ff = k*F (equal
+active parameters). Both MoE models use softmax routing, renormalised top-k weights, untied
+embeddings and a 0.01 load-balancing loss; the loss is the same cross-entropy for all. OLMoE
+additionally RMS-normalises q and k (a few elementwise ops per layer; noted in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common import interleaved_times, median, paired_ratio, report, set_threads
+from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.model.transformer import Transformer
+
+VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 256, 8
+SHAPES = ((16, 2, 256), (64, 8, 64))
+AUX_COEF = 0.01
+
+
+def our_config(shape: tuple[int, int, int] | None, d_ff: int) -> ModelConfig:
+    moe = None
+    if shape is not None:
+        num_experts, top_k, size = shape
+        moe = MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k, aux_loss_coef=AUX_COEF)
+    return ModelConfig(
+        vocab_size=VOCAB, d_model=D_MODEL, n_layers=LAYERS, n_heads=HEADS, seq_len=SEQ, d_ff=d_ff, moe=moe
+    )
+
+
+def olmoe(shape: tuple[int, int, int]) -> nn.Module:
+    try:
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+    except ImportError as err:  # pragma: no cover - benchmark-only extra
+        raise SystemExit("this benchmark needs transformers: pip install -e '.[benchmarks]'") from err
+    num_experts, top_k, size = shape
+    cfg = OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=size, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, tie_word_embeddings=False,
+        output_router_logits=True, router_aux_loss_coef=AUX_COEF, use_cache=False,
+    )
+    return OlmoeForCausalLM(cfg)
+
+
+def step_fn(model: nn.Module, hf: bool) -> Callable[[], None]:
+    """One training step on a fixed random batch; the same loss for every model."""
+    gen = torch.Generator().manual_seed(0)
+    idx_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    targets_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if hf:
+            out = model(input_ids=idx_BL, use_cache=False)
+            logits_BLV, aux = out.logits, AUX_COEF * out.aux_loss
+        else:
+            out = model(idx_BL)
+            logits_BLV, aux = out.logits_BLV, out.aux_loss
+        loss = F.cross_entropy(logits_BLV.view(-1, VOCAB), targets_BL.view(-1)) + aux
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    cases: dict[str, Callable[[], None]] = {}
+    for shape in SHAPES:
+        tag = "E{}k{}F{}".format(*shape)
+        cases[f"ours_moe_{tag}"] = step_fn(Transformer(our_config(shape, d_ff=shape[1] * shape[2])), hf=False)
+        cases[f"olmoe_{tag}"] = step_fn(olmoe(shape), hf=True)
+        cases[f"ours_dense_dff{shape[1] * shape[2]}"] = step_fn(
+            Transformer(our_config(None, d_ff=shape[1] * shape[2])), hf=False
+        )
+    times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup)
+    tokens = BATCH * SEQ
+    rows = {name: {"median_s": median(t), "tokens_per_s": tokens / median(t)} for name, t in times.items()}
+    ratios = {}
+    for shape in SHAPES:
+        tag = "E{}k{}F{}".format(*shape)
+        dense = f"ours_dense_dff{shape[1] * shape[2]}"
+        ratios[tag] = {
+            "speedup_vs_olmoe": paired_ratio(times, f"olmoe_{tag}", f"ours_moe_{tag}"),
+            "moe_over_dense_time": paired_ratio(times, f"ours_moe_{tag}", dense),
+        }
+    report(
+        "train_step",
+        {
+            "setup": {"vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS, "heads": HEADS, "seq": SEQ,
+                      "batch": BATCH, "dtype": "float32", "rounds": args.rounds},
+            "models": rows,
+            "ratios": ratios,
+        },
+        save=not args.no_save,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Analysis of traces and results: per-language routing statistics, tables and plots."""

@@ -1,0 +1,116 @@
+"""ExpertUpcycling: grow an E-expert MoE into an mE-expert MoE at chosen steps of a run.
+
+Each expansion is :func:`moe_lit.convert.expand.apply_expansion` (copies of experts and router
+rows, top-k fixed, aux-loss-free bias balancing by default; see that module for the guarantees).
+With ``selection='utility'`` the copies go to the experts with the largest utility, measured on
+the real training gradients of the ``utility_batches`` optimizer steps just before the expansion
+(``||dL/dW_e||^2`` read in ``on_before_optimizer_step``, i.e. after backward, before clipping and
+the update). The optimizer, LR schedule, logging and checkpoint state are handled by
+:class:`~moe_lit.callbacks.upcycling.ModelSwapCallback`: with ``optimizer_state='copy'`` every copy
+starts with its source's AdamW moments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from moe_lit.callbacks.upcycling import ModelSwapCallback
+from moe_lit.config import BALANCING, ConfigError
+from moe_lit.convert.expand import (
+    SELECTIONS,
+    UTILITY_METRICS,
+    UtilityAccumulator,
+    apply_expansion,
+    expert_gradients,
+    expert_utility,
+    plan_expansion,
+)
+from moe_lit.errors import MoeLitError
+from moe_lit.model import Transformer
+
+
+class ExpertUpcycling(ModelSwapCallback):
+    """Multiply the experts of every MoE layer by ``factor`` at each step of ``at_steps``."""
+
+    def __init__(
+        self,
+        at_steps: Sequence[int],
+        factor: int = 2,
+        selection: str = "uniform",
+        optimizer_state: str = "copy",
+        utility_batches: int = 10,
+        utility_metric: str = "grad_sq",
+        max_copies: int = 3,
+        noise: float = 1e-3,
+        balancing: Optional[str] = "bias",
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            at_steps: Optimizer steps after which to expand (strictly increasing, >= 1).
+            factor: m: each expansion turns E experts into m*E (integer >= 2).
+            selection: uniform (m-1 copies of every expert) | utility (greedy by expert utility).
+            optimizer_state: copy (copies inherit their source's AdamW moments) | reset.
+            utility_batches: Optimizer steps before the expansion whose gradients make the utility.
+            utility_metric: grad_sq | weight_grad | frequency.
+            max_copies: At most this many copies of one expert (utility selection).
+            noise: U(-noise, noise) on the copies' selection bias (needs balancing=bias).
+            balancing: Balancing of the expanded model: bias (default, see moe_lit.convert.expand) |
+                aux_loss | none | null to keep the source's.
+            seed: Seed of the bias noise.
+        """
+        super().__init__(at_steps, optimizer_state)
+        if not (isinstance(factor, int) and factor >= 2):
+            raise ConfigError(f"ExpertUpcycling.factor: must be an integer >= 2, got {factor!r}")
+        for field, value, allowed in (
+            ("selection", selection, SELECTIONS),
+            ("utility_metric", utility_metric, UTILITY_METRICS),
+            ("balancing", balancing, (*BALANCING, None)),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"ExpertUpcycling.{field}: got {value!r}, allowed values: {allowed}")
+        if not (isinstance(utility_batches, int) and utility_batches >= 1):
+            raise ConfigError(f"ExpertUpcycling.utility_batches: must be an integer >= 1, got {utility_batches!r}")
+        if noise < 0 or (noise > 0 and balancing != "bias"):
+            raise ConfigError(f"ExpertUpcycling.noise: must be >= 0 and needs balancing='bias' when > 0, got {noise}")
+        self.factor, self.selection, self.utility_batches = factor, selection, utility_batches
+        self.utility_metric, self.max_copies = utility_metric, max_copies
+        self.noise, self.balancing, self.seed = noise, balancing, seed
+        self._utility = UtilityAccumulator()
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if pl_module.model.config.moe is None:
+            raise MoeLitError("ExpertUpcycling: the model is dense; use DenseToMoEUpcycling first")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = self.pending_step()
+        if self.selection == "utility" and step is not None and step - self.utility_batches <= trainer.global_step < step:
+            self._utility.add(pl_module.model, expert_gradients(pl_module.model))
+
+    @override
+    def transform(
+        self, model: Transformer, step: int, batch_BL1: torch.Tensor
+    ) -> tuple[Transformer, dict[str, torch.Tensor]]:
+        utility = None
+        if self.selection == "utility":
+            # NOTE: a run resumed right at the expansion step has no gradients accumulated yet;
+            # the current batch then stands in for the window.
+            utility = self._utility.result() if self._utility.num_batches else expert_utility(model, [batch_BL1], 1)
+        self._utility = UtilityAccumulator()
+        plan = plan_expansion(
+            model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies
+        )
+        new = apply_expansion(model, plan, self.noise, self.balancing, self.seed + step)
+        return new, plan.row_sources(model)
+
+
+__all__ = ["ExpertUpcycling"]

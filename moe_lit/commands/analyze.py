@@ -1,0 +1,86 @@
+"""``moe-lit analyze routing``: per-language expert routing of a checkpoint over the parallel test set.
+
+Writes ``results/analysis/<name>/``: ``routing.json`` (every statistic), ``summary.md`` (verdict on
+language families + per-layer table), ``similarity.png`` (1 - JS, clustering order),
+``usage_layer<i>.png`` (languages x experts) and, with ``--save-trace``, ``trace.pt``
+(a :class:`~moe_lit.evaluation.routing_trace.RoutingTrace` for pruning / MAESTRO / conversions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from moe_lit.errors import MoeLitError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="what", metavar="WHAT", required=True)
+    routing = sub.add_parser("routing", help="expert usage, language similarity and specialisation per layer")
+    routing.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
+    routing.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
+    routing.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
+    routing.add_argument("--split", default="test", help="parallel split to route (default: test)")
+    routing.add_argument("--name", help="results/analysis/<name> (default: the checkpoint's name)")
+    routing.add_argument("--max-tokens", type=int, default=50_000, help="token budget per language")
+    routing.add_argument("--batch-size", type=int, default=8)
+    routing.add_argument("--device", default="cpu")
+    routing.add_argument("--save-trace", action="store_true", help="also write the routing trace (trace.pt)")
+    routing.add_argument("--out-dir", type=Path, default=Path("results/analysis"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_lit.analysis.routing import (
+        RoutingAnalysisConfig,
+        analyse,
+        summary_markdown,
+        tokenize_documents,
+        trace_languages,
+    )
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.harness import checkpoint_name, load_tokenizer, resolve_eot_id, stored_tokenizer
+    from moe_lit.evaluation.tasks import read_parallel, resolve_data_dir
+    from moe_lit.io import atomic_directory, atomic_write_json
+
+    if not args.checkpoint.exists():
+        raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
+    cfg = RoutingAnalysisConfig(max_tokens=args.max_tokens, batch_size=args.batch_size)
+    data_dir = resolve_data_dir(args.checkpoint, args.data)
+    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    model = load_model(args.checkpoint, map_location=args.device)
+    if not model.config.is_moe:
+        raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; routing needs MoE layers")
+    parallel = read_parallel(data_dir, args.split)
+    token_docs = tokenize_documents(parallel, tokenizer, resolve_eot_id(tokenizer), cfg.max_tokens)
+    trace = trace_languages(model, token_docs, cfg.batch_size)
+    report = analyse(trace, cfg, languages=list(parallel))
+    name = args.name or checkpoint_name(args.checkpoint)
+    report["checkpoint"], report["data"] = str(args.checkpoint), str(data_dir)
+    report["command"] = shlex.join(
+        ["moe-lit", "analyze", "routing", "--checkpoint", str(args.checkpoint), "--data", str(data_dir)]
+    )
+    out = args.out_dir / name
+    with atomic_directory(out) as tmp:
+        atomic_write_json(tmp / "routing.json", report)
+        summary = summary_markdown(report, name) + f"\n`{report['command']}`\n"
+        (tmp / "summary.md").write_text(summary)
+        _plots(report, tmp)
+        if args.save_trace:
+            trace.save(tmp / "trace.pt")
+    print(summary)
+    print(f"wrote {out}")
+    return 0
+
+
+def _plots(report: dict, out: Path) -> None:
+    import torch
+
+    from moe_lit.analysis.plots import similarity_matrix, usage_heatmap
+
+    languages = report["languages"]
+    usage_GME = torch.tensor([report["usage"][lang] for lang in languages])
+    for m, layer in enumerate(report["layer_ids"]):
+        usage_heatmap(usage_GME[:, m], languages, layer, out / f"usage_layer{layer}.png")
+    order = [languages.index(lang) for lang in report["cluster_order"]]
+    similarity_matrix(torch.tensor(report["js_divergence"]["mean"]), languages, order, out / "similarity.png")

@@ -1,0 +1,83 @@
+"""``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
+
+Actions: ``import-hf`` (HF Llama dir or GGUF -> moe_lit), ``upcycle`` (dense -> MoE) and ``expand``
+(E -> mE experts). Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer found
+beside the input travels with the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from moe_lit.accounting import count_model_params
+from moe_lit.checkpoint import export_model, find_tokenizer, load_model
+from moe_lit.config import BALANCING
+from moe_lit.convert.dense_to_moe import RECIPES
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--counts: expected comma-separated integers, got {text!r}") from exc
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    hf = actions.add_parser("import-hf", help="import a local HF Llama checkpoint (dir, or dir + GGUF file)")
+    hf.add_argument("--model", required=True, type=Path, help="directory of a LlamaForCausalLM (or of a GGUF file)")
+    hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf`)")
+    hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
+    hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+
+    up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
+    up.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
+    up.add_argument("--recipe", choices=RECIPES, default="copy")
+    up.add_argument("--num-experts", type=int, default=8)
+    up.add_argument("--top-k", type=int, default=2)
+    up.add_argument("--granularity", type=int, default=1, help="shards of d_ff per expert group (granular, drop)")
+    up.add_argument("--drop-fraction", type=float, default=0.5, help="neurons re-initialised per expert (drop)")
+    up.add_argument("--balancing", choices=BALANCING, default="aux_loss")
+    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--out", required=True, type=Path)
+
+    ex = actions.add_parser("expand", help="E -> mE experts by duplication (uniform factor or per-expert counts)")
+    ex.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
+    group = ex.add_mutually_exclusive_group(required=True)
+    group.add_argument("--factor", type=int, help="m: every expert gets m-1 copies")
+    group.add_argument("--counts", type=_counts, help="instances per expert, e.g. 3,1,2,2")
+    ex.add_argument("--noise", type=float, default=1e-3, help="U(-noise, noise) on the copies' selection bias")
+    ex.add_argument("--balancing", choices=BALANCING, default="bias")
+    ex.add_argument("--seed", type=int, default=0)
+    ex.add_argument("--out", required=True, type=Path)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "import-hf":
+        from moe_lit.convert.hf import from_hf_llama
+
+        model = from_hf_llama(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len)
+        tokenizer = args.model / "tokenizer.json"
+        export_model(model, args.out, tokenizer if tokenizer.is_file() else None)
+    elif args.action == "upcycle":
+        from moe_lit.convert.dense_to_moe import dense_to_moe
+
+        model = dense_to_moe(
+            load_model(args.checkpoint), args.recipe, args.num_experts, args.top_k, args.granularity,
+            args.drop_fraction, args.seed, balancing=args.balancing,
+        )
+        export_model(model, args.out, find_tokenizer(args.checkpoint))
+    else:
+        from moe_lit.convert.expand import expand_experts
+
+        model = expand_experts(
+            load_model(args.checkpoint), factor=args.factor, counts=args.counts, noise=args.noise,
+            balancing=args.balancing, seed=args.seed,
+        )
+        export_model(model, args.out, find_tokenizer(args.checkpoint))
+    moe = model.config.moe
+    shape = f"{moe.num_experts} experts, top-{moe.top_k}" if moe else "dense"
+    print(f"wrote {args.out} ({shape}, {count_model_params(model).total:,} parameters)")
+    return 0

@@ -1,0 +1,31 @@
+"""Model transforms: pure functions (model in, new model out) with documented guarantees.
+
+``dense_to_moe`` (copy / granular / drop upcycling), ``expand_experts`` (E -> mE expert
+duplication with uniform or utility-based selection) and ``from_hf_llama`` (HF Llama import).
+``moe_lit.convert.hf`` is imported on use: it needs transformers.
+"""
+
+from moe_lit.convert.dense_to_moe import RECIPES, dense_to_moe
+from moe_lit.convert.expand import (
+    ExpertExpansion,
+    ExpertUtility,
+    UtilityAccumulator,
+    allocate_copies,
+    apply_expansion,
+    expand_experts,
+    expert_utility,
+    plan_expansion,
+)
+
+__all__ = [
+    "ExpertExpansion",
+    "ExpertUtility",
+    "RECIPES",
+    "UtilityAccumulator",
+    "allocate_copies",
+    "apply_expansion",
+    "dense_to_moe",
+    "expand_experts",
+    "expert_utility",
+    "plan_expansion",
+]

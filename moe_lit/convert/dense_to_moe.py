@@ -1,0 +1,147 @@
+"""Dense -> MoE upcycling: every dense SwiGLU FFN becomes an MoE layer built from its weights.
+
+Shape legend: D d_model, F dense d_ff, G granularity (shards of F), f = F/G one expert's hidden
+size, E experts, R = E/G virtual groups, S = E*f stacked expert rows (see ``experts/layout.py``).
+
+Recipes (``dense_to_moe(model, recipe=...)``):
+
+* ``copy`` — sparse upcycling: every expert is an exact copy of the dense FFN (f = F) and the
+  router is new (normal(0, init_std)). Guarantee: with ``renormalize=True`` the k weights of a
+  token sum to one and all experts are equal, so the MoE layer computes the dense FFN exactly,
+  whatever the router picks: upcycled logits == dense logits.
+* ``granular`` — virtual-group upcycling (Megatron-LM's ``--moe-upcycling-granularity``, He et al.
+  2024): F is cut into G shards of f = F/G neurons; expert ``e = r*G + g`` holds shard ``g`` and
+  the G experts of virtual group ``r`` share one router row. Tied rows tie the scores, so a top-k
+  of ``k_v * G`` takes the k_v best groups whole: one copy of every shard per group. The dense
+  output is the sum of its shards' outputs; after renormalisation each shard of a picked group
+  weighs ``w_r / G`` (sum_r w_r = 1), so scaling the down projection ``w2`` by G makes the layer
+  compute the dense FFN exactly. NOTE: the whole factor G goes on ``w2``, the linear end of
+  SwiGLU; spreading it as G^(1/3) over w1, v1 and w2 would be exact only for a homogeneous
+  activation, and silu is not one. Guarantee: exact with ``renormalize=True``; needs
+  ``E % G == 0``, ``top_k % G == 0``, ``F % G == 0``.
+* ``drop`` — drop-upcycling (Nakamura et al. 2025, used by Marco-MoE): the ``granular`` experts
+  (``copy`` when G = 1), then in every expert a random fraction r of its f neurons is
+  re-initialised — their w1 and v1 rows and their w2 row — from a normal with the mean and std
+  of that expert matrix. Breaks the symmetry of the copies at once; the function is no longer
+  preserved.
+
+Only the FFNs of the blocks that the new config makes MoE (``first_dense_layers``,
+``layer_interval`` pass through ``moe_fields``) are converted; every other tensor is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.convert.common import rebuild
+from moe_lit.errors import MoeLitError
+from moe_lit.model import MoELayer, Transformer
+from moe_lit.model.mlp import SwiGLU
+
+RECIPES = ("copy", "granular", "drop")
+
+
+def dense_to_moe(
+    model: Transformer,
+    recipe: str = "copy",
+    num_experts: int = 8,
+    top_k: int = 2,
+    granularity: int = 1,
+    drop_fraction: float = 0.5,
+    seed: int = 0,
+    **moe_fields: Any,
+) -> Transformer:
+    """The MoE upcycling of a dense ``model`` (see the module docstring for the recipes).
+
+    ``moe_fields`` are further :class:`MoEConfig` fields (balancing, score_func, aux_loss_coef,
+    first_dense_layers, ...); ``expert_size`` follows from d_ff and the granularity. ``model`` is
+    not modified; the result is on its device, dtype and train/eval mode.
+    """
+    cfg = model.config
+    new = rebuild(model, upcycled_config(cfg, recipe, num_experts, top_k, granularity, drop_fraction, **moe_fields))
+    generator = torch.Generator().manual_seed(seed)
+    for layer_id in new.config.moe_layer_ids:
+        layer = new.blocks[layer_id].ffn
+        _upcycle_layer(model.blocks[layer_id].ffn, layer, granularity, cfg.init_std, generator)
+        if recipe == "drop":
+            _drop_neurons(layer, drop_fraction, generator)
+    return new
+
+
+def upcycled_config(
+    cfg: ModelConfig,
+    recipe: str = "copy",
+    num_experts: int = 8,
+    top_k: int = 2,
+    granularity: int = 1,
+    drop_fraction: float = 0.5,
+    **moe_fields: Any,
+) -> ModelConfig:
+    """The config :func:`dense_to_moe` produces from a dense ``cfg`` (validates every argument)."""
+    if cfg.moe is not None:
+        raise MoeLitError("dense_to_moe: the model is already an MoE (model.moe is set); pass a dense model")
+    _validate(recipe, granularity, drop_fraction, num_experts, top_k, cfg.d_ff, moe_fields)
+    moe = MoEConfig(num_experts=num_experts, expert_size=cfg.d_ff // granularity, top_k=top_k, **moe_fields)
+    return cfg.replace(moe=moe)
+
+
+def _validate(
+    recipe: str, granularity: int, drop_fraction: float, num_experts: int, top_k: int, d_ff: int, moe_fields: dict
+) -> None:
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe: got {recipe!r}, allowed values: {', '.join(RECIPES)}")
+    if not (isinstance(granularity, int) and granularity >= 1):
+        raise ConfigError(f"granularity: must be a positive integer, got {granularity!r}")
+    if recipe == "copy" and granularity != 1:
+        raise ConfigError(f"granularity: recipe 'copy' keeps whole FFNs (granularity 1), got {granularity}")
+    for name, value in (("num_experts", num_experts), ("top_k", top_k), ("model.d_ff", d_ff)):
+        if value % granularity:
+            raise ConfigError(f"{name}: must be a multiple of granularity={granularity}, got {value}")
+    if recipe == "drop" and not 0.0 <= drop_fraction <= 1.0:
+        raise ConfigError(f"drop_fraction: must be in [0, 1], got {drop_fraction}")
+    for field in ("expert_size", "shared_expert_size", "num_experts", "top_k"):
+        if field in moe_fields:
+            raise ConfigError(f"moe.{field}: set by dense_to_moe (from its arguments and d_ff), do not pass it")
+
+
+@torch.no_grad()
+def _upcycle_layer(dense: SwiGLU, layer: MoELayer, granularity: int, init_std: float, generator) -> None:
+    """Fill ``layer`` (E experts of f = F/G rows) from the dense FFN; router rows tied per group."""
+    num_experts, d_model = layer.cfg.num_experts, dense.w1.weight.shape[1]
+    shard_of_expert = torch.arange(num_experts) % granularity
+    mlp = layer.experts.mlp
+
+    def stacked(w_FD: torch.Tensor) -> torch.Tensor:
+        w_GfD = w_FD.reshape(granularity, -1, d_model)
+        return w_GfD[shard_of_expert.to(w_FD.device)].reshape(-1, d_model)
+
+    mlp.w1.copy_(stacked(dense.w1.weight))
+    mlp.v1.copy_(stacked(dense.v1.weight))
+    mlp.w2.copy_(stacked(dense.w2.weight.t()) * granularity)
+    layer.experts.bias.zero_()
+    rows_RD = torch.randn(num_experts // granularity, d_model, generator=generator) * init_std
+    router = layer.router
+    router.layer.weight.copy_(rows_RD.repeat_interleave(granularity, dim=0))
+    if router.expert_bias is not None:
+        router.expert_bias.zero_()
+
+
+@torch.no_grad()
+def _drop_neurons(layer: MoELayer, fraction: float, generator) -> None:
+    """Re-initialise ``round(fraction * f)`` random neurons of every expert from its own statistics."""
+    experts = layer.experts
+    layout, mlp = experts.layout, experts.mlp
+    for expert in range(layout.num_experts):
+        rows = layout.rows(expert)
+        size = layout.sizes[expert]
+        dropped = torch.randperm(size, generator=generator)[: round(fraction * size)] + rows.start
+        for w_SD in (mlp.w1, mlp.v1, mlp.w2):
+            w_fD = w_SD[rows]
+            fresh = torch.randn(len(dropped), w_SD.shape[1], generator=generator)
+            w_SD[dropped.to(w_SD.device)] = (fresh.to(w_SD) * w_fD.std() + w_fD.mean())
+
+
+__all__ = ["RECIPES", "dense_to_moe", "upcycled_config"]

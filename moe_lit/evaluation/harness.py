@@ -1,0 +1,319 @@
+"""lm-evaluation-harness adapter: our checkpoints as the registered lm-eval model ``moe_lit``.
+
+Shape legend: B batch, L sequence, V vocabulary, n scored tokens of one request.
+
+``MoeLitLM`` subclasses lm-eval's ``TemplateLM``: TemplateLM turns ``loglikelihood`` requests into
+token lists (empty contexts get the end-of-text token as prefix) and we score them in
+``_loglikelihood_tokens``. Scoring is batched: requests are sorted by length (lm-eval's
+``Collator``), right-padded and run through the model once per batch. Right padding is exact for a
+causal decoder with a dropless MoE (every real token sees only real tokens before it); with token
+dropping (``capacity_factor``) batch composition can change which assignments are dropped.
+
+``loglikelihood_rolling`` scores a long document in windows of the model's ``seq_len``
+(lm-eval's ``get_rolling_token_windows``: every token is predicted exactly once, the first one
+from the end-of-text token) and sums them. ``generate_until`` decodes greedily, stopping at the
+end-of-text token, at the first stop sequence (cut off) or after ``max_gen_toks`` tokens.
+
+Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
+
+    lm_eval.simple_evaluate(model="moe_lit", model_args="checkpoint=run.ckpt,batch_size=8", tasks=[...])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import Collator
+from tqdm import tqdm
+
+from moe_lit.errors import MoeLitError
+
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+"""Special tokens taken as end-of-text, in this order, when ``eot_token`` is not given."""
+
+Request = tuple[Any, list[int], list[int]]
+"""``(cache key, context tokens, continuation tokens)`` as TemplateLM passes them."""
+
+
+def load_tokenizer(path: Union[str, Path]):
+    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json``."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise MoeLitError(f"tokenizer: no such file {path}")
+    return Tokenizer.from_file(str(path))
+
+
+def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
+    """Id of ``eot_token``, else of the first known end-of-text special token the tokenizer has."""
+    candidates = (eot_token,) if eot_token else EOT_CANDIDATES
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise MoeLitError(f"tokenizer: no end-of-text token among {list(candidates)}; pass eot_token=<token>")
+
+
+def checkpoint_name(checkpoint: Union[str, Path]) -> str:
+    """A results folder name for a checkpoint: the export dir's name, or ``<run dir>-<ckpt stem>``."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.name if checkpoint.is_dir() else f"{checkpoint.parent.name}-{checkpoint.stem}"
+
+
+def stored_tokenizer(checkpoint: Union[str, Path]) -> Path:
+    """The ``tokenizer.json`` stored with a checkpoint (beside an export, or in its data dir)."""
+    from moe_lit.checkpoint import find_tokenizer
+
+    found = find_tokenizer(checkpoint)
+    if found is None:
+        raise MoeLitError(f"tokenizer: no tokenizer.json stored with {checkpoint}; pass one explicitly")
+    return found
+
+
+@register_model("moe_lit")
+class MoeLitLM(TemplateLM):
+    """A moe_lit Transformer + byte-level BPE tokenizer behind lm-eval's LM interface."""
+
+    def __init__(
+        self,
+        checkpoint: Optional[Union[str, Path]] = None,
+        tokenizer: Optional[Union[str, Path, Any]] = None,
+        batch_size: Union[int, str] = 8,
+        device: str = "cpu",
+        max_length: Optional[int] = None,
+        max_gen_toks: int = 256,
+        eot_token: Optional[str] = None,
+        model: Optional[torch.nn.Module] = None,
+        max_batch_size: Optional[int] = None,
+    ) -> None:
+        """
+        Args:
+            checkpoint: a Lightning ``.ckpt`` or an exported directory (or pass ``model``).
+            tokenizer: ``tokenizer.json`` path or a loaded ``tokenizers.Tokenizer``; default: the
+                one stored with the checkpoint.
+            batch_size: requests scored per forward.
+            device: torch device of the model.
+            max_length: context window in tokens; default the model's ``seq_len``.
+            max_gen_toks: generation limit when a task does not set one.
+            eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
+            model: an in-memory Transformer instead of ``checkpoint``.
+            max_batch_size: accepted for lm-eval's CLI; unused (no automatic batch size).
+        """
+        super().__init__()
+        del max_batch_size
+        if (checkpoint is None) == (model is None):
+            raise MoeLitError("moe_lit model: pass exactly one of checkpoint=PATH or model=")
+        if model is None:
+            from moe_lit.checkpoint import load_model
+
+            model = load_model(checkpoint, map_location=device)
+            tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
+        if tokenizer is None:
+            raise MoeLitError("moe_lit model: a tokenizer is required with model=")
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+        self.model = model.to(device).eval()
+        self._device = torch.device(device)
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks")
+        self._max_length = _positive_int(max_length or self.model.config.seq_len, "max_length")
+        if self._max_length > self.model.config.seq_len:
+            raise MoeLitError(f"max_length: {self._max_length} exceeds the model's seq_len {self.model.config.seq_len}")
+        if self.tokenizer.get_vocab_size() > self.model.config.vocab_size:
+            raise MoeLitError(
+                f"tokenizer: {self.tokenizer.get_vocab_size()} tokens do not fit the model's "
+                f"vocab_size {self.model.config.vocab_size}; is it the checkpoint's tokenizer?"
+            )
+        self._eot_id = resolve_eot_id(self.tokenizer, eot_token)
+
+    # ------------------------------------------------------------------ TemplateLM contract
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
+        # NOTE: our tokenizers add no BOS; the prefix token for empty contexts comes from TemplateLM.
+        return self.tokenizer.encode(string, add_special_tokens=False).ids
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _loglikelihood_tokens(self, requests: list[Request], disable_tqdm: bool = False, **kwargs) -> list:
+        """``(sum of log p(continuation | context), continuation is the greedy output)`` per request.
+
+        A continuation longer than the window is scored in chunks of ``max_length`` tokens, each
+        with as much preceding context as fits (the same windows as ``loglikelihood_rolling``).
+        """
+        pieces, owners = [], []
+        for owner, (_, context, continuation) in enumerate(requests):
+            for start in range(0, len(continuation), self.max_length):
+                pieces.append((context + continuation[:start], continuation[start : start + self.max_length]))
+                owners.append(owner)
+        totals = [(0.0, True)] * len(requests)
+        for owner, (score, greedy) in zip(owners, self._score_pieces(pieces, disable_tqdm)):
+            total, all_greedy = totals[owner]
+            totals[owner] = (total + score, all_greedy and greedy)
+        for (key, _, _), answer in zip(requests, totals):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return totals
+
+    def _score_pieces(self, pieces: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list:
+        """Batched scores of ``(context, continuation)`` with ``len(continuation) <= max_length``."""
+        collator = Collator(pieces, sort_fn=lambda piece: (-len(piece[0]) - len(piece[1]), tuple(piece[0] + piece[1])))
+        scores: list[tuple[float, bool]] = []
+        progress = tqdm(total=len(pieces), disable=disable_tqdm, desc="moe_lit loglikelihood")
+        for batch in collator.get_batched(n=self.batch_size):
+            # NOTE: keep the last max_length+1 tokens; the final token is only ever a target.
+            inputs = [(context + continuation)[-(self.max_length + 1) :][:-1] for context, continuation in batch]
+            logprobs_BLV = self._log_probs(inputs)
+            for row, (_, continuation) in enumerate(batch):
+                end = len(inputs[row])
+                logprobs_nV = logprobs_BLV[row, end - len(continuation) : end]
+                target_n = torch.tensor(continuation, device=logprobs_nV.device)
+                score = float(logprobs_nV.gather(-1, target_n[:, None]).sum())
+                scores.append((score, bool((logprobs_nV.argmax(dim=-1) == target_n).all())))
+            progress.update(len(batch))
+        progress.close()
+        return collator.get_original(scores)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Full-document log-likelihood, in disjoint windows of ``max_length`` predicted tokens."""
+        windows: list[Request] = []
+        owners: list[int] = []
+        for owner, (text,) in enumerate(req.args for req in requests):
+            token_windows = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for context, continuation in map(lm_utils.make_disjoint_window, token_windows):
+                windows.append((None, context, continuation))
+                owners.append(owner)
+        totals = [0.0] * len(requests)
+        for owner, (score, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+            totals[owner] += score
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuation of each context until a stop sequence, end-of-text or ``max_gen_toks``."""
+        collator = Collator(
+            [req.args for req in requests],
+            sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
+            group_fn=lambda args: args[1],
+            group_by="gen_kwargs",
+        )
+        outputs: list[str] = []
+        for batch in tqdm(collator.get_batched(n=self.batch_size), disable=disable_tqdm, desc="moe_lit generate"):
+            stops, max_new = self._generation_settings(batch[0][1])
+            prompts = [self.tok_encode(context) or [self.prefix_token_id] for context, _ in batch]
+            texts = self._greedy(prompts, max_new, stops)
+            for args, text in zip(batch, texts):
+                self.cache_hook.add_partial("generate_until", args, text)
+            outputs.extend(texts)
+        return collator.get_original(outputs)
+
+    # ------------------------------------------------------------------ model calls
+    @torch.no_grad()
+    def _log_probs(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Log-softmax ``(B, L, V)`` of right-padded inputs (padding positions are garbage)."""
+        length = max(len(tokens) for tokens in inputs)
+        idx_BL = torch.full((len(inputs), length), self.eot_token_id, dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            idx_BL[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logits_BLV = self.model(idx_BL.to(self._device)).logits_BLV
+        return F.log_softmax(logits_BLV.float(), dim=-1)
+
+    def _greedy(self, prompts: list[list[int]], max_new: int, stops: list[str]) -> list[str]:
+        generated: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
+        active = list(range(len(prompts)))
+        for _ in range(max_new):
+            if not active:
+                break
+            windows = [(prompts[i] + generated[i])[-self.max_length :] for i in active]
+            logprobs_BLV = self._log_probs(windows)
+            still_active = []
+            for row, i in enumerate(active):
+                token = int(logprobs_BLV[row, len(windows[row]) - 1].argmax())
+                if token == self.eot_token_id:
+                    continue
+                generated[i].append(token)
+                texts[i], stopped = _cut_at_stop(self.tok_decode(generated[i]), stops)
+                if not stopped:
+                    still_active.append(i)
+            active = still_active
+        return texts
+
+    def _generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int]:
+        if not isinstance(gen_kwargs, dict):
+            raise MoeLitError(f"generate_until: gen_kwargs must be a dict, got {type(gen_kwargs).__name__}")
+        if gen_kwargs.get("do_sample"):
+            raise MoeLitError("generate_until: moe_lit decodes greedily; the task asks for do_sample=True")
+        # NOTE: end-of-text always stops (as a token); 'until' adds text stop sequences.
+        until = gen_kwargs.get("until", [])
+        stops = [until] if isinstance(until, str) else list(until)
+        if not all(isinstance(stop, str) for stop in stops):
+            raise MoeLitError(f"generate_until: 'until' must be a string or a list of strings, got {until!r}")
+        max_new = _positive_int(gen_kwargs.get("max_gen_toks", self.max_gen_toks), "max_gen_toks")
+        return [stop for stop in stops if stop], max_new
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to its earliest stop sequence, and whether one occurred."""
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _positive_int(value: Union[int, str], name: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0:
+        raise MoeLitError(f"{name}: must be a positive integer, got {value!r}")
+    return number
+
+
+def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` on ``lm``; ``options`` go to it (limit, bootstrap_iters, ...).
+
+    Returns the harness's results dict (``results``, ``configs``, ``n-samples``, ...).
+    """
+    import lm_eval
+
+    options.setdefault("log_samples", False)
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
+    if results is None:  # only non-zero ranks of a distributed run get None
+        raise MoeLitError("evaluate: lm-eval returned no results")
+    return results
+
+
+def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (task, metric) of a harness results dict: value, stderr and sample count."""
+    rows = []
+    for task, metrics in results["results"].items():
+        samples = results.get("n-samples", {}).get(task, {}).get("effective", "")
+        for key, value in metrics.items():
+            metric, _, filter_name = key.partition(",")
+            if metric == "alias" or "_stderr" in metric or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filter_name}", "")
+            rows.append({"task": task, "metric": metric, "value": value, "stderr": stderr, "n": samples})
+    return rows
+
+
+__all__ = ["EOT_CANDIDATES", "MoeLitLM", "checkpoint_name", "evaluate", "load_tokenizer", "result_rows", "resolve_eot_id", "stored_tokenizer"]

@@ -1,0 +1,1 @@
+"""Lightning integration: the LightningModule, the datamodule, the CLI and the programmatic runner."""

@@ -1,0 +1,142 @@
+"""``moe-lit fit|validate|test``: LightningCLI over MoELitModule and MoEDataModule.
+
+Configs compose from YAML files in ``configs/`` (``--config configs/experiments/tiny-moe.yaml``,
+or ``--model configs/model/tiny-moe.yaml --trainer configs/trainer/cpu.yaml``). The vocabulary
+size comes from the prepared data (``data.vocab_size`` after the datamodule is built) and the
+sequence length from ``data.seq_len``; neither is set in a model YAML.
+
+Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: ``last.ckpt``
+plus one every N steps), a ``routing`` monitor (RoutingMonitor), a ThroughputMonitor (tokens/s,
+FLOPs/s and, on devices with a known peak, MFU), a RichProgressBar and a CSV logger.
+
+A config mistake (unknown key, wrong type, invalid value) prints one line naming the key and exits
+with status 2, like every other ``moe-lit`` error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Optional, Sequence
+
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+from moe_lit.callbacks import RoutingMonitor
+from moe_lit.errors import MoeLitError
+from moe_lit.lit.module import MoELitModule
+
+CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": -1}
+
+
+def tokens_in_batch(batch_BL1) -> int:
+    """Predicted tokens of a (B, L+1) batch: the ThroughputMonitor's ``length_fn``."""
+    return batch_BL1[:, 1:].numel()
+
+
+def samples_in_batch(batch_BL1) -> int:
+    return batch_BL1.shape[0]
+
+
+def throughput_monitor() -> ThroughputMonitor:
+    """tokens/s (``*/items_per_sec``), FLOPs/s and MFU (where Lightning knows the device's peak)."""
+    return ThroughputMonitor(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=10)
+
+
+class MoELightningCLI(LightningCLI):
+    """LightningCLI with our links, default callbacks and one-line config errors."""
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.seq_len", "model.model.seq_len", apply_on="parse")
+        parser.link_arguments("data.vocab_size", "model.model.vocab_size", apply_on="instantiate")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(CHECKPOINT_DEFAULTS)
+        parser.add_lightning_class_args(RoutingMonitor, "routing")
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as exc:
+            raise MoeLitError(f"config: {config_error_line(str(exc))}") from exc
+
+    @override
+    def instantiate_classes(self) -> None:
+        # NOTE: only building the objects is wrapped: an error while training is never a config error.
+        try:
+            super().instantiate_classes()
+        except MoeLitError:
+            raise
+        except (argparse.ArgumentError, ValueError, TypeError) as exc:
+            raise MoeLitError(f"config: {config_error_line(str(exc))}") from exc
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    return {
+        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
+        "callbacks": [RichProgressBar(), throughput_monitor()],
+    }
+
+
+_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
+_UNKNOWN = (
+    re.compile(r"Option '([^']+)' is not accepted"),
+    re.compile(r"does not accept option '([^']+)'"),
+    re.compile(r"unrecognized arguments: --?(\S+)"),
+)
+_NOISE = ("Does not validate against", "Subtypes:", "Errors:", "Problem with given class_path", "Given value")
+
+
+def config_error_line(message: str) -> str:
+    """One line ``<key>: <problem>`` from a (nested, multi-line) jsonargparse error message."""
+    keys, details = [], []
+    for raw in str(message).splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line or line.startswith("usage:") or line.startswith(_NOISE) or "<class 'NoneType'>" in line:
+            continue
+        match = _KEY.match(line)
+        if match:
+            keys.append(match.group(1))
+            line = match.group(2)
+        for pattern in _UNKNOWN:
+            unknown = pattern.search(line)
+            if unknown:
+                keys.append(unknown.group(1))
+                line = "unknown key"
+        if line:
+            details.append(re.sub(r"<class '([\w.]+)'>", r"\1", line))
+    detail = details[0] if details else "invalid value"
+    return f"{'.'.join(keys)}: {detail}" if keys else detail
+
+
+def run_lightning_cli(argv: Sequence[str], datamodule_class: Optional[type] = None) -> int:
+    """Run ``fit|validate|test`` with ``argv`` (subcommand first); config errors raise MoeLitError.
+
+    ``datamodule_class`` replaces MoEDataModule (tests use a stand-in over random tokens).
+    """
+    from jsonargparse import set_parsing_settings
+
+    if datamodule_class is None:
+        from moe_lit.lit.datamodule import MoEDataModule
+
+        datamodule_class = MoEDataModule
+    # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        MoELightningCLI(
+            MoELitModule,
+            datamodule_class,
+            trainer_defaults=_trainer_defaults(),
+            parser_kwargs={"exit_on_error": False},
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=list(argv),
+        )
+    except SystemExit as exc:  # --help and --print_config exit 0
+        return exc.code if isinstance(exc.code, int) else 2
+    return 0
+
+
+__all__ = ["MoELightningCLI", "config_error_line", "run_lightning_cli", "throughput_monitor"]

@@ -1,0 +1,194 @@
+"""``MoEDataModule``: litdata token streams of a prepared directory, languages mixed by weight.
+
+Tensor legend: B batch size, L ``seq_len``; a batch is ``tokens_BL1`` of shape (B, L + 1), whose
+``[:, :-1]`` are the inputs and ``[:, 1:]`` the targets.
+
+Training draws each sample from one language, chosen at random with the mixing weights (litdata
+``CombinedStreamingDataset``); an epoch ends when one language runs out. Validation and test give
+one loader per language, in ``languages`` order, over the fixed (unshuffled) blocks of that split,
+so every evaluation sees the same tokens. The training loader is a litdata ``StreamingDataLoader``:
+its position is part of the datamodule state, so a run resumed from a checkpoint continues with
+the next batches instead of starting the epoch over.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Subset
+
+from moe_lit.data.layout import SPLITS, import_litdata, read_meta, tokenizer_file, tokens_dir
+from moe_lit.data.tokenizer import load_tokenizer
+from moe_lit.errors import MoeLitError
+
+TRAIN_LOADER_KEY = "train_loader"
+
+
+def collate_tokens(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Stack token blocks of length L + 1 into a LongTensor (B, L + 1)."""
+    return torch.stack(blocks).long()
+
+
+class MoEDataModule(LightningDataModule):
+    """Multilingual token streams prepared by ``moe-lit data prepare``."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        language_weights: Optional[dict[str, float]] = None,
+        languages: Optional[list[str]] = None,
+        val_batches: Optional[int] = None,
+        seed: int = 42,
+    ) -> None:
+        """
+        Args:
+            data_dir: A directory written by ``moe-lit data prepare`` (holds ``meta.json``,
+                ``tokenizer.json`` and one litdata dataset per split and language).
+            seq_len: Tokens per training sequence; batches hold ``seq_len + 1`` tokens per row
+                (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+            batch_size: Sequences per batch (per device).
+            num_workers: DataLoader worker processes (0 loads in the main process).
+            language_weights: Relative sampling weight of each language in training, e.g.
+                ``{"en": 2, "de": 1}``; languages left out get weight 0 (validated, not trained
+                on). Default: proportional to each language's training tokens.
+            languages: Languages to use, a subset of the prepared ones (default: all of them).
+            val_batches: Batches per language in each validation run (default: the whole split).
+            seed: Seed of the shuffling and of the language sampling.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        meta = read_meta(data_dir)
+        _require_int(seq_len, "seq_len", 1)
+        _require_int(batch_size, "batch_size", 1)
+        _require_int(num_workers, "num_workers", 0)
+        if val_batches is not None:
+            _require_int(val_batches, "val_batches", 1)
+        self.data_dir = Path(data_dir)
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.val_batches = val_batches
+        self.seed = seed
+        self.languages: list[str] = _select_languages(languages, meta["languages"])
+        self.tokenizer_path = tokenizer_file(self.data_dir)
+        self.vocab_size: int = load_tokenizer(self.tokenizer_path, meta["vocab_size"]).get_vocab_size()
+        self.tokens: dict[str, dict[str, int]] = meta["tokens"]
+        self._check_block_fits()
+        self.mixture: dict[str, float] = _mixture(language_weights, self.languages, self.tokens["train"])
+        """Probability of each trained language (weight > 0) in the training stream."""
+        self._train_loader = None
+        self._train_state: Optional[dict[str, Any]] = None
+
+    def _check_block_fits(self) -> None:
+        for split in SPLITS:
+            for lang in self.languages:
+                if self.tokens[split][lang] < self.seq_len + 1:
+                    raise MoeLitError(
+                        f"seq_len {self.seq_len}: the {split} split of {lang!r} has only "
+                        f"{self.tokens[split][lang]} tokens; lower seq_len or prepare more data"
+                    )
+
+    def _dataset(self, split: str, lang: str, shuffle: bool):
+        litdata = import_litdata()
+        return litdata.StreamingDataset(
+            str(tokens_dir(self.data_dir, split, lang)),
+            item_loader=litdata.TokensLoader(block_size=self.seq_len + 1),
+            shuffle=shuffle,
+            drop_last=shuffle,
+            seed=self.seed,
+        )
+
+    def train_dataloader(self):
+        """Batches (B, L + 1) drawn from the languages with the ``mixture`` probabilities."""
+        litdata = import_litdata()
+        langs = list(self.mixture)
+        combined = litdata.CombinedStreamingDataset(
+            [self._dataset("train", lang, shuffle=True) for lang in langs],
+            seed=self.seed,
+            weights=[self.mixture[lang] for lang in langs],
+            iterate_over_all=False,
+        )
+        loader = litdata.StreamingDataLoader(
+            combined, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_tokens
+        )
+        if self._train_state is not None:
+            loader.load_state_dict(self._train_state)
+            self._train_state = None
+        self._train_loader = loader
+        return loader
+
+    def _eval_loaders(self, split: str, max_batches: Optional[int]) -> list[DataLoader]:
+        loaders = []
+        for lang in self.languages:
+            dataset = self._dataset(split, lang, shuffle=False)
+            size = len(dataset) if max_batches is None else min(len(dataset), max_batches * self.batch_size)
+            loaders.append(
+                DataLoader(
+                    Subset(dataset, range(size)),
+                    batch_size=self.batch_size,
+                    num_workers=self.num_workers,
+                    collate_fn=collate_tokens,
+                )
+            )
+        return loaders
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """One loader per language (``languages`` order), at most ``val_batches`` batches each."""
+        return self._eval_loaders("val", self.val_batches)
+
+    def test_dataloader(self) -> list[DataLoader]:
+        """One loader per language (``languages`` order) over the whole (parallel) test split."""
+        return self._eval_loaders("test", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's position (what ``load_state_dict`` needs to resume)."""
+        if self._train_loader is not None:
+            return {TRAIN_LOADER_KEY: self._train_loader.state_dict()}
+        return {TRAIN_LOADER_KEY: self._train_state} if self._train_state is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training stream where ``state_dict`` was taken."""
+        state = state_dict.get(TRAIN_LOADER_KEY)
+        if state is None:
+            return
+        if self._train_loader is not None:
+            self._train_loader.load_state_dict(state)
+        else:
+            self._train_state = state
+
+
+def _require_int(value: Any, name: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MoeLitError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+
+
+def _select_languages(languages: Optional[list[str]], prepared: list[str]) -> list[str]:
+    if languages is None:
+        return list(prepared)
+    unknown = [lang for lang in languages if lang not in prepared]
+    if unknown or not languages:
+        raise MoeLitError(f"languages: {unknown or '[]'} not prepared; available: {', '.join(prepared)}")
+    return list(languages)
+
+
+def _mixture(
+    weights: Optional[dict[str, float]], languages: list[str], train_tokens: dict[str, int]
+) -> dict[str, float]:
+    """Normalised sampling probabilities of the languages with a positive weight."""
+    if weights is None:
+        weights = {lang: float(train_tokens[lang]) for lang in languages}
+    unknown = sorted(set(weights) - set(languages))
+    if unknown:
+        raise MoeLitError(f"language_weights: unknown language(s) {unknown}; allowed: {', '.join(languages)}")
+    bad = {lang: w for lang, w in weights.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
+    if bad or sum(weights.values()) <= 0:
+        raise MoeLitError(f"language_weights: need finite weights >= 0 with a positive sum, got {weights}")
+    total = float(sum(weights.values()))
+    return {lang: weights[lang] / total for lang in languages if weights.get(lang, 0) > 0}

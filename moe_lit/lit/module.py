@@ -1,0 +1,184 @@
+"""MoELitModule: next-token training of a dense or MoE :class:`~moe_lit.model.Transformer`.
+
+Shape legend: B batch, L sequence (the batch holds L+1 tokens: inputs [:, :-1], targets [:, 1:]),
+V vocabulary.
+
+Training logs ``train/ce``, every auxiliary loss by name (``train/load_balancing``,
+``train/z_loss``), their sum ``train/loss`` and ``train/lr``. Validation and test keep a
+token-weighted mean cross-entropy per language (dataloader ``i`` is language ``i`` of the
+datamodule's ``languages``) and overall, and log ``<stage>/loss``, ``<stage>/ppl``,
+``<stage>/loss_<lang>`` and ``<stage>/ppl_<lang>``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from moe_lit.accounting import training_flops_per_token
+from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.lit.optim import OptimConfig, build_optimizer
+from moe_lit.model import Transformer
+
+OVERALL = "overall"
+
+# NOTE: hyper_parameters hold these config dataclasses (plain data), so checkpoints load with
+# torch.load(weights_only=True), the default of resuming (`trainer.fit(ckpt_path=...)`).
+torch.serialization.add_safe_globals([ModelConfig, MoEConfig, OptimConfig])
+
+
+class MoELitModule(pl.LightningModule):
+    """Lightning wrapper: losses, metrics, optimizer; the network is ``self.model`` (prefix ``model.``)."""
+
+    def __init__(self, model: ModelConfig, optim: OptimConfig = OptimConfig()) -> None:  # noqa: B008 - never mutated
+        """
+        Args:
+            model: The network to train (dense or MoE).
+            optim: AdamW and its learning-rate schedule.
+        """
+        super().__init__()
+        # NOTE: moe_lit.checkpoint rebuilds the network from hyper_parameters['model'].
+        self.save_hyperparameters()
+        self.config = model
+        self.optim_config = optim
+        # NOTE: the network is built here (not in configure_model) so that a module is usable
+        # right after construction; a sharded strategy can move this into configure_model.
+        self.model = Transformer(model)
+        self.flops_per_token = training_flops_per_token(model)
+        self.flops_per_batch: Optional[int] = None
+        """Training FLOPs of the last training batch: ThroughputMonitor reads it for flops/s and MFU."""
+        # NOTE: one MeanMetric per (stage, language), created when the number of evaluation
+        # dataloaders is known; metric states are not part of the state dict.
+        self.eval_metrics = nn.ModuleDict()
+
+    # ------------------------------------------------------------------ training
+    def forward(self, idx_BL: torch.Tensor):
+        return self.model(idx_BL)
+
+    # ------------------------------------------------------------------ growing the model (upcycling)
+    def replace_model(self, model: Transformer) -> None:
+        """Swap the network for one of another shape; the hyper-parameters record the new shape."""
+        self.model = model
+        self.config = model.config
+        self.hparams["model"] = model.config
+        self.flops_per_token = training_flops_per_token(model.config)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # NOTE: a model grown mid-run (moe_lit.callbacks upcycling) saved its new shape in
+        # hyper_parameters['model']; rebuild in that shape before Lightning loads the weights.
+        saved = checkpoint.get("hyper_parameters", {}).get("model")
+        if isinstance(saved, dict):
+            saved = ModelConfig.from_dict(saved)
+        if saved is not None and saved != self.config:
+            self.replace_model(Transformer(saved).to(self.device))
+
+    def _losses(self, batch_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Cross-entropy (mean over tokens, fp32) and the model's weighted auxiliary losses."""
+        inputs_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
+        out = self.model(inputs_BL)
+        ce = F.cross_entropy(out.logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
+        return ce, out.aux_losses
+
+    @override
+    def training_step(self, batch_BL1: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.flops_per_batch = self.flops_per_token * batch_BL1[:, :-1].numel()
+        ce, aux_losses = self._losses(batch_BL1)
+        loss = ce + sum(aux_losses.values(), torch.zeros_like(ce))
+        batch_size = batch_BL1.shape[0]
+        self.log("train/ce", ce, batch_size=batch_size)
+        for name, value in aux_losses.items():
+            self.log(f"train/{name}", value, batch_size=batch_size)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], batch_size=batch_size)
+        return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # NOTE: the routers hold the counts of this batch's forward; aux-loss-free balancing
+        # nudges the selection biases once per optimizer step (no-op unless balancing=bias).
+        self.model.update_router_biases()
+
+    @override
+    def configure_optimizers(self):
+        total_steps = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total_steps):
+            if self.optim_config.schedule != "constant":
+                raise ConfigError(
+                    f"optim.schedule={self.optim_config.schedule} needs a known number of steps; set trainer.max_steps"
+                )
+            total_steps = 0
+        optimizer, scheduler = build_optimizer(self.model, self.optim_config, int(total_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ evaluation
+    def language_names(self, num_dataloaders: int) -> list[str]:
+        """Names of the evaluation dataloaders: the datamodule's languages, else ``dl<i>``."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        languages = list(getattr(datamodule, "languages", None) or [])
+        if len(languages) == num_dataloaders:
+            return languages
+        return [f"dl{i}" for i in range(num_dataloaders)]
+
+    def _num_dataloaders(self, stage: str) -> int:
+        loaders = self.trainer.val_dataloaders if stage == "val" else self.trainer.test_dataloaders
+        return len(loaders) if isinstance(loaders, (list, tuple)) else 1
+
+    def _start_eval(self, stage: str) -> None:
+        for name in [*self.language_names(self._num_dataloaders(stage)), OVERALL]:
+            key = f"{stage}_{name}"
+            if key not in self.eval_metrics:
+                self.eval_metrics[key] = MeanMetric().to(self.device)
+            self.eval_metrics[key].reset()
+
+    def _eval_step(self, stage: str, batch_BL1: torch.Tensor, dataloader_idx: int) -> torch.Tensor:
+        ce, _ = self._losses(batch_BL1)
+        language = self.language_names(self._num_dataloaders(stage))[dataloader_idx]
+        num_tokens = batch_BL1[:, 1:].numel()
+        for name in (language, OVERALL):
+            self.eval_metrics[f"{stage}_{name}"].update(ce.detach(), weight=num_tokens)
+        return ce
+
+    def _end_eval(self, stage: str) -> None:
+        for name in [*self.language_names(self._num_dataloaders(stage)), OVERALL]:
+            metric = self.eval_metrics[f"{stage}_{name}"]
+            if metric.update_count == 0:
+                continue
+            loss = metric.compute()
+            suffix = "" if name == OVERALL else f"_{name}"
+            self.log(f"{stage}/loss{suffix}", loss, prog_bar=name == OVERALL)
+            self.log(f"{stage}/ppl{suffix}", loss.exp())
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval("val")
+
+    @override
+    def validation_step(self, batch_BL1: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self._eval_step("val", batch_BL1, dataloader_idx)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._end_eval("val")
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self._start_eval("test")
+
+    @override
+    def test_step(self, batch_BL1: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        return self._eval_step("test", batch_BL1, dataloader_idx)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._end_eval("test")
+
+
+__all__ = ["MoELitModule", "OptimConfig"]

@@ -1,0 +1,119 @@
+"""AdamW parameter groups and learning-rate schedules (warmup + cosine | WSD | constant).
+
+Every schedule is a multiplier of ``OptimConfig.lr`` as a function of the optimizer step, so it
+plugs into ``torch.optim.lr_scheduler.LambdaLR`` and its position is restored from a checkpoint
+with the scheduler's state (the step counter), nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from moe_lit.config import ConfigError
+
+Schedule = Literal["cosine", "wsd", "constant"]
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule (gradient clipping is the Trainer's gradient_clip_val)."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of the warmup."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of the matrices; norms, biases and the input embedding get none."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 100
+    """Optimizer steps of linear warmup from 0 to lr."""
+    schedule: Schedule = "cosine"
+    """After the warmup: cosine (decay to min_lr_ratio*lr at the last step) | wsd (warmup-stable-decay:
+    constant, then a linear decay over the last decay_fraction of the steps) | constant."""
+    decay_fraction: float = 0.2
+    """WSD only: fraction of all steps spent in the final linear decay."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine and wsd)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule: got {self.schedule!r}, allowed values: {', '.join(SCHEDULES)}")
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay: must be >= 0, got {self.weight_decay}")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas: must be two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps: must be > 0, got {self.eps}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 0):
+            raise ConfigError(f"optim.warmup_steps: must be an integer >= 0, got {self.warmup_steps!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"optim.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The factor applied to ``cfg.lr`` before optimizer step ``step`` (0-based) of ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        span = max(1, total_steps - 1 - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+    decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
+    return 1.0 - (1 - floor) * progress
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices, and undecayed 1-D params (norms, biases) + input embedding.
+
+    NOTE: the input embedding is a lookup table (each row only sees the tokens that use it), so decay
+    would shrink rare tokens towards zero; it is left undecayed as in GPT-NeoX/OLMo. An untied output
+    head is an ordinary matmul and is decayed; a tied one is the embedding and is not.
+    """
+    no_decay_ids = {id(p) for p in model.parameters() if p.ndim < 2}
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None:
+        no_decay_ids.add(id(embedding.weight))
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields a tied weight once
+        if param.requires_grad:
+            (no_decay if id(param) in no_decay_ids else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over :func:`param_groups` and a per-step ``LambdaLR`` following :func:`lr_multiplier`."""
+    if cfg.schedule != "constant" and total_steps <= cfg.warmup_steps:
+        raise ConfigError(
+            f"optim.schedule={cfg.schedule} needs more training steps ({total_steps}) than "
+            f"optim.warmup_steps={cfg.warmup_steps}; set trainer.max_steps"
+        )
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+    return optimizer, scheduler
+
+
+__all__ = ["OptimConfig", "SCHEDULES", "build_optimizer", "lr_multiplier", "param_groups"]

@@ -1,0 +1,1 @@
+"""Declarative studies: sweep specs (``spec``), the resumable runner (``runner``), reports (``report``)."""

@@ -1,0 +1,67 @@
+"""Fake training functions for the study runner: same keyword interface as ``train_run``.
+
+Module-level so that spawned worker processes can import them (``--parallel``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from moe_lit.accounting import count_config_params
+
+CALLS_FILE = "fake_calls.jsonl"
+
+
+def _log_call(out_dir: Path, model_cfg) -> None:
+    # NOTE: calls are appended to a file beside runs/ (not a global list) so that calls made in
+    # spawned workers are counted too.
+    with open(Path(out_dir).parents[1] / CALLS_FILE, "a") as handle:
+        handle.write(json.dumps({"out_dir": Path(out_dir).name, "num_experts": _experts(model_cfg)}) + "\n")
+
+
+def _experts(model_cfg) -> int:
+    return model_cfg.moe.num_experts if model_cfg.moe else 1
+
+
+def fake_loss(model_cfg, seed: int) -> float:
+    """Decreases with total params, independent of anything else (deterministic)."""
+    return round(6.0 - 0.1 * math.log(count_config_params(model_cfg).total) + 0.001 * seed, 6)
+
+
+def fake_train(*, model_cfg, data_dir, out_dir, max_tokens, seq_len, batch_size, optim, seed, val_batches,
+               extra_callbacks=(), trainer_overrides=None):
+    """A successful run: a RunResult-like dict."""
+    _log_call(out_dir, model_cfg)
+    loss = fake_loss(model_cfg, seed)
+    return {
+        "tokens": max_tokens,
+        "steps": max_tokens // (seq_len * batch_size),
+        "val_loss": loss,
+        "val_loss_per_language": {"en": loss - 0.1, "de": loss + 0.1},
+        "tokens_per_s": 1000.0,
+        "load_imbalance": 1.5 if model_cfg.moe else 1.0,
+        "wall_s": 0.01,
+    }
+
+
+def fail_on_16_experts(**kwargs):
+    """Raises for every 16-expert model, trains the others."""
+    if _experts(kwargs["model_cfg"]) == 16:
+        _log_call(kwargs["out_dir"], kwargs["model_cfg"])
+        raise RuntimeError("out of memory (fake)")
+    return fake_train(**kwargs)
+
+
+def crash_on_16_experts(**kwargs):
+    """Kills its whole process for every 16-expert model (a segfault / OOM kill)."""
+    if _experts(kwargs["model_cfg"]) == 16:
+        os._exit(3)
+    return fake_train(**kwargs)
+
+
+def read_calls(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / CALLS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,33 @@
+from moe_lit.cli import main
+from moe_lit.studies.runner import run_study
+from moe_lit.studies.spec import StudySpec
+from tests.studies import fakes
+from tests.studies.test_spec import CONFIGS, small_spec
+
+
+def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
+    spec = CONFIGS / "dense_vs_sparse.yaml"
+    assert main(["study", "run", str(spec), "--dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| point")]
+    assert len(rows) == 27 and all(row.endswith("| pending |") for row in rows)
+    assert rows[0].startswith("| S/dense | ")
+    assert f"27 points, 54,000,000 training tokens in all -> {tmp_path}" in out
+
+
+def test_report_action_rebuilds_the_report(tmp_path, capsys):
+    spec = StudySpec.from_dict(small_spec(ablations=None))
+    run_study(spec, tmp_path, data_dir="unused", train_fn=fakes.fake_train, prepare_data=False, log=lambda _: None)
+    assert main(["study", "report", "--out", str(tmp_path)]) == 0
+    assert "6 points: 6 ok, 0 failed, 0 pending." in capsys.readouterr().out
+    assert (tmp_path / "runs.csv").is_file() and (tmp_path / "plots" / "loss_vs_total_params.png").is_file()
+
+
+def test_bad_study_file_is_a_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbase: {d_model: 32, n_heads: 4}\nbudgets: [{name: S}]\ngrid: {match: [params]}\n")
+    assert main(["study", "run", str(bad), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err == "moe-lit study: error: grid.match: got 'params', allowed values: active, total\n"
+    assert main(["study", "run", str(tmp_path / "missing.yaml")]) == 2
+    assert "study: no such file" in capsys.readouterr().err

@@ -1,0 +1,130 @@
+from pathlib import Path
+
+import pytest
+
+from moe_lit.accounting import count_config_params
+from moe_lit.config import ConfigError
+from moe_lit.studies.spec import StudySpec, config_hash, expand
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "studies"
+
+
+def small_spec(**changes) -> dict:
+    spec = {
+        "name": "t",
+        "base": {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64},
+        "budgets": [{"name": "S", "d_ff": 64}, {"name": "M", "d_ff": 128}],
+        "grid": {"num_experts": ["dense", 4, 8], "top_k": [2], "match": ["active"]},
+        "ablations": {
+            "budget": "M",
+            "num_experts": 4,
+            "top_k": 2,
+            "granularity": [1, 4],
+            "shared_fraction": [0.5],
+            "size_profiles": {"skewed": [3, 1, 1, 1]},
+            "balancing": [{"balancing": "bias"}, {"balancing": "aux_loss", "aux_loss_coef": 0.01}],
+            "capacity_factor": [1.0, 2.0],
+            "match": ["total"],
+        },
+        "training": {"max_tokens": 4096, "seq_len": 16, "batch_size": 4, "val_batches": 1},
+        "seeds": [0],
+    }
+    spec.update(changes)
+    return spec
+
+
+def test_expansion_is_the_grid_plus_ablations_deduplicated():
+    points = expand(StudySpec.from_dict(small_spec()))
+    groups = {p.name: p.groups for p in points}
+    assert list(groups) == [
+        "S/dense", "S/E4k2", "S/E8k2", "M/dense", "M/E4k2", "M/E8k2",
+        "M/E4k1", "M/E8k1", "M/E8k4",  # granularity: k=4 skipped at E=4 (every expert active)
+        "M/E4k2/shared=0.5", "M/E4k2/profile=skewed", "M/E4k2/bias=0.001", "M/E4k2/cf=1", "M/E4k2/cf=2",
+        "M/E4k2/total",
+    ]
+    # the reference point is one run that appears in every ablation, with its label in each group;
+    # the aux_loss=0.01 balancing variant IS the reference (default coefficient) and merges into it
+    assert groups["M/E4k2"] == {
+        "grid": "E4k2", "shared": "none", "heterogeneous": "equal", "balancing": "aux_loss=0.01",
+        "capacity": "dropless", "matching": "active-matched",
+    }
+    assert groups["M/dense"] == {"grid": "dense", "matching": "dense"}
+    assert groups["M/E4k2/cf=2"] == {"capacity": "cf=2"}
+    assert len({p.hash for p in points}) == len(points)
+    ref = next(p for p in points if p.name == "M/E4k2/cf=2")
+    assert ref.model.moe.capacity_factor == 2.0 and ref.model.moe.expert_size == 63
+
+
+def test_seeds_multiply_points_and_hashes_follow_what_determines_a_run():
+    spec = StudySpec.from_dict(small_spec(seeds=[0, 1], ablations=None))
+    points = expand(spec)
+    assert len(points) == 2 * 3 * 2
+    assert [p.name for p in points[:2]] == ["S/dense/s0", "S/E4k2/s0"]
+    assert {p.config_name for p in points if p.seed == 1} == {p.config_name for p in points if p.seed == 0}
+    first = points[0]
+    assert first.hash == config_hash(first.model, spec.training, 0)  # stable: no names, no order
+    longer = StudySpec.from_dict(small_spec(ablations=None, training={**small_spec()["training"], "max_tokens": 8192}))
+    assert not {p.hash for p in expand(longer)} & {p.hash for p in points}
+
+
+def _rounding_slack(point, mode):
+    """Largest mismatch from rounding expert sizes to integers: half a row (3*d params) per expert
+    counted (k active ones, or all E), in every layer."""
+    d, moe = point.model.d_model, point.model.moe
+    return point.model.n_layers * 3 * d * (moe.top_k if mode == "active" else moe.num_experts) / 2
+
+
+def test_matched_configs_hit_their_budget():
+    spec = StudySpec.from_dict(small_spec())
+    for point in expand(spec):
+        dense = count_config_params(spec.dense_model(point.budget))
+        counts = count_config_params(point.model)
+        if point.model.moe is None:
+            assert counts.total == counts.active == dense.total
+            continue
+        mode = point.match
+        got, want = (counts.active, dense.active) if mode == "active" else (counts.total, dense.total)
+        assert abs(got - want) <= _rounding_slack(point, mode), point.name
+        if mode == "active":
+            assert counts.total > dense.total  # the sparse model holds more parameters than it uses
+        else:
+            assert counts.active < dense.active
+
+
+def test_shipped_studies_load_and_expand():
+    tiny = expand(StudySpec.from_yaml(CONFIGS / "dense_vs_sparse.yaml"))
+    assert len(tiny) == 27
+    assert {p.num_experts for p in tiny if "grid" in p.groups} == {1, 4, 8, 16, 32}
+    gpu = expand(StudySpec.from_yaml(CONFIGS / "dense_vs_sparse_gpu.yaml"))
+    assert len(gpu) > len(tiny)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"grid": {"num_experts": ["dense", 1]}}, "grid.num_experts: entries must be 'dense' or integers >= 2"),
+        ({"grid": {"match": ["params"]}}, "grid.match: got 'params', allowed values: active, total"),
+        ({"grid": {"experts": [4]}}, "grid: unknown key(s) ['experts']"),
+        ({"grid": {"moe": {"top_k": 3}}}, "grid.moe: unknown or solved field(s) ['top_k']"),
+        ({"ablations": {"budget": "XL"}}, "ablations.budget: got 'XL', allowed values: S, M"),
+        (
+            {"ablations": {"budget": "M", "num_experts": 4, "size_profiles": {"bad": [1, 2]}}},
+            "ablations.size_profiles.bad: needs num_experts=4 positive numbers",
+        ),
+        ({"ablations": {"budget": "M", "balancing": [{"balancing": "magic"}]}}, "moe.balancing: got 'magic'"),
+        ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: the base model must be dense"),
+        ({"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}}, "base.seq_len: set the sequence length in training.seq_len"),
+        ({"budgets": [{"name": "S", "d_fff": 1}]}, "budgets[S].overrides: unknown model field(s) ['d_fff']"),
+        ({"budgets": [{"name": "S", "d_ff": 0}]}, "budgets[S]: model.d_ff: must be a positive integer"),
+        ({"training": {"optim": {"lr": -1}}}, "optim.lr: must be > 0"),
+        ({"training": {"batch_size": 0}}, "training.batch_size: must be a positive integer"),
+        ({"seeds": [0, 0]}, "seeds: must be a non-empty list of distinct integers"),
+        ({"data": {"vocab_size": 2048}}, "base.vocab_size: must equal data.vocab_size=2048, got 97"),
+        ({"data": {"vocab_sise": 2048}}, "data: unknown key(s) ['vocab_sise']"),
+        ({"colour": "red"}, "study: unknown key(s) ['colour']"),
+    ],
+)
+def test_bad_specs_name_the_field(changes, message):
+    with pytest.raises(ConfigError) as info:
+        expand(StudySpec.from_dict(small_spec(**changes)))
+    assert message in str(info.value)
