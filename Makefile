@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # multi-GB CUDA build. Override on GPU machines: make TORCH_SPEC=torch==2.7.0 ...
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test clean eval
 
 venv: $(STAMP)
 
@@ -26,6 +26,22 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m moe_lit.cli demo
+
+# `make eval`: the local multilingual suite (results/eval/<name>/) and, for MoE checkpoints, the
+# per-language routing analysis (results/analysis/<name>/) of every demo checkpoint: the exported
+# models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
+DEMO_DIR ?= results/demo
+EVAL_CHECKPOINTS ?= $(or $(patsubst %/model.safetensors,%,$(shell find $(DEMO_DIR) -name model.safetensors 2>/dev/null | sort)),$(shell find $(DEMO_DIR) -name '*.ckpt' 2>/dev/null | sort))
+EVAL_ARGS ?=
+
+eval: $(STAMP)
+	@test -n "$(strip $(EVAL_CHECKPOINTS))" || { echo "make eval: no checkpoints under $(DEMO_DIR); run make demo first"; exit 1; }
+	@for ckpt in $(EVAL_CHECKPOINTS); do \
+	  echo "== $$ckpt"; \
+	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite $(EVAL_ARGS) || exit $$?; \
+	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
+	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --save-trace || exit $$?; fi; \
+	done
 
 clean:
 	rm -rf $(VENV)

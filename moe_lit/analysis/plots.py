@@ -44,14 +44,15 @@ def similarity_matrix(js_GG: torch.Tensor, languages: Sequence[str], order: Sequ
     index = torch.tensor(list(order))
     similarity_GG = 1.0 - js_GG[index][:, index]
     names = [languages[i] for i in order]
-    fig, ax = plt.subplots(figsize=(0.55 * len(names) + 2.5, 0.55 * len(names) + 1.8))
+    side = max(4.5, 0.6 * len(names) + 2.5)
+    fig, ax = plt.subplots(figsize=(side + 0.8, side))
     image = ax.imshow(similarity_GG.numpy(), cmap="magma", vmin=float(similarity_GG.min()), vmax=1.0)
     ax.set_xticks(range(len(names)), names, rotation=45)
     ax.set_yticks(range(len(names)), names)
     for i in range(len(names)):
         for j in range(len(names)):
-            ax.text(j, i, f"{float(similarity_GG[i, j]):.2f}", ha="center", va="center", fontsize=7, color="grey")
-    ax.set_title("routing similarity 1 - JS (mean over MoE layers)")
+            ax.text(j, i, f"{float(similarity_GG[i, j]):.3f}", ha="center", va="center", fontsize=7, color="grey")
+    ax.set_title("routing similarity 1 - JS\n(mean over MoE layers, clustering order)", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()
     fig.savefig(out_file, dpi=110)

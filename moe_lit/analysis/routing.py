@@ -300,8 +300,8 @@ def summary_markdown(report: dict, title: str) -> str:
     lines.append(
         "JS: Jensen-Shannon divergence (bits) between two languages' expert-usage distributions, averaged "
         "over language pairs; entropy of p(language | expert) normalised to [0, 1] (1 = used equally by all "
-        f"languages); shared = used by every language, specific = by one (used: >= {report['settings']['used_fraction']}"
-        " of a uniform share)."
+        "languages); shared = used by every language, specific = by one (used: >= "
+        f"{report['settings']['used_fraction']} of a uniform share)."
     )
     return "\n".join(lines) + "\n"
 

@@ -97,7 +97,8 @@ def suite_by_language(rows: list[dict]) -> list[dict]:
         kind, _, lang = row["task"][len("moe_lit_") :].partition("_")
         column = SUITE_COLUMNS.get((kind, row["metric"]))
         if column:
-            table.setdefault(lang, {"language": lang, **dict.fromkeys(SUITE_COLUMNS.values(), "")})[column] = row["value"]
+            empty = {"language": lang, **dict.fromkeys(SUITE_COLUMNS.values(), "-")}
+            table.setdefault(lang, empty)[column] = row["value"]
     return list(table.values())
 
 
@@ -122,7 +123,7 @@ def _limit(limit):
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["moe-lit", "eval", "--checkpoint", str(args.checkpoint), "--tasks", *args.tasks]
-    for flag, value in (("--limit", args.limit), ("--data", args.data), ("--name", args.name)):
+    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--name", args.name)):
         if value is not None:
             parts += [flag, str(value)]
     for item in args.task_data:

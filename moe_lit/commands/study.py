@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
+from moe_lit.commands import study_upcycling
 from moe_lit.errors import MoeLitError
 
 RESULTS_ROOT = Path("results")
@@ -112,6 +113,7 @@ Action = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Nam
 ACTIONS: dict[str, Action] = {
     "run": (_configure_run, _run_run, "run every unfinished point of a sweep, then write the report"),
     "report": (_configure_report, _run_report, "rebuild runs.csv, summary.md and plots from the records"),
+    "upcycling": (study_upcycling.configure, study_upcycling.run, study_upcycling.HELP),
 }
 
 

@@ -62,9 +62,9 @@ def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
 
 
 def checkpoint_name(checkpoint: Union[str, Path]) -> str:
-    """A results folder name for a checkpoint: the export dir's name, or ``<run dir>-<ckpt stem>``."""
-    checkpoint = Path(checkpoint)
-    return checkpoint.name if checkpoint.is_dir() else f"{checkpoint.parent.name}-{checkpoint.stem}"
+    """A results folder name for a checkpoint: ``<parent dir>-<file stem or export dir>``."""
+    checkpoint = Path(checkpoint).resolve()
+    return f"{checkpoint.parent.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
 
 
 def stored_tokenizer(checkpoint: Union[str, Path]) -> Path:
@@ -156,6 +156,8 @@ class MoeLitLM(TemplateLM):
         """
         pieces, owners = [], []
         for owner, (_, context, continuation) in enumerate(requests):
+            if not context:
+                raise MoeLitError("loglikelihood: empty context tokens (TemplateLM prefixes end-of-text)")
             for start in range(0, len(continuation), self.max_length):
                 pieces.append((context + continuation[:start], continuation[start : start + self.max_length]))
                 owners.append(owner)
@@ -309,11 +311,20 @@ def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         samples = results.get("n-samples", {}).get(task, {}).get("effective", "")
         for key, value in metrics.items():
             metric, _, filter_name = key.partition(",")
-            if metric == "alias" or "_stderr" in metric or not isinstance(value, (int, float)):
+            if metric in ("alias", "sample_len") or "_stderr" in metric or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filter_name}", "")
             rows.append({"task": task, "metric": metric, "value": value, "stderr": stderr, "n": samples})
     return rows
 
 
-__all__ = ["EOT_CANDIDATES", "MoeLitLM", "checkpoint_name", "evaluate", "load_tokenizer", "result_rows", "resolve_eot_id", "stored_tokenizer"]
+__all__ = [
+    "EOT_CANDIDATES",
+    "MoeLitLM",
+    "checkpoint_name",
+    "evaluate",
+    "load_tokenizer",
+    "resolve_eot_id",
+    "result_rows",
+    "stored_tokenizer",
+]

@@ -5,7 +5,8 @@ Local suite (``moe_lit_suite``), built from the parallel test split of a prepare
 
 * ``moe_lit_ppl_<lang>``: perplexity and bits-per-byte of each test document (loglikelihood_rolling);
 * ``moe_lit_next_<lang>``: multiple choice, the true next paragraph of a document vs distractor
-  paragraphs of the same document;
+  paragraphs of the same document (next among the split's paragraphs: a split drawn per paragraph
+  keeps only some paragraphs of each document);
 * ``moe_lit_pairs_<lang>``: minimal pairs, a real sentence vs the same sentence shuffled.
 
 Only paragraph ids present in every language are used and an item is kept only when it is valid
@@ -121,11 +122,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def documents(paragraphs: list[dict[str, Any]]) -> dict[Any, list[int]]:
-    """Paragraph positions grouped by document, in order of first appearance."""
+    """Paragraph positions grouped by document (first appearance), in document order (``pos``)."""
     docs: dict[Any, list[int]] = {}
     for position, record in enumerate(paragraphs):
         docs.setdefault(record["doc"], []).append(position)
-    return docs
+    return {doc: sorted(positions, key=lambda p: paragraphs[p].get("pos", p)) for doc, positions in docs.items()}
 
 
 # ---------------------------------------------------------------------- items
@@ -141,8 +142,11 @@ def build_items(parallel: dict[str, list], cfg: SuiteConfig) -> dict[str, dict[s
 
 
 def _ppl_items(parallel: dict[str, list], docs: dict[Any, list[int]]) -> dict[str, list[dict]]:
+    def joined(paras: list[dict], positions: list[int]) -> str:
+        return "\n".join(paras[p]["text"] for p in positions)
+
     return {
-        lang: [{"id": str(doc), "text": "\n".join(paras[p]["text"] for p in positions)} for doc, positions in docs.items()]
+        lang: [{"id": str(doc), "text": joined(paras, positions)} for doc, positions in docs.items()]
         for lang, paras in parallel.items()
     }
 

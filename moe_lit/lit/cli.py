@@ -19,29 +19,18 @@ import argparse
 import re
 from typing import Any, Optional, Sequence
 
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from moe_lit.callbacks import RoutingMonitor
+from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
+from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.runner import throughput_monitor
 
-CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": -1}
-
-
-def tokens_in_batch(batch_BL1) -> int:
-    """Predicted tokens of a (B, L+1) batch: the ThroughputMonitor's ``length_fn``."""
-    return batch_BL1[:, 1:].numel()
-
-
-def samples_in_batch(batch_BL1) -> int:
-    return batch_BL1.shape[0]
-
-
-def throughput_monitor() -> ThroughputMonitor:
-    """tokens/s (``*/items_per_sec``), FLOPs/s and MFU (where Lightning knows the device's peak)."""
-    return ThroughputMonitor(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=10)
+CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": 0}
 
 
 class MoELightningCLI(LightningCLI):
@@ -60,7 +49,9 @@ class MoELightningCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as exc:
-            raise MoeLitError(f"config: {config_error_line(str(exc))}") from exc
+            raise MoeLitError(config_error_line(str(exc))) from exc
+        section = self.config[self.config["subcommand"]] if "subcommand" in self.config else self.config
+        validate_module_config(section["model"])
 
     @override
     def instantiate_classes(self) -> None:
@@ -70,7 +61,14 @@ class MoELightningCLI(LightningCLI):
         except MoeLitError:
             raise
         except (argparse.ArgumentError, ValueError, TypeError) as exc:
-            raise MoeLitError(f"config: {config_error_line(str(exc))}") from exc
+            raise MoeLitError(config_error_line(str(exc))) from exc
+
+
+def validate_module_config(model_section: Any) -> None:
+    """Build the model and optim dataclasses once, right after parsing, so that their ConfigError
+    (one line naming the field) comes before any run output; the linked vocab size is checked later."""
+    ModelConfig.from_dict(model_section["model"].as_dict())
+    OptimConfig(**model_section["optim"].as_dict())
 
 
 def _trainer_defaults() -> dict[str, Any]:
@@ -106,7 +104,7 @@ def config_error_line(message: str) -> str:
                 keys.append(unknown.group(1))
                 line = "unknown key"
         if line:
-            details.append(re.sub(r"<class '([\w.]+)'>", r"\1", line))
+            details.append(re.sub(r"<class '([\w.]+)'>", r"\1", line).replace("Expected a ", "expected "))
     detail = details[0] if details else "invalid value"
     return f"{'.'.join(keys)}: {detail}" if keys else detail
 
@@ -139,4 +137,4 @@ def run_lightning_cli(argv: Sequence[str], datamodule_class: Optional[type] = No
     return 0
 
 
-__all__ = ["MoELightningCLI", "config_error_line", "run_lightning_cli", "throughput_monitor"]
+__all__ = ["MoELightningCLI", "config_error_line", "run_lightning_cli"]

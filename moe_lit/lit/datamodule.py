@@ -1,14 +1,14 @@
 """``MoEDataModule``: litdata token streams of a prepared directory, languages mixed by weight.
 
-Tensor legend: B batch size, L ``seq_len``; a batch is ``tokens_BL1`` of shape (B, L + 1), whose
+Tensor legend: B batch size, L ``seq_len``; a batch is a LongTensor of shape (B, L + 1), whose
 ``[:, :-1]`` are the inputs and ``[:, 1:]`` the targets.
 
 Training draws each sample from one language, chosen at random with the mixing weights (litdata
-``CombinedStreamingDataset``); an epoch ends when one language runs out. Validation and test give
-one loader per language, in ``languages`` order, over the fixed (unshuffled) blocks of that split,
-so every evaluation sees the same tokens. The training loader is a litdata ``StreamingDataLoader``:
-its position is part of the datamodule state, so a run resumed from a checkpoint continues with
-the next batches instead of starting the epoch over.
+``CombinedStreamingDataset`` in a :class:`~moe_lit.data.mixture.MixtureLoader`, a litdata
+``StreamingDataLoader`` with a known number of full batches per epoch). Its position is the
+datamodule's state, so a run resumed from a checkpoint continues with the next batch instead of
+starting the epoch over. Validation and test give one loader per language, in ``languages``
+order, over the fixed (unshuffled) blocks of that split, so every evaluation sees the same tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
@@ -28,9 +29,9 @@ from moe_lit.errors import MoeLitError
 TRAIN_LOADER_KEY = "train_loader"
 
 
-def collate_tokens(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Stack token blocks of length L + 1 into a LongTensor (B, L + 1)."""
-    return torch.stack(blocks).long()
+def collate_tokens(blocks: list[np.ndarray]) -> torch.Tensor:
+    """Stack token blocks of length L + 1 (numpy int32, as stored) into a LongTensor (B, L + 1)."""
+    return torch.as_tensor(np.stack(blocks), dtype=torch.long)
 
 
 class MoEDataModule(LightningDataModule):
@@ -54,7 +55,9 @@ class MoEDataModule(LightningDataModule):
             seq_len: Tokens per training sequence; batches hold ``seq_len + 1`` tokens per row
                 (inputs ``[:, :-1]``, targets ``[:, 1:]``).
             batch_size: Sequences per batch (per device).
-            num_workers: DataLoader worker processes (0 loads in the main process).
+            num_workers: Worker processes of each validation / test loader (0: main process). The
+                training stream is always read in the main process (memory-mapped token blocks),
+                which keeps its resume exact.
             language_weights: Relative sampling weight of each language in training, e.g.
                 ``{"en": 2, "de": 1}``; languages left out get weight 0 (validated, not trained
                 on). Default: proportional to each language's training tokens.
@@ -106,18 +109,22 @@ class MoEDataModule(LightningDataModule):
         )
 
     def train_dataloader(self):
-        """Batches (B, L + 1) drawn from the languages with the ``mixture`` probabilities."""
-        litdata = import_litdata()
+        """``len()`` full batches (B, L + 1) per epoch, languages drawn with the ``mixture`` probabilities."""
+        from moe_lit.data.mixture import MixtureLoader
+
         langs = list(self.mixture)
-        combined = litdata.CombinedStreamingDataset(
+        loader = MixtureLoader(
             [self._dataset("train", lang, shuffle=True) for lang in langs],
-            seed=self.seed,
             weights=[self.mixture[lang] for lang in langs],
-            iterate_over_all=False,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            collate_fn=collate_tokens,
         )
-        loader = litdata.StreamingDataLoader(
-            combined, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=collate_tokens
-        )
+        if len(loader) == 0:
+            raise MoeLitError(
+                f"batch_size {self.batch_size} x seq_len {self.seq_len}: the training mix has no full batch; "
+                "lower them or prepare more data"
+            )
         if self._train_state is not None:
             loader.load_state_dict(self._train_state)
             self._train_state = None

@@ -128,6 +128,7 @@ def run_point(
             optim=training.optim,
             seed=point.seed,
             val_batches=training.val_batches,
+            eval_every=training.eval_every,
             trainer_overrides={**training.trainer, **(trainer_overrides or {})},
         )
         record.update(status=STATUS_OK, error=None, **_result_fields(result))

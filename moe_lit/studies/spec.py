@@ -204,22 +204,39 @@ class TrainingSpec:
     batch_size: int = 16
     """Sequences per optimizer step."""
     val_batches: int = 20
-    """Validation batches per language for the final validation loss."""
+    """Validation batches per language in each validation."""
+    evaluations: int = 1
+    """Validations per run, evenly spaced, the last at the end (1 = only the final loss; more give
+    a validation curve in each run's metrics.csv at the cost of time)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW and schedule (moe_lit.lit.optim.OptimConfig fields: lr, warmup_steps, schedule, ...)."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """Extra Lightning Trainer arguments for every run (e.g. precision, gradient_clip_val)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "seq_len", "batch_size", "val_batches"):
+        for name in ("max_tokens", "seq_len", "batch_size", "val_batches", "evaluations"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 _fail(f"training.{name}", f"must be a positive integer, got {value!r}")
-        if self.max_tokens < self.seq_len * self.batch_size:
-            _fail("training.max_tokens", f"must cover one batch (seq_len*batch_size={self.seq_len * self.batch_size})")
+        if self.steps < self.evaluations:
+            _fail(
+                "training.max_tokens",
+                f"must cover at least evaluations={self.evaluations} batches of seq_len*batch_size="
+                f"{self.seq_len * self.batch_size} tokens, got {self.max_tokens}",
+            )
         self.optim = _build(OptimConfig, self.optim, "training.optim")
         if not isinstance(self.trainer, dict):
             _fail("training.trainer", f"must be a mapping of Trainer arguments, got {self.trainer!r}")
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of each run."""
+        return self.max_tokens // (self.seq_len * self.batch_size)
+
+    @property
+    def eval_every(self) -> int:
+        """Optimizer steps between validations."""
+        return max(1, self.steps // self.evaluations)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -19,7 +19,8 @@ from tests.evaluation.conftest import LANGUAGES, PARAGRAPHS
 
 
 def test_js_divergence_matches_scipy_and_its_bounds():
-    p, q = torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), torch.tensor([0.1, 0.1, 0.4, 0.4], dtype=torch.float64)
+    p = torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.1, 0.4, 0.4], dtype=torch.float64)
     assert float(js_divergence(p, q)) == pytest.approx(jensenshannon(p, q, base=2) ** 2, rel=1e-9)
     assert float(js_divergence(p, p)) == 0.0
     assert float(js_divergence(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))) == pytest.approx(1.0)

@@ -15,7 +15,12 @@ def seeded_model(**fields):
 
 @pytest.mark.parametrize(
     "fields",
-    [{}, {"capacity_factor": 0.5}, {"balancing": "bias", "score_func": "sigmoid"}, {"first_dense_layers": 1, "n_layers": 3}],
+    [
+        {},
+        {"capacity_factor": 0.5},
+        {"balancing": "bias", "score_func": "sigmoid"},
+        {"first_dense_layers": 1, "n_layers": 3},
+    ],
 )
 def test_trace_counts_equal_the_routers_own_buffers(fields):
     model = seeded_model(**fields).train()

@@ -32,7 +32,7 @@ def fake_loss(model_cfg, seed: int) -> float:
 
 
 def fake_train(*, model_cfg, data_dir, out_dir, max_tokens, seq_len, batch_size, optim, seed, val_batches,
-               extra_callbacks=(), trainer_overrides=None):
+               extra_callbacks=(), trainer_overrides=None, eval_every=None):
     """A successful run: a RunResult-like dict."""
     _log_call(out_dir, model_cfg)
     loss = fake_loss(model_cfg, seed)

@@ -1,19 +1,58 @@
-"""Expert backends. ``build_experts`` is the one place that chooses the implementation."""
+"""Expert backends. ``build_experts`` is the one place that chooses the implementation.
+
+Every backend holds the same parameters under the same names (``mlp.w1|v1|w2`` of shape (S, D),
+``bias``), so the choice never changes a checkpoint:
+
+* ``torch``: :class:`TorchExperts`, CPU and GPU, any expert sizes, dropless or capacity-limited; for
+  equal experts on a torch with grouped GEMM it is :class:`GroupedMMExperts`, which runs
+  ``torch._grouped_mm`` on CUDA and the plain loop elsewhere.
+* ``megablocks``: :class:`~moe_lit.model.experts.megablocks_backend.MegaBlocksExperts` (CUDA,
+  equal experts, dropless), imported lazily.
+* ``auto``: MegaBlocks when CUDA and megablocks are present and the layer is supported, else torch;
+  on a CUDA machine a fallback warns once with the reason.
+"""
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional
+
+import torch
 from torch import nn
 
 from moe_lit.config import ConfigError, MoEConfig
+from moe_lit.model.experts.grouped_mm import GroupedMMExperts, grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts, unavailable_reason, unsupported_reason
 from moe_lit.model.experts.torch_backend import TorchExperts
+
+
+def resolve_backend(cfg: MoEConfig) -> str:
+    """``'torch'`` or ``'megablocks'`` for this config on this machine (see the module docstring)."""
+    if cfg.backend == "torch":
+        return "torch"
+    reason: Optional[str] = unsupported_reason(cfg) or unavailable_reason()
+    if cfg.backend == "megablocks":
+        if reason is not None:
+            raise ConfigError(f"moe.backend: 'megablocks' cannot run here: {reason}; use backend: auto or torch")
+        return "megablocks"
+    if reason is None:
+        return "megablocks"
+    if torch.cuda.is_available():
+        # NOTE: on a CPU machine the torch backend is simply the backend; on a GPU machine the
+        # fallback costs speed, so say why (warnings show one identical message once).
+        warnings.warn(f"moe.backend=auto: using the torch backend: {reason}", stacklevel=3)
+    return "torch"
 
 
 def build_experts(d_model: int, cfg: MoEConfig) -> nn.Module:
     """Routed experts for one MoE layer, in the shared ``mlp.w1/v1/w2`` + ``bias`` layout."""
-    if cfg.backend == "megablocks":
-        raise ConfigError("moe.backend: 'megablocks' is not available in this build; allowed values: auto, torch")
-    return TorchExperts(d_model, ExpertLayout.of(cfg.expert_sizes))
+    if resolve_backend(cfg) == "megablocks":
+        return MegaBlocksExperts(d_model, cfg)
+    layout = ExpertLayout.of(cfg.expert_sizes)
+    if layout.uniform and grouped_mm_op() is not None:
+        return GroupedMMExperts(d_model, layout)
+    return TorchExperts(d_model, layout)
 
 
-__all__ = ["ExpertLayout", "TorchExperts", "build_experts"]
+__all__ = ["ExpertLayout", "GroupedMMExperts", "TorchExperts", "build_experts", "resolve_backend"]

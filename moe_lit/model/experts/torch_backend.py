@@ -3,64 +3,75 @@
 Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size,
 S sum of hidden sizes, N = T*K routed assignments (see ``layout.py``).
 
-The forward groups the N (token, expert) assignments by expert with one stable sort, runs each
-expert's SwiGLU on its contiguous slice of tokens, and scatters the weighted results back with an
-``index_add``. Dropless mode never drops an assignment. Capacity mode keeps, for each expert, the
-first ``capacity`` assignments in token order (a stable sort keeps that order deterministic) and
-drops the rest: a dropped assignment contributes nothing, the residual stream carries the token.
+The forward groups the N (token, expert) assignments by expert with one stable sort and hands the
+grouped computation (gather, per-expert SwiGLU, weighted combine and the bias) to one autograd
+Function with a hand-written backward (``grouped_swiglu.py``). Dropless mode never drops an
+assignment. Capacity mode keeps, for each expert, the first ``capacity`` assignments in token order
+(the stable sort keeps that order deterministic) and drops the rest: a dropped assignment
+contributes nothing, the residual stream carries the token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moe_lit.model.experts.grouped_swiglu import Slots, build_slots, grouped_swiglu
 from moe_lit.model.experts.layout import ExpertLayout
 
+Strategy = Literal["auto", "batched", "looped"]
+STRATEGIES = ("auto", "batched", "looped")
 
 @dataclass
 class Dispatch:
-    """Where each kept assignment goes: sorted by expert, then by token order."""
+    """Where each kept assignment goes, and the routing counts the MoE layer reports."""
 
-    order_N: torch.Tensor
-    """Indices into the flattened ``(T*K)`` assignments, grouped by expert."""
-    token_N: torch.Tensor
-    """Token index of each kept assignment."""
+    slots: Slots
+    """Slot geometry and index maps consumed by the grouped SwiGLU."""
     kept_counts: list[int]
-    """Kept assignments per expert (python ints: they size the per-expert slices)."""
+    """Kept assignments per expert (python ints: they size the per-expert slot blocks)."""
     routed_counts_E: torch.Tensor
     """Assignments per expert before dropping."""
     dropped: torch.Tensor
     """Number of dropped assignments (0-dim)."""
 
 
-def plan_dispatch(indices_TK: torch.Tensor, num_experts: int, capacity: Optional[int]) -> Dispatch:
+def use_batched(strategy: Strategy, layout: ExpertLayout) -> bool:
+    """Whether to run the chunked ``bmm`` path.
+
+    NOTE: ``auto`` takes it whenever the expert sizes are equal. On one thread a loop of per-expert
+    ``mm`` and one ``bmm`` cost the same, but each ``mm`` is its own parallel region: on two shared
+    cores the loop was measured 3-10x slower than the ``bmm`` (see README, Performance).
+    """
+    if strategy == "auto":
+        return layout.uniform
+    return strategy == "batched"
+
+
+def plan_dispatch(
+    indices_TK: torch.Tensor, layout: ExpertLayout, capacity: Optional[int], strategy: Strategy = "auto"
+) -> Dispatch:
     """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
-    top_k = indices_TK.shape[-1]
     experts_N = indices_TK.reshape(-1)
     order_N = torch.argsort(experts_N, stable=True)
-    routed_counts_E = torch.bincount(experts_N, minlength=num_experts)
-    dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
+    routed_counts_E = torch.bincount(experts_N, minlength=layout.num_experts)
+    starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
+    rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E.index_select(
+        0, experts_N.index_select(0, order_N)
+    )
     if capacity is not None:
-        starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
-        sorted_experts_N = experts_N[order_N]
-        rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E[sorted_experts_N]
-        keep_N = rank_N < capacity
-        dropped = (~keep_N).sum()
-        order_N = order_N[keep_N]
         kept_counts_E = routed_counts_E.clamp(max=capacity)
+        dropped = routed_counts_E.sum() - kept_counts_E.sum()
     else:
         kept_counts_E = routed_counts_E
-    return Dispatch(order_N, order_N // top_k, kept_counts_E.tolist(), routed_counts_E, dropped)
-
-
-def swiglu(x_TD: torch.Tensor, w1_FD: torch.Tensor, v1_FD: torch.Tensor, w2_FD: torch.Tensor) -> torch.Tensor:
-    """One expert in MegaBlocks GLU form: ``(silu(x w1^T) * (x v1^T)) w2``."""
-    return (F.silu(x_TD @ w1_FD.t()) * (x_TD @ v1_FD.t())) @ w2_FD
+        dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
+    kept_counts = kept_counts_E.tolist()
+    batched = use_batched(strategy, layout)
+    slots = build_slots(indices_TK, order_N, rank_N, kept_counts, batched, capacity)
+    return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
 
 class ExpertWeights(nn.Module):
@@ -75,12 +86,22 @@ class ExpertWeights(nn.Module):
 
 
 class TorchExperts(nn.Module):
-    """Dropless (or capacity-limited) routed experts; ``mlp`` + ``bias`` as in MegaBlocks dMoE."""
+    """Dropless (or capacity-limited) routed experts; ``mlp`` + ``bias`` as in MegaBlocks dMoE.
 
-    def __init__(self, d_model: int, layout: ExpertLayout) -> None:
+    ``strategy`` picks the grouped matmuls: ``auto`` (batched for equal expert sizes, else looped),
+    ``batched`` (chunked bmm; equal sizes only) or ``looped``. All give the same results up to
+    float rounding.
+    """
+
+    def __init__(self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto") -> None:
         super().__init__()
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy: got {strategy!r}, allowed values: {', '.join(STRATEGIES)}")
+        if strategy == "batched" and not layout.uniform:
+            raise ValueError("strategy: 'batched' needs equal expert sizes; use 'auto' or 'looped'")
         self.mlp = ExpertWeights(d_model, layout)
         self.bias = nn.Parameter(torch.zeros(d_model))
+        self.strategy: Strategy = strategy
 
     @property
     def layout(self) -> ExpertLayout:
@@ -89,17 +110,12 @@ class TorchExperts(nn.Module):
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
     ) -> tuple[torch.Tensor, Dispatch]:
-        layout = self.layout
-        plan = plan_dispatch(indices_TK, layout.num_experts, capacity)
-        x_ND = x_TD.index_select(0, plan.token_N)
-        outputs = []
-        chunks = torch.split(x_ND, plan.kept_counts, dim=0)
-        weights = zip(layout.split(self.mlp.w1), layout.split(self.mlp.v1), layout.split(self.mlp.w2))
-        for chunk_ND, (w1_FD, v1_FD, w2_FD) in zip(chunks, weights):
-            if chunk_ND.shape[0]:
-                outputs.append(swiglu(chunk_ND, w1_FD, v1_FD, w2_FD))
-        y_TD = torch.zeros_like(x_TD)
-        if outputs:
-            gate_N = weights_TK.reshape(-1).index_select(0, plan.order_N).unsqueeze(-1)
-            y_TD = y_TD.index_add(0, plan.token_N, torch.cat(outputs) * gate_N)
-        return y_TD + self.bias, plan
+        plan = plan_dispatch(indices_TK, self.layout, capacity, self.strategy)
+        tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
+        device_type = x_TD.device.type
+        # NOTE: the Function's buffers are written with out=, which autocast cannot see: cast the
+        # inputs to the autocast dtype here (as torch.amp.custom_fwd would) and run it without autocast.
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
+        with torch.autocast(device_type, enabled=False):
+            y_TD = grouped_swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
+        return y_TD, plan

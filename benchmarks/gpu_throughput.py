@@ -1,0 +1,161 @@
+"""Training throughput on one GPU: MegaBlocks vs torch._grouped_mm vs the torch backend's own matmuls.
+
+    python -m benchmarks.gpu_throughput [--out FILE] [--steps 10] [--warmup 3] [--models moe-180m,moe-720m]
+
+For each model (~180M and ~720M total parameters, bf16 autocast over fp32 master weights, fused
+AdamW) and each expert backend, times full training steps (forward, backward, optimizer) with CUDA
+events and reports tokens/s, step time, peak memory and MFU = training FLOPs/token * tokens/s over
+the bf16 peak (the datasheet's dense 989 TFLOP/s and, beside it, a measured 8192^3 bf16 matmul).
+Backends: ``megablocks`` (MegaBlocksExperts), ``grouped_mm`` (GroupedMMExperts on CUDA) and
+``torch`` (the same module with its grouped path switched off: TorchExperts' matmuls). Prints one
+JSON object and writes it to ``--out`` (default ``benchmarks/results/gpu-<date>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from moe_lit.accounting import count_config_params, training_flops_per_token
+from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.io import atomic_write_json
+from moe_lit.model import Transformer
+from moe_lit.model.experts import GroupedMMExperts
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DATASHEET_BF16_FLOPS = 989e12
+"""Dense bf16 peak of an H100/H200 SXM (vendor datasheet)."""
+BACKENDS = ("megablocks", "grouped_mm", "torch")
+
+MODELS: dict[str, tuple[ModelConfig, int]] = {
+    # name: (config, batch size in sequences)
+    "moe-180m": (
+        ModelConfig(vocab_size=32768, d_model=768, n_layers=8, n_heads=12, seq_len=1024, d_ff=2048,
+                    moe=MoEConfig(num_experts=8, expert_size=768, top_k=2)),
+        16,
+    ),
+    "moe-720m": (
+        ModelConfig(vocab_size=32768, d_model=1024, n_layers=12, n_heads=16, seq_len=1024, d_ff=2816,
+                    moe=MoEConfig(num_experts=16, expert_size=1024, top_k=2)),
+        8,
+    ),
+}
+
+
+def build(cfg: ModelConfig, backend: str) -> Transformer:
+    """The model on CUDA with the requested expert backend (raises when it cannot run here)."""
+    model = Transformer(cfg.replace(moe={"backend": "megablocks" if backend == "megablocks" else "torch"}))
+    for layer in model.moe_layers():
+        if backend != "megablocks" and not isinstance(layer.experts, GroupedMMExperts):
+            raise RuntimeError(f"expected GroupedMMExperts for backend {backend}, got {type(layer.experts).__name__}")
+        if backend == "torch":
+            layer.experts.devices = ()  # grouped path off: TorchExperts' own matmuls
+    return model.cuda()
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int) -> list[float]:
+    """Seconds per call, timed with CUDA events after ``warmup`` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def train_step(model: Transformer, batch_BL1: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(batch_BL1[:, :-1])
+            loss = F.cross_entropy(out.logits_BLV.flatten(0, 1).float(), batch_BL1[:, 1:].flatten()) + out.aux_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measured_matmul_flops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    seconds = statistics.median(time_steps(lambda: a @ b, warmup=3, steps=10))
+    return 2 * 8192**3 / seconds
+
+
+def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> dict[str, Any]:
+    cfg, batch = MODELS[name]
+    counts = count_config_params(cfg)
+    row: dict[str, Any] = {"model": name, "backend": backend, "params_total": counts.total,
+                           "params_active": counts.active, "batch": batch, "seq_len": cfg.seq_len}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        model = build(cfg, backend)
+    except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is a result, not a crash
+        return {**row, "error": f"{type(exc).__name__}: {exc}"}
+    torch.manual_seed(0)
+    batch_BL1 = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device="cuda")
+    seconds = statistics.median(time_steps(train_step(model, batch_BL1), warmup, steps))
+    tokens_per_s = batch * cfg.seq_len / seconds
+    flops_per_s = training_flops_per_token(cfg) * tokens_per_s
+    del model
+    return {**row, "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens_per_s),
+            "mfu": round(flops_per_s / DATASHEET_BF16_FLOPS, 4), "mfu_vs_measured_matmul": round(flops_per_s / peak, 4),
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model: tokens/s of each backend over the torch backend's, and the fastest backend."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        speeds = {r["backend"]: r["tokens_per_s"] for r in rows if r["model"] == name and "tokens_per_s" in r}
+        summary: dict[str, Any] = {f"{b}_vs_torch": round(s / speeds["torch"], 3) for b, s in speeds.items()
+                                   if "torch" in speeds and b != "torch"}
+        summary["fastest"] = max(speeds, key=speeds.get) if speeds else None
+        out[name] = summary
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    stamp = _dt.date.today().isoformat()
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / f"gpu-{stamp}.json")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_throughput needs a CUDA device")
+    peak = measured_matmul_flops()
+    rows = [run_case(name, backend, args.warmup, args.steps, peak)
+            for name in args.models.split(",") for backend in args.backends.split(",")]
+    result = {
+        "benchmark": "gpu_throughput",
+        "environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                        "date": _dt.datetime.now().isoformat(timespec="seconds")},
+        "measured_bf16_matmul_tflops": round(peak / 1e12, 1),
+        "results": rows,
+        "summary": summarize(rows),
+    }
+    print(json.dumps(result, indent=2))
+    atomic_write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""MoE layer forward+backward tokens/s next to a dense SwiGLU FFN of equal active parameters.
+
+    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--strategy auto]
+
+For each shape (E, k, F) at d_model 256 and 2048 tokens, one process times, INTERLEAVED: the MoE
+layer (router + experts + losses), the dense SwiGLU with d_ff = k*F, and a plain fp32 matmul
+``(T, D) @ (D, k*F)`` (one of the three matmuls of that dense FFN). FLOP/s count useful work only
+(padding and routing excluded): 18*N*D*F for the experts' fwd+bwd plus 6*T*D*E for the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+
+from benchmarks.common import interleaved_times, median, paired_ratio, report, set_threads
+from moe_lit.config import MoEConfig
+from moe_lit.model.experts.torch_backend import STRATEGIES
+from moe_lit.model.mlp import SwiGLU
+from moe_lit.model.moe import MoELayer
+
+D_MODEL, TOKENS = 256, 2048
+SHAPES = ((16, 2, 256), (64, 8, 64))
+
+
+def _random_init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return module
+
+
+def moe_step(layer: MoELayer, x_BLD: torch.Tensor, dy_BLD: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        y_BLD, losses = layer(x_BLD)
+        torch.autograd.backward([y_BLD, *losses.values()], [dy_BLD, *(torch.ones(()) for _ in losses)])
+
+    return step
+
+
+def dense_step(ffn: SwiGLU, x_BLD: torch.Tensor, dy_BLD: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        ffn.zero_grad(set_to_none=True)
+        ffn(x_BLD).backward(dy_BLD)
+
+    return step
+
+
+def matmul_step(d_ff: int) -> Callable[[], None]:
+    a_TD, b_DF = torch.randn(TOKENS, D_MODEL), torch.randn(D_MODEL, d_ff)
+    return lambda: torch.mm(a_TD, b_DF)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    results = {}
+    for num_experts, top_k, size in SHAPES:
+        tag = f"E{num_experts}k{top_k}F{size}"
+        d_ff = top_k * size
+        layer = _random_init(MoELayer(D_MODEL, MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k), 1), 0)
+        layer.experts.strategy = args.strategy
+        dense = _random_init(SwiGLU(D_MODEL, d_ff), 0)
+        gen = torch.Generator().manual_seed(1)
+        x_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen).requires_grad_(True)
+        dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
+        times = interleaved_times(
+            {"moe": moe_step(layer, x_BLD, dy_BLD), "dense": dense_step(dense, x_BLD, dy_BLD), "matmul": matmul_step(d_ff)},
+            rounds=args.rounds,
+            warmup=args.warmup,
+        )
+        moe_flops = 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts
+        dense_flops = 18 * TOKENS * D_MODEL * d_ff
+        matmul_flops = 2 * TOKENS * D_MODEL * d_ff
+        flops_per_s = {
+            "moe": moe_flops / median(times["moe"]),
+            "dense": dense_flops / median(times["dense"]),
+            "matmul": matmul_flops / median(times["matmul"]),
+        }
+        results[tag] = {
+            "moe_tokens_per_s": TOKENS / median(times["moe"]),
+            "dense_tokens_per_s": TOKENS / median(times["dense"]),
+            "moe_over_dense_time": paired_ratio(times, "moe", "dense"),
+            "moe_median_ms": 1e3 * median(times["moe"]),
+            "dense_median_ms": 1e3 * median(times["dense"]),
+            "gflop_per_s": {name: value / 1e9 for name, value in flops_per_s.items()},
+            "moe_flops_fraction_of_matmul": flops_per_s["moe"] / flops_per_s["matmul"],
+            "dense_flops_fraction_of_matmul": flops_per_s["dense"] / flops_per_s["matmul"],
+            "batched_path": layer.experts.strategy == "batched" or (
+                args.strategy == "auto" and bool(_last_batched(layer, x_BLD))
+            ),
+        }
+    report(
+        "moe_layer",
+        {"setup": {"d_model": D_MODEL, "tokens": TOKENS, "strategy": args.strategy, "rounds": args.rounds},
+         "shapes": results},
+        save=not args.no_save,
+    )
+
+
+def _last_batched(layer: MoELayer, x_BLD: torch.Tensor) -> bool:
+    """Whether the routing of ``x_BLD`` took the padded bmm path."""
+    from moe_lit.model.experts.torch_backend import plan_dispatch
+
+    with torch.no_grad():
+        routing = layer.router(x_BLD.reshape(-1, D_MODEL))
+        return plan_dispatch(routing.indices_TK, layer.experts.layout, None, layer.experts.strategy).slots.batched
+
+
+if __name__ == "__main__":
+    main()

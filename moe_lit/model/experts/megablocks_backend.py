@@ -1,0 +1,187 @@
+"""MegaBlocks dMoE experts (CUDA): MegaBlocks' kernels running on the layer's own weights.
+
+Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size, N = T*K routed
+assignments (see ``layout.py``).
+
+What comes from MegaBlocks (megablocks 0.10.0, installed with the ``gpu`` extra, see the README):
+``Arguments`` built from our :class:`~moe_lit.config.MoEConfig`, the dMoE expert MLP that
+``dmlp_registry`` builds for ``mlp_type='glu', mlp_impl='grouped'`` (``GroupedGLU``: grouped GEMMs
+through ``grouped_gemm``), and the routing ops of ``ParallelDroplessMLP.grouped_forward_once``
+(radix sort, histogram, cumsum, gather and weighted scatter kernels). ``GroupedGLU``'s ``w1``,
+``v1``, ``w2`` of shape ``(E*F, D)`` are the only copy of the expert weights, registered under
+``mlp`` beside our ``bias``: the state-dict keys (``experts.mlp.w1|v1|w2``, ``experts.bias``) are
+the torch backend's, so a checkpoint moves between backends bit for bit.
+
+What stays ours: the router and the auxiliary losses (``moe_lit.model.router``). Our router is
+MegaBlocks' ``LearnedRouter`` (bias-free ``layer``, softmax, top-k, p=1 renormalisation) with fp32
+scores, sigmoid scores and bias balancing on top, and feeds these experts its weights and indices.
+NOTE: MegaBlocks' ``ParallelMLP.forward`` and ``LearnedRouter.forward`` append their loss inputs to
+module-global lists (the router's z-loss logits even in eval) that the caller must clear every
+step. This adapter never calls either, so those lists stay empty; the losses come from our router,
+with MegaBlocks' formulas (tests compare them with a real dMoE's batched losses).
+
+grouped_gemm has bf16 kernels only, so on CUDA the expert matmuls run in bf16 whatever the
+parameter dtype (fp32 master weights are cast inside the autograd graph); the output comes back in
+the input's dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from moe_lit.config import MoEConfig
+from moe_lit.errors import MoeLitError
+from moe_lit.model.experts.layout import ExpertLayout
+
+INSTALL_HINT = "install the gpu extra as the README's 'GPUs, MegaBlocks and multi-node' section says"
+
+
+def import_megablocks() -> Any:
+    """The ``megablocks`` package with the modules the adapter uses, or a helpful MoeLitError."""
+    try:
+        megablocks = importlib.import_module("megablocks")
+        for name in ("megablocks.ops", "megablocks.layers.dmlp_registry", "megablocks.grouped_gemm_util"):
+            importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA build raises anything from ImportError to OSError
+        raise MoeLitError(
+            f"moe.backend: megablocks does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+        ) from exc
+    if not megablocks.grouped_gemm_util.grouped_gemm_is_available():
+        raise MoeLitError(f"moe.backend: megablocks imports but grouped_gemm does not; {INSTALL_HINT}")
+    return megablocks
+
+
+def unsupported_reason(cfg: MoEConfig) -> Optional[str]:
+    """Why MegaBlocks cannot run a layer of this config (None when it can)."""
+    if not cfg.uniform:
+        return "heterogeneous expert sizes (MegaBlocks' grouped GEMM needs equal experts)"
+    if cfg.capacity_factor is not None:
+        return "capacity_factor is set (MegaBlocks' dMoE is dropless; its capacity MoE has no GLU experts)"
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why MegaBlocks cannot run on this machine (None when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (MegaBlocks' kernels are CUDA only)"
+    try:
+        import_megablocks()
+    except MoeLitError as exc:
+        return str(exc).removeprefix("moe.backend: ")
+    return None
+
+
+@dataclass
+class RoutingCounts:
+    """What the MoE layer reads from an experts backend's plan: the routing counts it records."""
+
+    routed_counts_E: torch.Tensor
+    """Assignments per expert (MegaBlocks' histogram)."""
+    dropped: torch.Tensor
+    """Dropped assignments (0-dim): always 0, the dMoE is dropless."""
+
+
+def _keep_init(tensor: torch.Tensor) -> None:
+    """MegaBlocks' init hook, left empty: the Transformer initialises every parameter itself."""
+
+
+def megablocks_arguments(
+    d_model: int,
+    cfg: MoEConfig,
+    num_moe_layers: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: Optional[torch.device] = None,
+) -> Any:
+    """MegaBlocks ``Arguments`` describing one dMoE layer of this config (uniform experts)."""
+    reason = unsupported_reason(cfg)
+    if reason is not None:
+        raise MoeLitError(f"moe.backend: MegaBlocks cannot run this layer: {reason}")
+    megablocks = import_megablocks()
+    return megablocks.Arguments(
+        hidden_size=d_model,
+        ffn_hidden_size=cfg.expert_sizes[0],
+        num_layers=num_moe_layers,
+        bias=True,
+        # NOTE: the bias is added to the output (ours does it too), not returned beside it.
+        return_bias=False,
+        activation_fn=F.silu,
+        moe_num_experts=cfg.num_experts,
+        moe_top_k=cfg.top_k,
+        moe_normalize_expert_weights=1 if cfg.renormalize else None,
+        moe_loss_weight=cfg.aux_loss_coef if cfg.balancing == "aux_loss" else 0.0,
+        moe_zloss_weight=cfg.z_loss_coef,
+        mlp_type="glu",
+        mlp_impl="grouped",
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+        # NOTE: MegaBlocks defaults to torch.cuda.current_device(); the default device honours
+        # `with torch.device("meta")` and Lightning's init_module, so sharded inits stay lazy.
+        device=device if device is not None else torch.get_default_device(),
+        init_method=_keep_init,
+        output_layer_init_method=_keep_init,
+    )
+
+
+def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
+    # NOTE: grouped_gemm's CUDA kernels take bf16 only; elsewhere (CPU tests with stand-in ops)
+    # the matmuls keep the input dtype.
+    return torch.bfloat16 if x_TD.is_cuda else x_TD.dtype
+
+
+class MegaBlocksExperts(nn.Module):
+    """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``."""
+
+    def __init__(self, d_model: int, cfg: MoEConfig, num_moe_layers: int = 1, device: Optional[torch.device] = None):
+        super().__init__()
+        args = megablocks_arguments(d_model, cfg, num_moe_layers, device=device)
+        megablocks = import_megablocks()
+        self.layout = ExpertLayout.of(cfg.expert_sizes)
+        self.top_k = cfg.top_k
+        # NOTE: radix-sort key width, as MegaBlocks' ParallelMLP computes it.
+        self.sort_end_bit = max(math.ceil(math.log2(cfg.num_experts)), 1)
+        self.mlp = megablocks.layers.dmlp_registry.get(args)
+        self.bias = nn.Parameter(torch.zeros(d_model, device=args.device))
+
+    @property
+    def num_experts(self) -> int:
+        return self.layout.num_experts
+
+    def forward(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
+    ) -> tuple[torch.Tensor, RoutingCounts]:
+        if capacity is not None:
+            raise MoeLitError("moe.capacity_factor: the MegaBlocks backend is dropless; use moe.backend: torch")
+        # NOTE: looked up per call, not stored: a module attribute would make the layer un-copyable.
+        ops = importlib.import_module("megablocks.ops")
+        with torch.no_grad():
+            experts_N = indices_TK.reshape(-1).int()
+            sorted_experts_N, order_N = ops.sort(experts_N, self.sort_end_bit)
+            counts_E = ops.histogram(experts_N, self.num_experts)
+            bins_E = ops.inclusive_cumsum(counts_E, 0).view(-1)
+        compute = _compute_dtype(x_TD)
+        x_ND = ops.gather(x_TD.to(compute), order_N, sorted_experts_N, bins_E, self.top_k)
+        # NOTE: functional_call runs MegaBlocks' GroupedGLU on compute-dtype views of our
+        # parameters: gradients flow back to the (possibly fp32) parameters through the cast.
+        params = {name: p.to(compute) for name, p in self.mlp.named_parameters()}
+        h_ND = functional_call(self.mlp, params, (x_ND, counts_E))
+        y_TD = ops.scatter(h_ND, order_N, sorted_experts_N, weights_TK.reshape(-1).to(compute), bins_E, self.top_k)
+        counts = RoutingCounts(counts_E.long(), torch.zeros((), dtype=torch.long, device=x_TD.device))
+        return y_TD.to(x_TD.dtype) + self.bias, counts
+
+
+__all__ = [
+    "MegaBlocksExperts",
+    "RoutingCounts",
+    "import_megablocks",
+    "megablocks_arguments",
+    "unavailable_reason",
+    "unsupported_reason",
+]

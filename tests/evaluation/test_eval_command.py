@@ -1,0 +1,27 @@
+import json
+
+from moe_lit.cli import main
+from tests.evaluation.conftest import LANGUAGES
+
+
+def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepared_dir, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = "moe_lit_pairs,moe_lit_ppl_en"
+    args = ["eval", "--checkpoint", str(exported), "--tasks", tasks, "--data", str(prepared_dir)]
+    assert main([*args, "--limit", "3", "--bootstrap-iters", "0", "--out-dir", str(tmp_path), "--name", "t"]) == 0
+    results = json.loads((tmp_path / "t" / "results.json").read_text())
+    assert set(results["results"]) == {"moe_lit_ppl_en", *(f"moe_lit_pairs_{lang}" for lang in LANGUAGES)}
+    assert all(n["effective"] == 3 for task, n in results["n-samples"].items() if "pairs" in task)
+    markdown = (tmp_path / "t" / "results.md").read_text()
+    assert "| language | bits/byte | byte ppl | next-paragraph acc | minimal-pairs acc |" in markdown
+    assert "moe-lit eval --checkpoint" in markdown and "| moe_lit_pairs_de | acc |" in markdown
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # atomic: no leftovers
+
+
+def test_eval_errors_are_one_line_exit_2(tmp_path, exported, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing.ckpt")]) == 2
+    assert main(["eval", "--checkpoint", str(exported), "--tasks", "no_such_task_xyz", "--out-dir", str(tmp_path)]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2
+    assert "no such file" in errors[0] and "unknown task 'no_such_task_xyz'" in errors[1]
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -1,0 +1,140 @@
+"""The torch backend's fast paths (padded bmm "batched", packed "looped") agree with each other and
+with autograd's own derivatives, in dropless and capacity mode, uniform and heterogeneous."""
+
+import pytest
+import torch
+
+from moe_lit.model.experts.grouped_swiglu import CHUNK_OVERHEAD_ROWS, choose_chunking, grouped_swiglu
+from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch, use_batched
+
+D = 8
+
+
+def _experts(sizes, strategy, seed=0, dtype=torch.float32) -> TorchExperts:
+    experts = TorchExperts(D, ExpertLayout.of(sizes), strategy=strategy).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.3)
+    return experts
+
+
+def _routing(num_tokens, num_experts, top_k, seed=1, skew=None):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skew is not None:
+        logits[:, skew] += 4.0
+    weights, indices = logits.softmax(-1).topk(top_k, dim=-1)
+    return weights, indices
+
+
+def _run(experts, x, weights, indices, capacity):
+    x = x.clone().requires_grad_(True)
+    weights = weights.clone().requires_grad_(True)
+    y, plan = experts(x, weights, indices, capacity)
+    loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
+    names, params = zip(*experts.named_parameters())
+    grads = torch.autograd.grad(loss, [x, weights, *params])
+    return y.detach(), dict(zip(("x", "weights", *names), grads)), plan
+
+
+@pytest.mark.parametrize("capacity", [None, 30])
+@pytest.mark.parametrize("skew", [None, 2], ids=["balanced", "skewed"])
+def test_batched_and_looped_paths_agree(capacity, skew):
+    weights, indices = _routing(96, 4, 2, skew=skew)
+    x = torch.randn(96, D, generator=torch.Generator().manual_seed(3))
+    batched, looped = _experts([6] * 4, "batched"), _experts([6] * 4, "looped")
+    y_b, grads_b, plan_b = _run(batched, x, weights, indices, capacity)
+    y_l, grads_l, plan_l = _run(looped, x, weights, indices, capacity)
+    assert plan_b.slots.batched and not plan_l.slots.batched
+    if capacity is None:  # the skewed routing splits the busy expert into several chunks
+        assert (plan_b.slots.chunk_expert is not None) == (skew is not None)
+    assert plan_b.kept_counts == plan_l.kept_counts
+    assert int(plan_b.dropped) == int(plan_l.dropped) == sum(plan_b.routed_counts_E.tolist()) - sum(
+        plan_b.kept_counts
+    )
+    assert (y_b - y_l).abs().max().item() < 1e-5
+    assert set(grads_b) == {"x", "weights", "bias", "mlp.w1", "mlp.v1", "mlp.w2"}
+    for name, g_b in grads_b.items():
+        assert (g_b - grads_l[name]).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "strategy,sizes,tokens,top_k,skew",
+    [("batched", [3] * 3, 7, 2, None), ("batched", [3] * 4, 64, 1, 2), ("looped", [3, 5, 2], 7, 2, None)],
+    ids=["batched", "batched-chunked", "looped-hetero"],
+)
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_hand_written_backward_matches_numerical_gradients(strategy, sizes, tokens, top_k, skew, capacity):
+    experts = _experts(sizes, strategy, dtype=torch.float64)
+    weights, indices = _routing(tokens, len(sizes), top_k, seed=4, skew=skew)
+    layout = experts.layout
+    plan = plan_dispatch(indices, layout, capacity, strategy)
+    assert (plan.slots.chunk_expert is not None) == (skew is not None and capacity is None)
+    gen = torch.Generator().manual_seed(5)
+    inputs = (
+        torch.randn(tokens, D, generator=gen, dtype=torch.float64).requires_grad_(True),
+        weights.double().requires_grad_(True),
+        *(p.detach().clone().requires_grad_(True) for p in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2)),
+        torch.randn(D, generator=gen, dtype=torch.float64).requires_grad_(True),
+    )
+    assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs)
+
+
+def test_auto_picks_bmm_for_uniform_layouts_and_the_loop_for_heterogeneous_ones():
+    uniform, hetero = ExpertLayout.of([4] * 4), ExpertLayout.of([4, 4, 4, 5])
+    assert use_batched("auto", uniform) and not use_batched("auto", hetero)
+    assert use_batched("batched", hetero) and not use_batched("looped", uniform)
+    _, indices = _routing(32, 4, 1, skew=0)
+    assert plan_dispatch(indices, uniform, None).slots.batched
+    assert not plan_dispatch(indices, hetero, None).slots.batched
+
+
+def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():
+    # balanced: one chunk per expert, no weight copy
+    assert choose_chunking([10, 9, 11, 10]) == (11, [1, 1, 1, 1])
+    # skewed: rows*(C + overhead) is smallest for C=25: 7 chunks * 41 = 287 < 8 * 100 (one chunk each)
+    assert CHUNK_OVERHEAD_ROWS == 16
+    assert choose_chunking([100, 10, 10, 10, 0, 0, 0, 0]) == (25, [4, 1, 1, 1, 0, 0, 0, 0])
+    assert choose_chunking([0, 0]) == (0, [1, 1])
+
+
+def test_padding_slots_and_idle_experts_contribute_exact_zeros():
+    experts = _experts([5] * 4, "batched")
+    indices = torch.tensor([[0], [0], [0], [1], [2]])  # expert 3 idle, experts 1 and 2 padded to 3 slots
+    y, grads, plan = _run(experts, torch.randn(5, D), torch.ones(5, 1), indices, None)
+    assert plan.slots.rows == (3, 3, 3, 3)
+    idle = experts.layout.rows(3)
+    for name in ("mlp.w1", "mlp.v1", "mlp.w2"):
+        assert grads[name][idle].abs().max().item() == 0.0
+        assert grads[name][: idle.start].abs().max().item() > 0.0
+
+
+def test_dropped_assignments_get_zero_gate_gradient_and_add_nothing():
+    experts = _experts([4, 4], "batched")
+    indices = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]])
+    weights = torch.full((4, 2), 0.5)
+    y, grads, plan = _run(experts, torch.randn(4, D), weights, indices, capacity=3)
+    assert int(plan.dropped) == 2  # token 3's assignments come 4th in both experts
+    assert torch.equal(y[3], experts.bias.detach())
+    assert grads["weights"][3].abs().max().item() == 0.0 and grads["x"][3].abs().max().item() == 0.0
+    assert grads["weights"][:3].abs().min().item() > 0.0
+
+
+def test_batched_strategy_rejects_heterogeneous_layouts_and_unknown_names():
+    with pytest.raises(ValueError, match="equal expert sizes"):
+        TorchExperts(D, ExpertLayout.of([2, 3]), strategy="batched")
+    with pytest.raises(ValueError, match="allowed values: auto, batched, looped"):
+        TorchExperts(D, ExpertLayout.of([2, 2]), strategy="grouped")
+
+
+def test_autocast_runs_the_experts_in_bfloat16():
+    experts = _experts([8] * 4, "auto")
+    weights, indices = _routing(16, 4, 2)
+    x = torch.randn(16, D)
+    y_fp32, _ = experts(x, weights, indices, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_bf16, _ = experts(x, weights, indices, None)
+    assert y_bf16.dtype == torch.bfloat16
+    assert (y_bf16.float() - y_fp32).abs().max().item() < 0.05
