@@ -48,17 +48,20 @@ def olmoe(shape: tuple[int, int, int]) -> nn.Module:
         vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=size, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
         num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, tie_word_embeddings=False,
-        output_router_logits=True, router_aux_loss_coef=AUX_COEF, use_cache=False,
+        output_router_logits=True, router_aux_loss_coef=AUX_COEF, use_cache=False, eos_token_id=None, pad_token_id=None,
     )
     return OlmoeForCausalLM(cfg)
 
 
-def step_fn(model: nn.Module, hf: bool) -> Callable[[], None]:
-    """One training step on a fixed random batch; the same loss for every model."""
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+
+
+def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callable[[], None]:
+    """One training step on a fixed random batch; the same loss and AdamW for every model."""
     gen = torch.Generator().manual_seed(0)
     idx_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     targets_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZERS[optimizer_kind])
     model.train()
 
     def step() -> None:

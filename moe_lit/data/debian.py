@@ -22,6 +22,8 @@ from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_text
 
 PACKAGE_PREFIX = "libreoffice-help-"
+DEFAULT_LANGUAGES = ("en", "de", "nl", "fr", "es", "it", "pt-br", "pl", "ru")
+"""Germanic, Romance and Slavic languages in Latin and Cyrillic script."""
 REFERENCE_LANGUAGE = "en"
 """The language the help is written in: a translation equal to it is an untranslated fallback."""
 ALIASES = {"en": "en-us"}

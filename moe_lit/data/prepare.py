@@ -37,8 +37,6 @@ from moe_lit.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS, encode_paragraphs, l
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json
 
-DEFAULT_LANGUAGES = ("en", "de", "nl", "fr", "es", "it", "pt-br", "pl", "ru")
-"""Germanic, Romance and Slavic languages in Latin and Cyrillic script."""
 CHUNK_TOKENS = 2**20
 """Tokens per litdata chunk (4 MiB of int32); a training block never spans two chunks."""
 PARAGRAPHS_PER_ITEM = 256
@@ -106,7 +104,9 @@ class PrepareConfig:
 def _check_languages(languages: list[str], allowed: list[str], where: str) -> None:
     unknown = [lang for lang in languages if lang not in allowed]
     if unknown:
-        raise MoeLitError(f"--languages: unknown code(s) {', '.join(unknown)} for {where}; allowed: {' '.join(allowed)}")
+        raise MoeLitError(
+            f"--languages: unknown code(s) {', '.join(unknown)} for {where}; allowed: {' '.join(allowed)}"
+        )
 
 
 def resolve_languages(cfg: PrepareConfig) -> list[str]:
@@ -123,7 +123,7 @@ def resolve_languages(cfg: PrepareConfig) -> list[str]:
         return languages
     debian.check_tools()
     debian.ensure_package_lists()
-    languages = list(cfg.languages or DEFAULT_LANGUAGES)
+    languages = list(cfg.languages or debian.DEFAULT_LANGUAGES)
     _check_languages(languages, debian.available_languages(), "--source debian (libreoffice-help-<code> packages)")
     return languages
 
@@ -227,6 +227,15 @@ def _parallel_ids(per_lang: dict[str, list[Paragraph]]) -> int:
     return len(set.intersection(*id_sets)) if id_sets else 0
 
 
+def _prepared_with(out: Path, settings: dict[str, object]) -> Optional[dict[str, object]]:
+    """The meta of ``out`` when it was prepared (in this format) with ``settings``, else None."""
+    try:
+        meta = read_meta(out)
+    except MoeLitError:  # not prepared, or by another format version: rebuild
+        return None
+    return meta if meta.get("settings") == settings else None
+
+
 def prepare(cfg: PrepareConfig) -> dict[str, object]:
     """Build (or reuse) the prepared directory ``cfg.out``; returns its ``meta.json`` content."""
     from tqdm.auto import tqdm
@@ -234,8 +243,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, object]:
     start = time.perf_counter()
     languages = resolve_languages(cfg)
     settings = cfg.settings(languages)
-    if not cfg.force and (cfg.out / META_FILE).is_file() and read_meta(cfg.out).get("settings") == settings:
-        meta = read_meta(cfg.out)
+    meta = None if cfg.force else _prepared_with(cfg.out, settings)
+    if meta is not None:
         if cfg.progress:
             print(f"data already prepared at {cfg.out} with these settings: reusing it (--force rebuilds)")
             print(summary(meta, cfg.out))

@@ -58,6 +58,14 @@ class MoELitModule(pl.LightningModule):
         # dataloaders is known; metric states are not part of the state dict.
         self.eval_metrics = nn.ModuleDict()
 
+    @override
+    def configure_model(self) -> None:
+        # NOTE: FSDP2 (moe_lit.lit.strategies.FSDP2Strategy) shards the built network here; every
+        # other strategy wraps the module itself and this is a no-op.
+        from moe_lit.lit.strategies import shard_for_strategy
+
+        shard_for_strategy(self)
+
     # ------------------------------------------------------------------ training
     def forward(self, idx_BL: torch.Tensor):
         return self.model(idx_BL)

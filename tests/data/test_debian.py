@@ -14,7 +14,9 @@ def test_debian_source_is_parallel_and_translated(tmp_path):
                                  progress=False))
     assert meta["languages"] == ["en", "de"] and meta["vocab_size"] == 512
     assert sum(meta["paragraphs"][split]["de"] for split in meta["paragraphs"]) == 300
-    rows = {lang: [json.loads(line) for line in text_file(tmp_path / "out", "train", lang).open()] for lang in ("en", "de")}
+    rows = {
+        lang: [json.loads(line) for line in text_file(tmp_path / "out", "train", lang).open()] for lang in ("en", "de")
+    }
     english = {row["id"]: row["text"] for row in rows["en"]}
     assert {row["id"] for row in rows["de"]} == set(english)  # capped to shared ids
     assert all(row["text"] != english[row["id"]] for row in rows["de"])  # fallbacks were dropped

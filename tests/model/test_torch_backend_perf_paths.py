@@ -79,7 +79,7 @@ def test_hand_written_backward_matches_numerical_gradients(strategy, sizes, toke
         *(p.detach().clone().requires_grad_(True) for p in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2)),
         torch.randn(D, generator=gen, dtype=torch.float64).requires_grad_(True),
     )
-    assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs)
+    assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs, fast_mode=True)
 
 
 def test_auto_picks_bmm_for_uniform_layouts_and_the_loop_for_heterogeneous_ones():

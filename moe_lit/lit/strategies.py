@@ -1,0 +1,235 @@
+"""Distributed training strategies for :class:`~moe_lit.lit.module.MoELitModule`, selectable in YAML.
+
+* ``ddp``: Lightning's ``DDPStrategy`` (CPU with gloo, or GPUs with NCCL); nothing to configure.
+* :class:`FSDPStrategy` (FSDP1, GPUs only): Lightning's FSDPStrategy with one FSDP unit per
+  transformer ``Block`` (the MoE layer's router, experts and shared expert shard together),
+  optional bf16 mixed precision (fp32 gradient reduction) and optional activation checkpointing
+  per block.
+* :class:`FSDP2Strategy`: Lightning's ``ModelParallelStrategy`` as pure data parallelism (tensor
+  parallel size 1) with ``fully_shard`` applied to every ``Block`` and then to the whole network,
+  so every parameter the step uses (embeddings, final norm and head included) is sharded. It runs on
+  CPU with gloo too. ``MoELitModule.configure_model`` calls :func:`shard_for_strategy`.
+
+Every strategy saves a checkpoint with the same ``model.``-prefixed state-dict keys as a
+single-device run (FSDP2 defaults to one consolidated file: ``save_distributed_checkpoint=False``),
+so ``moe_lit.checkpoint.load_model`` and any other strategy load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from moe_lit.errors import MoeLitError
+from moe_lit.model.transformer import Block
+
+MixedPrecisionName = Optional[Literal["bf16"]]
+
+
+def _check_mixed_precision(value: MixedPrecisionName) -> None:
+    if value not in (None, "bf16"):
+        raise MoeLitError(f"strategy.mixed_precision: got {value!r}, allowed values: bf16, null")
+
+
+class FSDPStrategy(_LightningFSDPStrategy):
+    """FSDP1 with one unit per transformer Block (GPU only: FSDP1 refuses CPU)."""
+
+    def __init__(
+        self,
+        mixed_precision: MixedPrecisionName = None,
+        activation_checkpointing: bool = False,
+        sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            mixed_precision: bf16 = parameters and activations in bf16, gradients reduced in fp32;
+                null = the trainer's precision plugin decides (e.g. precision: bf16-mixed).
+            activation_checkpointing: Recompute each Block's activations in the backward pass.
+            sharding_strategy: FSDP sharding strategy (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2).
+            state_dict_type: full = one consolidated checkpoint file; sharded = one file per rank.
+        """
+        _check_mixed_precision(mixed_precision)
+        super().__init__(
+            auto_wrap_policy={Block},
+            activation_checkpointing_policy={Block} if activation_checkpointing else None,
+            mixed_precision=_fsdp1_mixed_precision() if mixed_precision == "bf16" else None,
+            sharding_strategy=sharding_strategy,
+            state_dict_type=state_dict_type,
+            **kwargs,
+        )
+
+
+def _fsdp1_mixed_precision():
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """FSDP2 (``fully_shard`` per Block, then the whole network) over all processes (CPU or GPU)."""
+
+    def __init__(
+        self,
+        mixed_precision: MixedPrecisionName = None,
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            mixed_precision: bf16 = FSDP2 all-gathers bf16 parameters, reduces gradients in fp32;
+                null = parameters stay in their dtype (the trainer's precision plugin may autocast).
+            activation_checkpointing: Recompute each Block's activations in the backward pass.
+            reshard_after_forward: Free each Block's gathered parameters after its forward (ZeRO-3);
+                false keeps them until the backward (ZeRO-2-like, more memory, less communication).
+            save_distributed_checkpoint: false = one consolidated file (loads anywhere);
+                true = a directory of shards (consolidate with Lightning's consolidate_checkpoint).
+        """
+        _check_mixed_precision(mixed_precision)
+        # NOTE: pure data parallelism: the data-parallel size is set to the world size once the
+        # number of nodes and processes is known (setup_environment).
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
+        self.mixed_precision = mixed_precision
+        self.activation_checkpointing = activation_checkpointing
+        self.reshard_after_forward = reshard_after_forward
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return optimizer_state_by_id(get_optimizer_state_dict(self.model, optimizer, options=options))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        strict = self.lightning_module.strict_loading
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+        for state, optimizer in zip(checkpoint.get("optimizer_states", []), self.optimizers):
+            named = optimizer_state_by_name(state, optimizer, self.model)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=named, options=options)
+        return checkpoint
+
+    def shard(self, model: nn.Module) -> None:
+        """Apply FSDP2 to a Transformer in place (idempotent)."""
+        apply_fsdp2(
+            model,
+            self.device_mesh["data_parallel"],
+            mixed_precision=self.mixed_precision,
+            activation_checkpointing=self.activation_checkpointing,
+            reshard_after_forward=self.reshard_after_forward,
+        )
+
+
+# NOTE: a plain optimizer state dict numbers the parameters in param-group order; Lightning's
+# FSDP2 save/load converts between numbers and names assuming module order, which scrambles the
+# Adam moments of any optimizer with several groups (ours: decay / no decay) when a checkpoint
+# moves between FSDP2 and DDP or one device. These two keep the plain numbering on both sides.
+def optimizer_state_by_id(named_state: dict[str, Any]) -> dict[str, Any]:
+    """Parameter-name keys -> the ids ``torch.optim.Optimizer.state_dict`` would use (group order)."""
+    if not named_state:
+        return named_state  # ranks other than 0 get nothing from a full state dict
+    ids: dict[str, int] = {}
+    groups = []
+    for group in named_state["param_groups"]:
+        groups.append({**group, "params": [ids.setdefault(name, len(ids)) for name in group["params"]]})
+    return {"state": {ids[name]: value for name, value in named_state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: nn.Module) -> dict[str, Any]:
+    """A plain (id-keyed) optimizer state -> parameter-name keys, via ``optimizer``'s own groups."""
+    if not state["state"] or isinstance(next(iter(state["state"])), str):
+        return state
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    if len(state["param_groups"]) != len(optimizer.param_groups):
+        raise MoeLitError(
+            f"checkpoint: optimizer has {len(state['param_groups'])} parameter groups, this run has "
+            f"{len(optimizer.param_groups)}; was it saved with another optimizer config?"
+        )
+    names: dict[int, str] = {}
+    groups = []
+    for saved, ours in zip(state["param_groups"], optimizer.param_groups):
+        if len(saved["params"]) != len(ours["params"]):
+            raise MoeLitError("checkpoint: optimizer parameter groups differ in size from this run's")
+        group_names = [name_of[id(p)] for p in ours["params"]]
+        names.update(zip(saved["params"], group_names))
+        groups.append({**saved, "params": group_names})
+    return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: Any,
+    mixed_precision: MixedPrecisionName = None,
+    activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+) -> None:
+    """``fully_shard`` each Block (with optional activation checkpointing), then the whole model."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    _check_mixed_precision(mixed_precision)
+    if isinstance(model, FSDPModule):
+        return
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, Block):
+            if activation_checkpointing:
+                # NOTE: the composable checkpoint hooks the module in place: unlike
+                # checkpoint_wrapper it adds no submodule, so parameter names stay unchanged.
+                from torch.distributed._composable import checkpoint
+
+                checkpoint(module)
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
+    # NOTE: the root unit holds what the blocks do not (embeddings, final norm, head); the root
+    # keeps its parameters after the forward, the backward needs the head first anyway.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+
+
+def shard_for_strategy(module: Any) -> None:
+    """``configure_model`` hook body: shard ``module.model`` when the trainer runs FSDP2."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is not None and isinstance(trainer.strategy, FSDP2Strategy):
+        trainer.strategy.shard(module.model)
+
+
+__all__ = [
+    "FSDP2Strategy",
+    "FSDPStrategy",
+    "apply_fsdp2",
+    "optimizer_state_by_id",
+    "optimizer_state_by_name",
+    "shard_for_strategy",
+]

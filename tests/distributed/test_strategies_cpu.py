@@ -1,0 +1,73 @@
+"""DDP and FSDP2 on CPU (2 gloo processes) against one process, and checkpoints across strategies.
+
+One chain of runs, each a subprocess (Lightning's launcher re-runs the command for rank 1):
+DDP trains steps 1-2, FSDP2 resumes its checkpoint for steps 3-4, one process resumes FSDP2's
+checkpoint for steps 5-6. A single-process run of steps 1-4 and 5-6 in this process is the
+reference: weights (read back through ``moe_lit.checkpoint.load_model``, the CPU path) and the
+loss on a fixed batch agree after step 4 and after step 6, so each strategy trains like one
+process and each checkpoint, Adam moments included, resumes under another strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_lit.checkpoint import load_model
+from tests.distributed import train_script
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(train_script.__file__)
+TIMEOUT_S = 600
+
+
+def run_script(strategy: str, steps: int, out: Path, resume: Path | None = None) -> Path:
+    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--steps", str(steps), "--out", str(out)]
+    if resume is not None:
+        cmd += ["--resume", str(resume)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert done.returncode == 0, f"{strategy} run failed:\n{done.stderr[-4000:]}"
+    return out / "model.ckpt"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("strategies")
+    ddp2 = run_script("ddp", 2, root / "ddp2")
+    fsdp4 = run_script("fsdp2", 4, root / "fsdp4", resume=ddp2)
+    single6 = run_script("single", 6, root / "single6", resume=fsdp4)
+    ref4 = train_script.train("single", 4, root / "ref4")
+    ref6 = train_script.train("single", 6, root / "ref6", resume=ref4)
+    return {"fsdp4": fsdp4, "single6": single6, "ref4": ref4, "ref6": ref6}
+
+
+def _loss(model) -> float:
+    batch = train_script.tokens().tensors[0][:8]
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits_BLV
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("run,reference", [("fsdp4", "ref4"), ("single6", "ref6")])
+def test_distributed_runs_match_one_process(checkpoints, run, reference):
+    ours, ref = load_model(checkpoints[run]), load_model(checkpoints[reference])
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert _loss(ours) == pytest.approx(_loss(ref), rel=1e-5)
+    untrained = train_script.MoELitModule(train_script.CONFIG).model.eval()
+    assert _loss(ref) < _loss(untrained) - 0.1  # the runs did train
+
+
+def test_checkpoints_record_their_steps(checkpoints):
+    for name, steps in (("fsdp4", 4), ("single6", 6)):
+        ckpt = torch.load(checkpoints[name], map_location="cpu", weights_only=False)
+        assert ckpt["global_step"] == steps
+        assert len(ckpt["optimizer_states"][0]["state"]) == sum(1 for _ in load_model(checkpoints[name]).parameters())

@@ -1,0 +1,82 @@
+"""Train a tiny MoE with one strategy on CPU, then save a checkpoint: run as a script, not under pytest.
+
+    python tests/distributed/train_script.py --strategy ddp --steps 2 --out DIR [--resume CKPT]
+
+Lightning's launcher re-runs this command line for rank 1, so the distributed tests start it as a
+subprocess. Every run sees the same global batches: 8 fixed sequences per step, split by Lightning's
+DistributedSampler across the ranks. The router's auxiliary losses are off, so a data-parallel
+step computes exactly the single-process gradient (the balancing loss is not linear in the batch).
+The checkpoint goes to ``DIR/model.ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moe_lit.config import ModelConfig, MoEConfig  # noqa: E402
+from moe_lit.lit.module import MoELitModule, OptimConfig  # noqa: E402
+from moe_lit.lit.strategies import FSDP2Strategy  # noqa: E402
+
+GLOBAL_BATCH, SAMPLES = 8, 16  # two steps per epoch: a resumed run restarts at an epoch boundary
+CONFIG = ModelConfig(
+    vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16, d_ff=64,
+    moe=MoEConfig(num_experts=4, expert_size=16, top_k=2, aux_loss_coef=0.0, first_dense_layers=1),
+)
+
+
+def tokens() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randint(0, CONFIG.vocab_size, (SAMPLES, CONFIG.seq_len + 1), generator=gen))
+
+
+def strategy(name: str):
+    if name == "single":
+        return "auto", 1
+    if name == "ddp":
+        return "ddp", 2
+    if name == "fsdp2":
+        return FSDP2Strategy(), 2
+    raise SystemExit(f"--strategy: got {name!r}, allowed values: single, ddp, fsdp2")
+
+
+def train(strategy_name: str, steps: int, out: Path, resume: Optional[Path] = None) -> Path:
+    """Fit to ``steps`` optimizer steps (from ``resume`` if given); returns the saved checkpoint."""
+    pl.seed_everything(0, verbose=False)
+    strat, devices = strategy(strategy_name)
+    module = MoELitModule(CONFIG, OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"))
+    loader = DataLoader(tokens(), batch_size=GLOBAL_BATCH // devices, collate_fn=stack_rows)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strat, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
+    trainer.save_checkpoint(out / "model.ckpt")
+    return out / "model.ckpt"
+
+
+def stack_rows(rows: list[tuple[torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([row[0] for row in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--resume", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    train(args.strategy, args.steps, args.out, args.resume)
+
+
+if __name__ == "__main__":
+    main()
