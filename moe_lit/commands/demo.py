@@ -1,30 +1,146 @@
-"""``moe-lit demo``: until training lands, an end-to-end forward/backward of a dense and an MoE model."""
+"""``moe-lit demo``: the README's main job, a dense and an active-matched MoE model side by side.
+
+1. prepare the default corpus (``moe-lit data prepare`` with its defaults; reused once built),
+2. train ``configs/model/tiny-dense.yaml`` and ``configs/model/tiny-moe.yaml`` (the MoE matched to
+   the dense model on active parameters) for the same token budget with :func:`train_run`,
+3. write ``results/demo/`` at once (a temporary directory renamed into place): ``results.json``,
+   ``results.md`` (params total/active, tokens, final validation loss overall and per language,
+   tokens/s) and ``val_loss.png`` (validation loss vs training tokens of both models).
+
+Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``), which is not committed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
-import torch
+import yaml
 
-from moe_lit.accounting import accounting_rows, markdown_table, matched_moe_config
+from moe_lit.accounting import markdown_table
 from moe_lit.config import ModelConfig
-from moe_lit.model import Transformer
+from moe_lit.errors import MoeLitError
+from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text
+from moe_lit.lit.optim import OptimConfig
+
+if TYPE_CHECKING:
+    from moe_lit.lit.runner import RunResult
+
+REPO = Path(__file__).resolve().parents[2]
+MODELS = {"dense": REPO / "configs/model/tiny-dense.yaml", "moe": REPO / "configs/model/tiny-moe.yaml"}
+RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
+COMMAND = "make demo"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", type=Path, help="prepared data directory (default: moe-lit data prepare's)")
+    parser.add_argument("--out", type=Path, default=Path("results/demo"), help="results directory")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="checkpoints and CSV logs")
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per model")
+    parser.add_argument("--seq-len", type=int, default=128, help="training sequence length")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
+    parser.add_argument("--evals", type=int, default=6, help="validations per run (the plotted curve)")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    dense = ModelConfig(vocab_size=8192, d_model=256, n_layers=4, n_heads=4, seq_len=256, d_ff=1024)
-    configs = {"dense": dense, "moe-16x2": matched_moe_config(dense, 16, 2)}
-    print(markdown_table(accounting_rows(configs)))
-    for name, cfg in configs.items():
-        model = Transformer(cfg)
-        idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
-        out = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(out.logits_BLV.flatten(0, 1), idx[:, 1:].flatten())
-        (loss + out.aux_loss).backward()
-        print(f"{name}: forward/backward ok, loss {loss.item():.3f} (ln V = {torch.log(torch.tensor(8192.)):.3f})")
+    from moe_lit.lit.runner import train_run
+
+    for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
+        if getattr(args, name) < 1:
+            raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    data_dir = prepare_default_data(args.data)
+    steps = args.tokens // (args.seq_len * args.batch_size)
+    results = {}
+    for name, path in MODELS.items():
+        model_cfg, optim = load_module_config(path)
+        print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
+        results[name] = train_run(
+            model_cfg, data_dir, args.work_dir / name, max_tokens=args.tokens, seq_len=args.seq_len,
+            batch_size=args.batch_size, optim=optim, seed=args.seed, val_batches=args.val_batches,
+            eval_every=max(1, steps // args.evals),
+        )
+    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir")}
+    write_results(results, settings, args.out)
+    print((args.out / RESULTS_MD).read_text())
     return 0
+
+
+def prepare_default_data(data_dir: Optional[Path]) -> Path:
+    """``moe-lit data prepare`` with its defaults (reused when already prepared); the directory."""
+    from moe_lit.data.prepare import PrepareConfig, prepare
+
+    cfg = PrepareConfig(out=data_dir)
+    prepare(cfg)
+    return Path(cfg.out)
+
+
+def load_module_config(path: Path) -> tuple[ModelConfig, OptimConfig]:
+    """The ``model`` and ``optim`` sections of a ``configs/model/*.yaml`` file."""
+    doc = yaml.safe_load(path.read_text())
+    optim = doc.get("optim") or {}
+    unknown = sorted(set(optim) - {f.name for f in dataclasses.fields(OptimConfig)})
+    if unknown:
+        raise MoeLitError(f"{path}: optim: unknown key(s) {unknown}")
+    return ModelConfig.from_yaml(path), OptimConfig(**optim)
+
+
+def results_rows(results: dict[str, RunResult]) -> list[dict[str, object]]:
+    """One table row per model: params, tokens, final validation loss (overall, per language), tok/s."""
+    rows = []
+    for name, result in results.items():
+        row: dict[str, object] = {
+            "model": name,
+            "total params": result.total_params,
+            "active params": result.active_params,
+            "tokens": result.tokens,
+            "val loss": round(result.val_loss, 4),
+        }
+        row.update({lang: round(loss, 3) for lang, loss in result.val_loss_per_language.items()})
+        row["tokens/s"] = round(result.tokens_per_s)
+        rows.append(row)
+    return rows
+
+
+def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
+    """(training tokens, validation loss) at each validation; a repeated step keeps its last value."""
+    from moe_lit.lit.runner import read_metrics
+
+    by_step = {int(row["step"]): row["val/loss"] for row in read_metrics(result.metrics_csv) if "val/loss" in row}
+    tokens_per_step = result.tokens // max(1, result.steps)
+    steps = sorted(by_step)
+    return [step * tokens_per_step for step in steps], [by_step[step] for step in steps]
+
+
+def plot_curves(results: dict[str, RunResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for name, result in results.items():
+        tokens, losses = val_curve(result)
+        label = f"{name} ({result.total_params / 1e6:.1f}M total, {result.active_params / 1e6:.1f}M active)"
+        ax.plot(tokens, losses, marker="o", label=label)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("moe-lit demo: dense vs active-matched MoE")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_results(results: dict[str, RunResult], settings: dict[str, object], out: Path) -> None:
+    """``results.json``, ``results.md`` and ``val_loss.png`` in ``out``, all or nothing."""
+    with atomic_directory(out) as tmp:
+        runs = {name: dataclasses.asdict(result) for name, result in results.items()}
+        atomic_write_json(tmp / RESULTS_JSON, {"command": COMMAND, "settings": settings, "runs": runs})
+        table = markdown_table(results_rows(results))
+        atomic_write_text(tmp / RESULTS_MD, f"Made by `{COMMAND}`.\n\n{table}\n")
+        plot_curves(results, tmp / PLOT)

@@ -5,6 +5,8 @@
 * ``moe-lit study report configs/studies/<name>.yaml | --out DIR`` rebuilds runs.csv, summary.md
   and the plots from the records (also while a sweep runs).
 
+Both take ``--readme README.md`` to fill the study's ``<!-- study:NAME -->`` block of a README.
+
 Actions live in ``ACTIONS`` (name -> (configure, run, help)); a new study kind adds one entry.
 """
 
@@ -35,9 +37,18 @@ def _configure_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, help="study YAML (configs/studies/<name>.yaml)")
     parser.add_argument("--parallel", type=int, default=1, help="points trained at the same time (processes)")
     parser.add_argument("--out", type=Path, help="results directory (default results/<study name>)")
-    parser.add_argument("--data", help="prepared data directory (default: the study's data_dir, else data_cache/default)")
+    parser.add_argument(
+        "--data", help="prepared data directory (default: the study's data_dir, else data_cache/default)"
+    )
     parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
     parser.add_argument("--dry-run", action="store_true", help="list the points with their status and exit")
+    _add_readme(parser)
+
+
+def _add_readme(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--readme", type=Path, help="also fill the block <!-- study:NAME --> ... <!-- /study:NAME --> of this file"
+    )
 
 
 def _run_run(args: argparse.Namespace) -> int:
@@ -49,8 +60,15 @@ def _run_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_points_table(spec, out_dir))
         return 0
-    run_study(spec, out_dir, data_dir=args.data, parallel=args.parallel, retry_failed=args.retry_failed)
-    _print_report(write_report(out_dir, command=_command_line(args)))
+    run_study(
+        spec,
+        out_dir,
+        data_dir=args.data,
+        parallel=args.parallel,
+        retry_failed=args.retry_failed,
+        command=_command_line(args),
+    )
+    _print_report(write_report(out_dir, readme=args.readme))
     return 0
 
 
@@ -83,6 +101,7 @@ def _points_table(spec, out_dir: Path) -> str:
 def _configure_report(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, nargs="?", help="study YAML (to find results/<study name>)")
     parser.add_argument("--out", type=Path, help="results directory (default results/<study name>)")
+    _add_readme(parser)
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -91,7 +110,7 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
     out_dir = Path(args.out) if args.out else _out_dir(args, _load_spec(args.spec))
-    _print_report(write_report(out_dir))
+    _print_report(write_report(out_dir, readme=args.readme))
     return 0
 
 
@@ -101,9 +120,13 @@ def _print_report(paths: dict[str, Path]) -> None:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    """The run command that made a report (shown in summary.md)."""
+    """The run command (kept in study.json, shown in summary.md)."""
     words = ["moe-lit", "study", "run", str(args.spec)]
-    for flag, value in (("--parallel", args.parallel if args.parallel != 1 else None), ("--out", args.out), ("--data", args.data)):
+    for flag, value in (
+        ("--parallel", args.parallel if args.parallel != 1 else None),
+        ("--out", args.out),
+        ("--data", args.data),
+    ):
         if value is not None:
             words += [flag, str(value)]
     return " ".join(shlex.quote(w) for w in words)
@@ -125,4 +148,3 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return ACTIONS[args.action][1](args)
-

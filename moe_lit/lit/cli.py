@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import warnings
 from typing import Any, Optional, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
@@ -123,18 +124,25 @@ def run_lightning_cli(argv: Sequence[str], datamodule_class: Optional[type] = No
     # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
-        MoELightningCLI(
-            MoELitModule,
-            datamodule_class,
-            trainer_defaults=_trainer_defaults(),
-            parser_kwargs={"exit_on_error": False},
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=list(argv),
-        )
+        with warnings.catch_warnings():
+            # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            _run_cli(datamodule_class, argv)
     except SystemExit as exc:  # --help and --print_config exit 0
         return exc.code if isinstance(exc.code, int) else 2
     return 0
+
+
+def _run_cli(datamodule_class: type, argv: Sequence[str]) -> None:
+    MoELightningCLI(
+        MoELitModule,
+        datamodule_class,
+        trainer_defaults=_trainer_defaults(),
+        parser_kwargs={"exit_on_error": False},
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        args=list(argv),
+    )
 
 
 __all__ = ["MoELightningCLI", "config_error_line", "run_lightning_cli"]

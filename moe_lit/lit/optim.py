@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from moe_lit.config import ConfigError
@@ -106,11 +107,8 @@ def build_optimizer(
     model: nn.Module, cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over :func:`param_groups` and a per-step ``LambdaLR`` following :func:`lr_multiplier`."""
-    if cfg.schedule != "constant" and total_steps <= cfg.warmup_steps:
-        raise ConfigError(
-            f"optim.schedule={cfg.schedule} needs more training steps ({total_steps}) than "
-            f"optim.warmup_steps={cfg.warmup_steps}; set trainer.max_steps"
-        )
+    if cfg.schedule != "constant" and total_steps < cfg.warmup_steps:
+        rank_zero_warn(f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup")
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
     return optimizer, scheduler

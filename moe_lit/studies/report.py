@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import csv
 import io
+import math
+import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from moe_lit.accounting import markdown_table
+from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_text
 from moe_lit.studies.runner import RUNS_DIR, STATUS_FAILED, STATUS_OK, STUDY_FILE, read_record
 from moe_lit.studies.spec import REFERENCE_GROUPS
@@ -33,9 +36,28 @@ ABLATION_GROUPS = ("granularity", "shared", "heterogeneous", "balancing", "capac
 # NOTE: columns of runs.csv in this order; per-language losses follow val_loss, unknown result
 # fields (whatever else train_fn returns) go last, so nothing measured is lost.
 COLUMNS = (
-    "name", "config_name", "hash", "status", "budget", "seed", "groups", "match", "num_experts", "top_k",
-    "expert_size", "shared_expert_size", "heterogeneous", "balancing", "capacity_factor", "total_params",
-    "active_params", "total_non_embedding", "active_non_embedding", "flops_per_token", "tokens", "steps",
+    "name",
+    "config_name",
+    "hash",
+    "status",
+    "budget",
+    "seed",
+    "groups",
+    "match",
+    "num_experts",
+    "top_k",
+    "expert_size",
+    "shared_expert_size",
+    "heterogeneous",
+    "balancing",
+    "capacity_factor",
+    "total_params",
+    "active_params",
+    "total_non_embedding",
+    "active_non_embedding",
+    "flops_per_token",
+    "tokens",
+    "steps",
     LOSS,
 )
 TAIL = ("tokens_per_s", "load_imbalance", "wall_s", "study_wall_s", "error")
@@ -47,8 +69,6 @@ def load_study(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     out_dir = Path(out_dir)
     plan = read_record(out_dir / STUDY_FILE)
     if plan is None:
-        from moe_lit.errors import MoeLitError
-
         raise MoeLitError(f"--out: {out_dir} holds no {STUDY_FILE}; run `moe-lit study run` first")
     records = [read_record(out_dir / RUNS_DIR / f"{p['hash']}.json") for p in plan["points"]]
     return plan, [r for r in records if r is not None]
@@ -178,38 +198,78 @@ def ablation_bars(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, dict[
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """The seed's four claims checked on these runs, with the numbers (markdown bullet lines)."""
+    """The seed's claims checked on these runs, each with its numbers and a verdict (markdown bullets)."""
+    bars = ablation_bars(rows)
+    return [
+        *_total_params_claim(rows),
+        *_expert_size_claim(rows),
+        *_ablation_claims(bars, _expert_count_effect(rows, bars)),
+    ]
+
+
+def _name(r: dict[str, Any]) -> str:
+    return "dense" if r["num_experts"] == 1 else f"E{r['num_experts']}"
+
+
+def _total_params_claim(rows) -> list[str]:
+    """Claim 1: at fixed active params, loss improves with total params."""
     lines = []
     for (budget, top_k), pts in total_params_lines(rows).items():
         losses = [r[LOSS] for r in pts]
         falls = sum(b < a for a, b in zip(losses, losses[1:]))
-        path = " → ".join(f"{'dense' if r['num_experts'] == 1 else 'E' + str(r['num_experts'])} {r[LOSS]:.4f}" for r in pts)
+        if falls == len(losses) - 1:
+            verdict = "reproduced"
+        elif min(losses[1:], default=math.inf) < losses[0]:
+            verdict = "partly reproduced (sparse beats the first point, but not monotonically)"
+        else:
+            verdict = "not reproduced"
+        path = " → ".join(f"{_name(r)} {r[LOSS]:.4f}" for r in pts)
         lines.append(
-            f"- **Total params at fixed active** ({budget}, top-{top_k}, active {_short(pts[0]['active_params'])}): "
-            f"{path}; loss falls at {falls} of {len(pts) - 1} steps up in total params; "
-            f"best minus {'dense' if pts[0]['num_experts'] == 1 else 'first'}: {min(losses) - losses[0]:+.4f}."
+            f"- **Loss vs total params at fixed active** ({budget}, top-{top_k}, active "
+            f"{_short(pts[0]['active_params'])}): {path}; loss falls at {falls} of {len(pts) - 1} steps up in total "
+            f"params, best minus {_name(pts[0])} {min(losses) - losses[0]:+.4f}: **{verdict}**."
         )
+    return lines
+
+
+def _expert_size_claim(rows) -> list[str]:
+    """Claim 2: the best expert size does not depend on total params (only on active params)."""
+    lines = []
     for budget, by_e in expert_size_lines(rows).items():
         best = {e: min(pts, key=lambda r: r[LOSS]) for e, pts in by_e.items() if len(pts) > 1}
-        if not best:
+        if len(best) < 2:
             continue
-        ks = {r["top_k"] for r in best.values()}
+        sizes = {r["top_k"] for r in best.values()}
         detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best.items())
-        verdict = "the same expert size for every E" if len(ks) == 1 else "different expert sizes across E"
-        lines.append(f"- **Best expert size at fixed active** ({budget}): {detail} → {verdict}.")
-    bars = ablation_bars(rows)
-    expert_effect = _expert_count_effect(rows, bars)
-    for group in ABLATION_GROUPS:
-        if group not in bars or group == "granularity" or len(bars[group]) < 2:
+        verdict = (
+            "reproduced: the same expert size at every E" if len(sizes) == 1 else "not reproduced: it moves with E"
+        )
+        lines.append(f"- **Best expert size at fixed active** ({budget}): {detail}; **{verdict}**.")
+    return lines
+
+
+def _ablation_claims(bars, expert_effect: Optional[float]) -> list[str]:
+    """Claim 3: shared / heterogeneous / balancing matter little; claim 4: dropless beats dropping."""
+    lines = []
+    for group in ("shared", "heterogeneous", "balancing", "capacity", "matching"):
+        if len(bars.get(group, ())) < 2:
             continue
         values = {label: r[LOSS] for label, r in bars[group]}
         spread = max(values.values()) - min(values.values())
-        detail = ", ".join(f"{label} {loss:.4f}" for label, loss in values.items())
-        effect = f" (expert-count effect at this budget: {expert_effect:.4f})" if expert_effect is not None else ""
-        lines.append(f"- **{group}**: {detail}; spread {spread:.4f}{effect}.")
+        line = f"- **{group}**: " + ", ".join(f"{label} {loss:.4f}" for label, loss in values.items())
+        line += f"; spread {spread:.4f}"
+        if group in ("shared", "heterogeneous", "balancing") and expert_effect:
+            small = spread < expert_effect / 2
+            line += (
+                f" vs the expert-count effect {expert_effect:.4f} (dense minus best grid MoE): "
+                f"**{'reproduced: small' if small else 'not reproduced: not small'}**"
+            )
         if group == "capacity" and "dropless" in values:
-            gains = ", ".join(f"{label} {loss - values['dropless']:+.4f}" for label, loss in values.items() if label != "dropless")
-            lines.append(f"  - capacity factor minus dropless: {gains} (positive = dropless better).")
+            gaps = {label: loss - values["dropless"] for label, loss in values.items() if label != "dropless"}
+            verdict = "reproduced" if all(g > 0 for g in gaps.values()) else "not reproduced"
+            line += "; loss minus dropless: " + ", ".join(f"{label} {g:+.4f}" for label, g in gaps.items())
+            line += f" (positive = dropless better): **{verdict}**"
+        lines.append(line + ".")
     return lines
 
 
@@ -239,11 +299,20 @@ def plot_total_params(rows, path: Path) -> Optional[Path]:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for (budget, top_k), pts in lines.items():
-        ax.plot([r["total_params"] for r in pts], [r[LOSS] for r in pts], marker="o",
-                label=f"{budget} (active {_short(pts[-1]['active_params'])}, top-{top_k})")
+        ax.plot(
+            [r["total_params"] for r in pts],
+            [r[LOSS] for r in pts],
+            marker="o",
+            label=f"{budget} (active {_short(pts[-1]['active_params'])}, top-{top_k})",
+        )
         for r in pts:
-            ax.annotate("dense" if r["num_experts"] == 1 else f"E{r['num_experts']}", (r["total_params"], r[LOSS]),
-                        textcoords="offset points", xytext=(3, 4), fontsize=7)
+            ax.annotate(
+                "dense" if r["num_experts"] == 1 else f"E{r['num_experts']}",
+                (r["total_params"], r[LOSS]),
+                textcoords="offset points",
+                xytext=(3, 4),
+                fontsize=7,
+            )
     ax.set_xscale("log")
     ax.set(xlabel="total parameters", ylabel="final validation loss", title="Val loss vs total params at fixed active")
     ax.grid(True, which="both", alpha=0.3)
@@ -302,42 +371,79 @@ def write_plots(rows: list[dict[str, Any]], plots_dir: Path) -> list[Path]:
         plot_total_params(rows, plots_dir / "loss_vs_total_params.png"),
         plot_expert_size(rows, plots_dir / "loss_vs_expert_size.png"),
     ]
-    made += [plot_ablation(group, bars, plots_dir / f"ablation_{group}.png") for group, bars in ablation_bars(rows).items()]
+    made += [
+        plot_ablation(group, bars, plots_dir / f"ablation_{group}.png") for group, bars in ablation_bars(rows).items()
+    ]
     return [p for p in made if p is not None]
 
 
 # ----------------------------------------------------------------------------- the report
-def summary_markdown(plan: dict[str, Any], records: list[dict[str, Any]], plots: list[Path], command: str) -> str:
+def summary_markdown(
+    plan: dict[str, Any], records: list[dict[str, Any]], plots: list[Path], level: int = 1, plots_href: str = PLOTS_DIR
+) -> str:
+    """The study's markdown summary; ``level`` is the level of its top heading, ``plots_href`` the
+    plot folder as seen from where the markdown lives."""
     rows = aggregate(records)
     failed = [r for r in records if r["status"] == STATUS_FAILED]
     pending = len(plan["points"]) - len(records)
+    top, sub = "#" * level, "#" * (level + 1)
     parts = [
-        f"# Study: {plan['name']}",
+        f"{top} Study: {plan['name']}",
         plan.get("description", "").strip(),
-        f"Command: `{command}`" if command else "",
+        f"Command: `{plan['command']}`" if plan.get("command") else "",
         f"{len(plan['points'])} points: {len(records) - len(failed)} ok, {len(failed)} failed, {pending} pending.",
-        "## Findings (computed from the runs below)",
+        f"{sub} Findings (computed from the runs below)",
         "\n".join(findings(rows)) or "(not enough finished runs)",
-        "## Runs",
+        f"{sub} Runs",
         markdown_table(summary_rows(rows)),
     ]
     if failed:
-        parts += ["## Failed runs", markdown_table([{"point": r["name"], "hash": r["hash"], "error": r["error"]} for r in failed])]
+        table = markdown_table([{"point": r["name"], "hash": r["hash"], "error": r["error"]} for r in failed])
+        parts += [f"{sub} Failed runs", table]
     if plots:
-        parts += ["## Plots", "\n".join(f"![{p.stem}]({PLOTS_DIR}/{p.name})" for p in plots)]
+        parts += [f"{sub} Plots", "\n".join(f"![{p.stem}]({plots_href}/{p.name})" for p in plots)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def write_report(out_dir: Path, command: str = "") -> dict[str, Path]:
-    """Write runs.csv, summary.md and plots/ under ``out_dir``; returns their paths."""
+def update_readme(readme: Path, out_dir: Path, plan: dict[str, Any], records, plots: list[Path]) -> Path:
+    """Replace the block between ``<!-- study:NAME -->`` and ``<!-- /study:NAME -->`` in ``readme``
+    with the summary (headings at level 3, plot links relative to the README)."""
+    readme = Path(readme)
+    begin, end = f"<!-- study:{plan['name']} -->", f"<!-- /study:{plan['name']} -->"
+    text = readme.read_text() if readme.is_file() else ""
+    if begin not in text or end not in text.split(begin, 1)[1]:
+        raise MoeLitError(f"--readme: {readme} has no '{begin}' ... '{end}' block to fill")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    href = os.path.relpath(
+        Path(out_dir) / PLOTS_DIR, readme.resolve().parent if readme.is_absolute() else readme.parent
+    )
+    body = summary_markdown(plan, records, plots, level=3, plots_href=Path(href).as_posix())
+    return atomic_write_text(readme, f"{head}{begin}\n{body}{end}{tail}")
+
+
+def write_report(out_dir: Path, readme: Optional[Path] = None) -> dict[str, Path]:
+    """Write runs.csv, summary.md and plots/ under ``out_dir`` (and fill the study's block in
+    ``readme`` when given); returns the paths written."""
     out_dir = Path(out_dir)
     plan, records = load_study(out_dir)
     plots = write_plots(aggregate(records), out_dir / PLOTS_DIR)
     paths = {
         "runs_csv": atomic_write_text(out_dir / "runs.csv", runs_csv(records)),
-        "summary": atomic_write_text(out_dir / "summary.md", summary_markdown(plan, records, plots, command)),
+        "summary": atomic_write_text(out_dir / "summary.md", summary_markdown(plan, records, plots)),
     }
+    if readme is not None:
+        paths["readme"] = update_readme(readme, out_dir, plan, records, plots)
     return paths | {p.stem: p for p in plots}
 
 
-__all__ = ["aggregate", "findings", "flat_row", "load_study", "runs_csv", "summary_markdown", "write_report"]
+__all__ = [
+    "aggregate",
+    "findings",
+    "flat_row",
+    "load_study",
+    "runs_csv",
+    "summary_markdown",
+    "update_readme",
+    "write_report",
+]

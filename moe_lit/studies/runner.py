@@ -22,6 +22,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -38,6 +40,9 @@ Log = Callable[[str], None]
 RUNS_DIR = "runs"
 STUDY_FILE = "study.json"
 STATUS_OK, STATUS_FAILED = "ok", "failed"
+# NOTE: a worker stopped by Ctrl-C or SIGTERM is an interrupted sweep, not a failed point: it leaves
+# no record, so the point runs again on resume (a SIGKILL, e.g. the OOM killer, is a failure).
+INTERRUPTED_EXIT_CODES = (130, -signal.SIGINT, -signal.SIGTERM)
 
 
 def default_train_fn() -> TrainFn:
@@ -92,7 +97,7 @@ def point_record(point: StudyPoint) -> dict[str, Any]:
 
 
 def _result_fields(result: Any) -> dict[str, Any]:
-    """The training result as a JSON-ready dict (a dataclass, a mapping, or an object's attributes)."""
+    """The training result (a dataclass such as ``RunResult``, or a mapping) as a JSON-ready dict."""
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
         data = dataclasses.asdict(result)
     elif isinstance(result, dict):
@@ -103,7 +108,11 @@ def _result_fields(result: Any) -> dict[str, Any]:
 
 
 def run_point(
-    point: StudyPoint, training: TrainingSpec, data_dir: Optional[str], out_dir: Path, train_fn: TrainFn,
+    point: StudyPoint,
+    training: TrainingSpec,
+    data_dir: Optional[str],
+    out_dir: Path,
+    train_fn: TrainFn,
     trainer_overrides: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Train one point and write its record atomically; a failure is recorded, never raised.
@@ -155,7 +164,10 @@ def _worker(point, training, data_dir, out_dir, train_fn, threads, trainer_overr
     import torch
 
     torch.set_num_threads(threads)
-    run_point(point, training, data_dir, out_dir, train_fn, trainer_overrides)
+    try:
+        run_point(point, training, data_dir, out_dir, train_fn, trainer_overrides)
+    except KeyboardInterrupt:
+        sys.exit(INTERRUPTED_EXIT_CODES[0])
 
 
 def _crash_record(point: StudyPoint, exitcode: Optional[int], out_dir: Path) -> dict[str, Any]:
@@ -167,7 +179,12 @@ def _crash_record(point: StudyPoint, exitcode: Optional[int], out_dir: Path) -> 
 
 
 def _run_parallel(
-    points: Sequence[StudyPoint], spec: StudySpec, data_dir, out_dir: Path, train_fn: TrainFn, parallel: int,
+    points: Sequence[StudyPoint],
+    spec: StudySpec,
+    data_dir,
+    out_dir: Path,
+    train_fn: TrainFn,
+    parallel: int,
     on_done: Callable[[StudyPoint, dict[str, Any]], None],
 ) -> None:
     """At most ``parallel`` spawned processes, one per point (a crash takes down one point only)."""
@@ -187,8 +204,10 @@ def _run_parallel(
             for sentinel in wait(list(running)):
                 proc, point = running.pop(sentinel)
                 proc.join()
-                record = read_record(record_path(out_dir, point)) or _crash_record(point, proc.exitcode, out_dir)
-                on_done(point, record)
+                if proc.exitcode in INTERRUPTED_EXIT_CODES:
+                    raise KeyboardInterrupt(f"worker of {point.name} was interrupted")
+                record = read_record(record_path(out_dir, point)) if proc.exitcode == 0 else None
+                on_done(point, record or _crash_record(point, proc.exitcode, out_dir))
     finally:
         for proc, _ in running.values():
             proc.terminate()
@@ -228,11 +247,12 @@ def point_status(out_dir: Path, point: StudyPoint) -> str:
     return record["status"] if record else "pending"
 
 
-def write_plan(spec: StudySpec, points: Sequence[StudyPoint], out_dir: Path) -> None:
-    """``study.json``: the validated spec and the expanded points, for reports."""
+def write_plan(spec: StudySpec, points: Sequence[StudyPoint], out_dir: Path, command: str = "") -> None:
+    """``study.json``: the command, the validated spec and the expanded points, for reports."""
     plan = {
         "name": spec.name,
         "description": spec.description,
+        "command": command,
         "spec": dataclasses.asdict(spec),
         "points": [point_record(p) for p in points],
     }
@@ -248,6 +268,7 @@ def run_study(
     retry_failed: bool = False,
     train_fn: Optional[TrainFn] = None,
     prepare_data: bool = True,
+    command: str = "",
     log: Log = print,
 ) -> list[dict[str, Any]]:
     """Run every unfinished point of ``spec``; returns the records of all finished points.
@@ -255,6 +276,7 @@ def run_study(
     ``train_fn`` defaults to ``train_run``; with ``parallel > 1`` it must be picklable (a
     module-level function). Failed points are skipped like finished ones unless ``retry_failed``.
     ``prepare_data=False`` skips preparing / checking the data directory (fake ``train_fn``).
+    ``command`` (the command line that ran the study) is kept in study.json for the reports.
     """
     if not isinstance(parallel, int) or parallel < 1:
         raise MoeLitError(f"--parallel: must be an integer >= 1, got {parallel!r}")
@@ -264,7 +286,7 @@ def run_study(
         ensure_data(spec, data)
     train_fn = train_fn or default_train_fn()
     points = expand(spec)
-    write_plan(spec, points, out_dir)
+    write_plan(spec, points, out_dir, command)
     skip = {STATUS_OK, STATUS_FAILED} if not retry_failed else {STATUS_OK}
     todo = [p for p in points if point_status(out_dir, p) not in skip]
     log(f"study {spec.name}: {len(points)} points, {len(points) - len(todo)} finished, {len(todo)} to run -> {out_dir}")
@@ -274,7 +296,8 @@ def run_study(
         nonlocal done
         done += 1
         outcome = (
-            f"val_loss {record.get('val_loss', float('nan')):.4f}" if record["status"] == STATUS_OK
+            f"val_loss {record.get('val_loss', float('nan')):.4f}"
+            if record["status"] == STATUS_OK
             else f"FAILED: {record['error']}"
         )
         log(f"[{done}/{len(todo)}] {point.name} ({point.hash}) {outcome} in {record.get('study_wall_s', 0):.0f}s")

@@ -310,6 +310,7 @@ class StudySpec:
             return PrepareConfig(out=data_dir, **self.data)
         except ConfigError as exc:
             raise ConfigError(f"data.{exc}") from None
+
     def dense_model(self, budget: str) -> ModelConfig:
         """The dense model of one budget (the base with its overrides, seq_len from training)."""
         spec = next((b for b in self.budgets if b.name == budget), None)
@@ -450,7 +451,13 @@ def _ablation_runs(spec: StudySpec, abl: AblationSpec) -> list[_Run]:
     dense = spec.dense_model(abl.budget)
     moe_fields = spec.grid.moe
     runs = [
-        _Run("granularity", abl.budget, _moe_name(e, k), f"k={k}", matched_moe_config(dense, e, k, "active", **moe_fields))
+        _Run(
+            "granularity",
+            abl.budget,
+            _moe_name(e, k),
+            f"k={k}",
+            matched_moe_config(dense, e, k, "active", **moe_fields),
+        )
         for k in abl.granularity
         for e in spec.grid.moe_experts
         if k < e
@@ -463,7 +470,10 @@ def _ablation_runs(spec: StudySpec, abl: AblationSpec) -> list[_Run]:
     reference = build()
     # group -> (label of the reference point in the group, [(name suffix, label, model, match)])
     axes: dict[str, tuple[str, list[tuple[str, str, ModelConfig, str]]]] = {
-        "shared": ("none", [(f"shared={f:g}", f"{f:g}", build(shared_fraction=f), "active") for f in abl.shared_fraction]),
+        "shared": (
+            "none",
+            [(f"shared={f:g}", f"{f:g}", build(shared_fraction=f), "active") for f in abl.shared_fraction],
+        ),
         "heterogeneous": (
             "equal",
             [(f"profile={n}", n, build(size_profile=p), "active") for n, p in abl.size_profiles.items()],
@@ -472,7 +482,10 @@ def _ablation_runs(spec: StudySpec, abl: AblationSpec) -> list[_Run]:
             _balancing_label({}, moe_fields),
             [(_balancing_label(v, moe_fields),) * 2 + (build(**v), "active") for v in abl.balancing],
         ),
-        "capacity": ("dropless", [(f"cf={c:g}",) * 2 + (build(capacity_factor=c), "active") for c in abl.capacity_factor]),
+        "capacity": (
+            "dropless",
+            [(f"cf={c:g}",) * 2 + (build(capacity_factor=c), "active") for c in abl.capacity_factor],
+        ),
         "matching": ("active-matched", [(m, f"{m}-matched", build(match=m), m) for m in abl.match]),
     }
     for group, (reference_label, variants) in axes.items():
@@ -481,7 +494,9 @@ def _ablation_runs(spec: StudySpec, abl: AblationSpec) -> list[_Run]:
         runs.append(_Run(group, abl.budget, ref, reference_label, reference))
         if group == "matching":
             runs.append(_Run(group, abl.budget, DENSE, DENSE, dense))
-        runs += [_Run(group, abl.budget, f"{ref}/{suffix}", label, model, match) for suffix, label, model, match in variants]
+        runs += [
+            _Run(group, abl.budget, f"{ref}/{suffix}", label, model, match) for suffix, label, model, match in variants
+        ]
     return runs
 
 
@@ -498,8 +513,14 @@ def expand(spec: StudySpec) -> list[StudyPoint]:
             point = points.setdefault(
                 digest,
                 dict(
-                    name=name, config_name=config_name, budget=run.budget, model=run.model, seed=seed, groups={},
-                    match=run.match, hash=digest,
+                    name=name,
+                    config_name=config_name,
+                    budget=run.budget,
+                    model=run.model,
+                    seed=seed,
+                    groups={},
+                    match=run.match,
+                    hash=digest,
                 ),
             )
             point["groups"].setdefault(run.group, run.label)

@@ -68,9 +68,9 @@ class UpcyclingStudySpec:
     """AdamW and LR schedule of every arm (the schedule spans total_steps)."""
     factor: int = 2
     """m: the grown model has m*E experts (top-k unchanged)."""
-    total_steps: int = 600
+    total_steps: int = 400
     """T: optimizer steps of every arm."""
-    expand_at: int = 300
+    expand_at: int = 200
     """tau: the optimizer step after which the upcycled arms grow (a multiple of val_every)."""
     selections: list[str] = field(default_factory=lambda: list(SELECTIONS))
     """Copy selections to compare: uniform | utility."""
@@ -80,7 +80,7 @@ class UpcyclingStudySpec:
     """Steps before tau whose gradients make the expert utility."""
     batch_size: int = 16
     """Sequences per step."""
-    val_every: int = 50
+    val_every: int = 40
     """Validate every this many steps."""
     val_batches: int = 2
     """Validation batches per language."""
@@ -414,6 +414,8 @@ def run_study(
         records[arm] = run_arm(spec, arm, data_dir, runs)
         atomic_write_json(path, records[arm])
         log(f"{arm}: final val loss {records[arm]['curve'][-1]['val_loss']:.4f}, {records[arm]['wall_s']:.0f} s")
+    # NOTE: every arm is finished; the fork checkpoint (weights + AdamW state) is not a result.
+    (runs / FIXED_E / FORK_CKPT).unlink(missing_ok=True)
     return write_report(spec, out_dir, records, command)
 
 

@@ -3,8 +3,8 @@
     python tests/distributed/train_script.py --strategy ddp --steps 2 --out DIR [--resume CKPT]
 
 Lightning's launcher re-runs this command line for rank 1, so the distributed tests start it as a
-subprocess. Every run sees the same global batches: 8 fixed sequences per step, split by Lightning's
-DistributedSampler across the ranks. The router's auxiliary losses are off, so a data-parallel
+subprocess. Every run sees the same global batches: 8 fixed sequences per step, split across the ranks
+in order (``RankShard``). The router's auxiliary losses are off, so a data-parallel
 step computes exactly the single-process gradient (the balancing loss is not linear in the batch).
 The checkpoint goes to ``DIR/model.ckpt``.
 """
@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,7 +27,9 @@ from moe_lit.config import ModelConfig, MoEConfig  # noqa: E402
 from moe_lit.lit.module import MoELitModule, OptimConfig  # noqa: E402
 from moe_lit.lit.strategies import FSDP2Strategy  # noqa: E402
 
-GLOBAL_BATCH, SAMPLES = 8, 16  # two steps per epoch: a resumed run restarts at an epoch boundary
+# NOTE: one batch per epoch: a run resumed from a checkpoint saved at max_steps replays the rest of
+# its "unfinished" epoch from the loader's start, so only a one-batch epoch gives every run the same data.
+GLOBAL_BATCH, SAMPLES = 8, 8
 CONFIG = ModelConfig(
     vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16, d_ff=64,
     moe=MoEConfig(num_experts=4, expert_size=16, top_k=2, aux_loss_coef=0.0, first_dense_layers=1),
@@ -36,6 +39,27 @@ CONFIG = ModelConfig(
 def tokens() -> TensorDataset:
     gen = torch.Generator().manual_seed(1234)
     return TensorDataset(torch.randint(0, CONFIG.vocab_size, (SAMPLES, CONFIG.seq_len + 1), generator=gen))
+
+
+class RankShard(Sampler[int]):
+    """Indices ``rank, rank + world, ...`` in order, read from torch.distributed when iterated.
+
+    NOTE: Lightning gives training loaders a *shuffling* DistributedSampler; this one keeps the
+    global batches of every world size equal to the single-process batches (use_distributed_sampler off).
+    """
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def _shard(self) -> range:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return range(rank, self.num_samples, world)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._shard())
+
+    def __len__(self) -> int:
+        return len(self._shard())
 
 
 def strategy(name: str):
@@ -53,10 +77,13 @@ def train(strategy_name: str, steps: int, out: Path, resume: Optional[Path] = No
     pl.seed_everything(0, verbose=False)
     strat, devices = strategy(strategy_name)
     module = MoELitModule(CONFIG, OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"))
-    loader = DataLoader(tokens(), batch_size=GLOBAL_BATCH // devices, collate_fn=stack_rows)
+    loader = DataLoader(
+        tokens(), batch_size=GLOBAL_BATCH // devices, sampler=RankShard(SAMPLES), collate_fn=stack_rows
+    )
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strat, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
     trainer.save_checkpoint(out / "model.ckpt")

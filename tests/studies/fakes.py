@@ -31,8 +31,21 @@ def fake_loss(model_cfg, seed: int) -> float:
     return round(6.0 - 0.1 * math.log(count_config_params(model_cfg).total) + 0.001 * seed, 6)
 
 
-def fake_train(*, model_cfg, data_dir, out_dir, max_tokens, seq_len, batch_size, optim, seed, val_batches,
-               extra_callbacks=(), trainer_overrides=None, eval_every=None):
+def fake_train(
+    *,
+    model_cfg,
+    data_dir,
+    out_dir,
+    max_tokens,
+    seq_len,
+    batch_size,
+    optim,
+    seed,
+    val_batches,
+    extra_callbacks=(),
+    trainer_overrides=None,
+    eval_every=None,
+):
     """A successful run: a RunResult-like dict."""
     _log_call(out_dir, model_cfg)
     loss = fake_loss(model_cfg, seed)
@@ -65,3 +78,8 @@ def crash_on_16_experts(**kwargs):
 def read_calls(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / CALLS_FILE
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def interrupt(**kwargs):
+    """Ctrl-C while training."""
+    raise KeyboardInterrupt

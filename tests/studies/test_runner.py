@@ -86,6 +86,13 @@ def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(
     assert by_name["S/E16k2"]["error"].startswith("worker process died with exit code 3")
 
 
+def test_an_interrupted_worker_stops_the_sweep_and_leaves_no_record(tmp_path):
+    spec = StudySpec.from_dict(small_spec(grid={"num_experts": [4]}, ablations=None, budgets=[{"name": "S"}]))
+    with pytest.raises(KeyboardInterrupt):
+        _run(spec, tmp_path, fakes.interrupt, parallel=2)
+    assert not record_path(tmp_path, expand(spec)[0]).exists()  # it runs again on resume
+
+
 def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
     with pytest.raises(MoeLitError, match="--parallel: must be an integer >= 1, got 0"):
         _run(spec, tmp_path, fakes.fake_train, parallel=0)
@@ -95,4 +102,6 @@ def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
     with pytest.raises(MoeLitError, match="base.vocab_size: the study says 97 but data_dir .* has a tokenizer of 8192"):
         run_study(spec, tmp_path / "out", data_dir=str(data), train_fn=fakes.fake_train, log=lambda _: None)
     with pytest.raises(MoeLitError, match="holds no prepared data"):
-        run_study(spec, tmp_path / "out", data_dir=str(tmp_path / "none"), train_fn=fakes.fake_train, log=lambda _: None)
+        run_study(
+            spec, tmp_path / "out", data_dir=str(tmp_path / "none"), train_fn=fakes.fake_train, log=lambda _: None
+        )

@@ -37,16 +37,31 @@ def test_expansion_is_the_grid_plus_ablations_deduplicated():
     points = expand(StudySpec.from_dict(small_spec()))
     groups = {p.name: p.groups for p in points}
     assert list(groups) == [
-        "S/dense", "S/E4k2", "S/E8k2", "M/dense", "M/E4k2", "M/E8k2",
-        "M/E4k1", "M/E8k1", "M/E8k4",  # granularity: k=4 skipped at E=4 (every expert active)
-        "M/E4k2/shared=0.5", "M/E4k2/profile=skewed", "M/E4k2/bias=0.001", "M/E4k2/cf=1", "M/E4k2/cf=2",
+        "S/dense",
+        "S/E4k2",
+        "S/E8k2",
+        "M/dense",
+        "M/E4k2",
+        "M/E8k2",
+        "M/E4k1",
+        "M/E8k1",
+        "M/E8k4",  # granularity: k=4 skipped at E=4 (every expert active)
+        "M/E4k2/shared=0.5",
+        "M/E4k2/profile=skewed",
+        "M/E4k2/bias=0.001",
+        "M/E4k2/cf=1",
+        "M/E4k2/cf=2",
         "M/E4k2/total",
     ]
     # the reference point is one run that appears in every ablation, with its label in each group;
     # the aux_loss=0.01 balancing variant IS the reference (default coefficient) and merges into it
     assert groups["M/E4k2"] == {
-        "grid": "E4k2", "shared": "none", "heterogeneous": "equal", "balancing": "aux_loss=0.01",
-        "capacity": "dropless", "matching": "active-matched",
+        "grid": "E4k2",
+        "shared": "none",
+        "heterogeneous": "equal",
+        "balancing": "aux_loss=0.01",
+        "capacity": "dropless",
+        "matching": "active-matched",
     }
     assert groups["M/dense"] == {"grid": "dense", "matching": "dense"}
     assert groups["M/E4k2/cf=2"] == {"capacity": "cf=2"}
@@ -113,7 +128,10 @@ def test_shipped_studies_load_and_expand():
         ),
         ({"ablations": {"budget": "M", "balancing": [{"balancing": "magic"}]}}, "moe.balancing: got 'magic'"),
         ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: the base model must be dense"),
-        ({"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}}, "base.seq_len: set the sequence length in training.seq_len"),
+        (
+            {"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}},
+            "base.seq_len: set the sequence length in training.seq_len",
+        ),
         ({"budgets": [{"name": "S", "d_fff": 1}]}, "budgets[S].overrides: unknown model field(s) ['d_fff']"),
         ({"budgets": [{"name": "S", "d_ff": 0}]}, "budgets[S]: model.d_ff: must be a positive integer"),
         ({"training": {"optim": {"lr": -1}}}, "optim.lr: must be > 0"),

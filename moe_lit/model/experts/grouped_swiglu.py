@@ -115,10 +115,35 @@ class ExpertMatmuls:
         """Per-chunk weights ``(B, F, D)`` (a view, or a gather when chunks repeat experts), or per-expert views."""
         if not self.slots.batched:
             return self.layout.split(w_SD)
-        w_EFD = self.layout.as_EFD(w_SD)
         if self.slots.chunk_expert is None:
-            return w_EFD
-        return w_EFD.index_select(0, self.slots.chunk_expert)
+            return self.layout.as_EFD(w_SD)
+        # NOTE: a 2-D row gather; index_select over a 3-D tensor takes a slower path on CPU.
+        num_experts, size = self.layout.num_experts, self.layout.sizes[0]
+        w_BX = w_SD.view(num_experts, size * self.d_model).index_select(0, self.slots.chunk_expert)
+        return w_BX.view(-1, size, self.d_model)
+
+    # ------------------------------------------------------------------ row-wise ops on hidden buffers
+    def row_dot(self, a_H: torch.Tensor, b_H: torch.Tensor) -> torch.Tensor:
+        """``(P,)`` dot product of each slot's hidden row in ``a`` and ``b``."""
+        if self.slots.batched:
+            f = self.layout.sizes[0]
+            return torch.linalg.vecdot(a_H.view(-1, f), b_H.view(-1, f))
+        out_P = a_H.new_zeros(self.slots.num_slots)
+        for e in range(self.layout.num_experts):
+            if self.slots.rows[e]:
+                torch.linalg.vecdot(self._hidden(a_H, e), self._hidden(b_H, e), out=self._token_rows(out_P, e))
+        return out_P
+
+    def scale_rows(self, h_H: torch.Tensor, s_P: torch.Tensor, out_H: torch.Tensor) -> torch.Tensor:
+        """``out = h * s`` with one scale per slot row (``out_H`` may be ``h_H``)."""
+        if self.slots.batched:
+            f = self.layout.sizes[0]
+            torch.mul(h_H.view(-1, f), s_P.unsqueeze(1), out=out_H.view(-1, f))
+            return out_H
+        for e in range(self.layout.num_experts):
+            if self.slots.rows[e]:
+                torch.mul(self._hidden(h_H, e), self._token_rows(s_P, e).unsqueeze(1), out=self._hidden(out_H, e))
+        return out_H
 
     # ------------------------------------------------------------------ matmuls
     def x_wt(self, x_PD: torch.Tensor, w) -> torch.Tensor:
@@ -157,8 +182,9 @@ class ExpertMatmuls:
             g_BFD = torch.bmm(self._chunks(h_H, f).transpose(1, 2), self._chunks(y_PD, self.d_model))
             if slots.chunk_expert is None:
                 return g_BFD.view(layout.total_rows, self.d_model)
-            g_EFD = g_BFD.new_zeros(layout.num_experts, f, self.d_model).index_add_(0, slots.chunk_expert, g_BFD)
-            return g_EFD.view(layout.total_rows, self.d_model)
+            g_EX = g_BFD.new_zeros(layout.num_experts, f * self.d_model)
+            g_EX.index_add_(0, slots.chunk_expert, g_BFD.view(-1, f * self.d_model))
+            return g_EX.view(layout.total_rows, self.d_model)
         g_SD = y_PD.new_empty(layout.total_rows, self.d_model)
         for e, g_FD in enumerate(layout.split(g_SD)):
             if slots.rows[e]:
@@ -197,26 +223,27 @@ class GroupedSwiGLU(torch.autograd.Function):
         o_PD[-1].zero_()
         mm.h_w(act_H, w2, o_PD[:-1], accumulate=False)
         y_TD = F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
-        ctx.save_for_backward(x_PD, h1_H, h2_H, o_PD, gate_TK, w1_SD, v1_SD, w2_SD)
+        ctx.save_for_backward(x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD)
         ctx.mm = mm
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
-        x_PD, h1_H, h2_H, o_PD, gate_TK, w1_SD, v1_SD, w2_SD = ctx.saved_tensors
+        x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD = ctx.saved_tensors
         mm: ExpertMatmuls = ctx.mm
         slots = mm.slots
         w1, v1, w2 = mm.weights(w1_SD), mm.weights(v1_SD), mm.weights(w2_SD)
         dy_TD = dy_TD.contiguous()
         dyg_PD = _with_zero_row(dy_TD).index_select(0, slots.token_P)
-        # gate gradient: <o_slot, dy_token> of each kept assignment (0 for dropped ones)
-        dgate_P = torch.linalg.vecdot(o_PD[:-1], dyg_PD)
-        dgate_TK = F.pad(dgate_P, (0, 1)).index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
+        # NOTE: the gates are applied in hidden space (F wide, not D): the output gradient of a slot
+        # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
+        da_H = mm.x_wt(dyg_PD, w2)
+        dgate_P = F.pad(mm.row_dot(act_H, da_H), (0, 1))
+        dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
         gate_P = F.pad(gate_TK.reshape(-1), (0, 1)).index_select(0, slots.assign_P)
-        do_PD = dyg_PD.mul_(gate_P.unsqueeze(1))
+        dw2_SD = mm.ht_y(mm.scale_rows(act_H, gate_P, torch.empty_like(act_H)), dyg_PD)
+        da_H = mm.scale_rows(da_H, gate_P, da_H)
         silu_H = F.silu(h1_H)
-        dw2_SD = mm.ht_y(silu_H * h2_H, do_PD)
-        da_H = mm.x_wt(do_PD, w2)
         dh2_H = da_H * silu_H
         dh1_H = torch.ops.aten.silu_backward(da_H.mul_(h2_H), h1_H)
         dw1_SD, dv1_SD = mm.ht_y(dh1_H, x_PD), mm.ht_y(dh2_H, x_PD)

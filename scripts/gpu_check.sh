@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The one prepared check for a lent GPU machine (< 8 minutes). Two modes:
+#
+#   bash scripts/gpu_check.sh fetch
+#       HERE, with PyPI: download the sdists the GPU machine cannot fetch into .gpu-sdists/
+#       (git-ignored; about 1 MB). megablocks 0.10.0 and stanford-stk 0.7.1 take seconds;
+#       grouped_gemm 0.3.0's metadata step needs a CUDA build of torch, so pip fetches one into
+#       its isolated build env (several minutes, nothing is installed here).
+#
+#   bash scripts/gpu_check.sh
+#       ON THE GPU MACHINE (no internet; carry .gpu-sdists): build grouped_gemm and megablocks from
+#       those sdists into /tmp/gpu-site (in parallel, patched for CUDA 13), run the GPU-marked tests
+#       (tests/gpu: MegaBlocks and grouped_mm parity vs the torch backend, a CPU-trained checkpoint
+#       evaluated on the MegaBlocks path) and benchmarks/gpu_throughput.py. Logs and the benchmark
+#       JSON go to $OUT (the device tool brings them back) or benchmarks/results/.
+#       Device tool call: run(command="bash scripts/gpu_check.sh", carry=[".gpu-sdists"], timeout_s=540)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SDISTS=.gpu-sdists
+MEGABLOCKS=megablocks-0.10.0
+STK=stanford_stk-0.7.1
+GROUPED_GEMM=grouped_gemm-0.3.0
+
+if [[ "${1:-}" == "fetch" ]]; then
+  set -e
+  PY=${PYTHON:-.venv/bin/python}
+  mkdir -p "$SDISTS"
+  # NOTE: megablocks' setup.py asks the GPU for its arch unless TORCH_CUDA_ARCH_LIST is set.
+  TORCH_CUDA_ARCH_LIST=9.0 "$PY" -m pip download -q --no-deps --no-build-isolation -d "$SDISTS" \
+    megablocks==0.10.0 stanford-stk==0.7.1
+  # NOTE: grouped_gemm's metadata needs torch with CUDA and a CUDA_HOME that exists (any folder).
+  fake_cuda=$(mktemp -d)
+  mkdir -p "$fake_cuda/lib64"
+  CUDA_HOME=$fake_cuda TORCH_CUDA_ARCH_LIST=9.0 "$PY" -m pip download -q --no-deps -d "$SDISTS" grouped_gemm==0.3.0
+  ls -la "$SDISTS"
+  exit 0
+fi
+
+OUT_DIR=${OUT:-benchmarks/results}
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/gpu_check.log"
+PY=${PYTHON:-python3}
+SITE=/tmp/gpu-site
+BUILD=/tmp/gpu-build
+exec > >(tee "$LOG") 2>&1
+start=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - start ))s] $*"; }
+
+stamp "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+"$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+which nvcc && nvcc --version | tail -1
+
+stamp "build grouped_gemm + megablocks from $SDISTS (parallel, 270 s limit)"
+rm -rf "$BUILD" && mkdir -p "$BUILD" "$SITE"
+for name in $MEGABLOCKS $STK $GROUPED_GEMM; do
+  tar xzf "$SDISTS/$name.tar.gz" -C "$BUILD" || echo "MISSING $SDISTS/$name.tar.gz (run: bash scripts/gpu_check.sh fetch)"
+done
+# NOTE: CUDA 13's CUB dropped DeviceScan's debug_synchronous argument, which megablocks still passes.
+"$PY" - "$BUILD/$MEGABLOCKS/csrc/cumsum.h" <<'EOF'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+patched = re.sub(r",\s*debug_synchronous\)\);", "));", text)
+open(path, "w").write(patched)
+print("patched debug_synchronous:", text.count("debug_synchronous)") , "->", patched.count("debug_synchronous)"))
+EOF
+# NOTE: grouped_gemm includes cusparse headers that live in the CUDA wheels, not in the toolkit path.
+CUDA_WHEEL_INCLUDES=$("$PY" - <<'EOF'
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+print(":".join(sorted({d for r in roots for d in glob.glob(os.path.join(r, "nvidia", "**", "include"), recursive=True)})))
+EOF
+)
+export CPATH="${CUDA_WHEEL_INCLUDES}${CPATH:+:$CPATH}"
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+PIP_TARGET_INSTALL=("$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE")
+(timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$GROUPED_GEMM" > "$BUILD/grouped_gemm.log" 2>&1; echo "grouped_gemm build exit $?") &
+(timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$MEGABLOCKS" "$BUILD/$STK" > "$BUILD/megablocks.log" 2>&1; echo "megablocks build exit $?") &
+wait
+tail -n 15 "$BUILD/grouped_gemm.log" "$BUILD/megablocks.log"
+cp "$BUILD/grouped_gemm.log" "$BUILD/megablocks.log" "$OUT_DIR/" 2>/dev/null || true
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import megablocks, grouped_gemm; print('megablocks', megablocks.__file__, 'grouped_gemm OK')" \
+  || echo "MegaBlocks does not import: its tests skip and the benchmark records the error"
+
+stamp "GPU tests (tests/gpu, 120 s limit)"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tail -n 40
+echo "pytest exit ${PIPESTATUS[0]}"
+
+stamp "throughput benchmark (150 s limit)"
+timeout 150 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu-$(date +%F).json" --steps 10 --warmup 3 \
+  > "$OUT_DIR/gpu_throughput.stdout" 2>&1
+echo "benchmark exit $?"
+"$PY" - "$OUT_DIR/gpu-$(date +%F).json" <<'EOF'
+import json, sys
+try:
+    result = json.load(open(sys.argv[1]))
+except OSError as exc:
+    sys.exit(f"no benchmark result: {exc}")
+print(f"{'model':10} {'backend':11} {'tokens/s':>10} {'step ms':>8} {'MFU':>6}  error")
+for r in result["results"]:
+    print(f"{r['model']:10} {r['backend']:11} {r.get('tokens_per_s', '-'):>10} {r.get('step_ms', '-'):>8} "
+          f"{r.get('mfu', '-'):>6}  {r.get('error', '')[:60]}")
+print("summary", json.dumps(result["summary"]))
+EOF
+tail -n 5 "$OUT_DIR/gpu_throughput.stdout"
+stamp "done"

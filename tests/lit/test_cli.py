@@ -1,0 +1,72 @@
+"""``moe-lit fit|validate|test``: config mistakes are one line naming the key, exit status 2."""
+
+from pathlib import Path
+
+import pytest
+
+from moe_lit.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+EXPERIMENT = str(REPO / "configs/experiments/tiny-moe.yaml")
+
+
+def _error_line(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        (["--model.model.d_modle", "3"], "model.model.d_modle: unknown key"),
+        (["--data.batch_size", "x"], "data.batch_size: expected int"),
+    ],
+)
+def test_command_line_mistakes_are_one_line_naming_the_key(capsys, extra, key):
+    err = _error_line(capsys, ["fit", "--config", EXPERIMENT, *extra])
+    assert err.startswith("moe-lit fit: error: ") and key in err
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("model:\n  model:\n    moe:\n      top_kk: 2\n", "model.model.moe.top_kk: unknown key"),
+        ("model:\n  model:\n    moe:\n      top_k: 9\n", "moe.top_k: must be <= num_experts=8, got 9"),
+    ],
+)
+def test_config_file_mistakes_are_one_line_naming_the_key(capsys, tmp_path, text, key):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    err = _error_line(capsys, ["validate", "--config", EXPERIMENT, "--config", str(bad)])
+    assert key in err
+
+
+def test_help_shows_the_dataclass_field_docstrings(capsys):
+    assert main(["fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Residual stream width D." in out  # ModelConfig.d_model
+    assert "Peak learning rate, reached at the end of the warmup." in out  # OptimConfig.lr
+    assert "data.vocab_size --> model.model.vocab_size" in out
+
+
+@pytest.mark.parametrize(
+    "message, line",
+    [
+        ('Parser key "model.model.moe":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
+         "[<class 'moe_lit.config.MoEConfig'>, <class 'NoneType'>]\n  Errors:\n    - Problem with given class_path "
+         "'moe_lit.MoEConfig':\n        Parser key \"top_k\":\n          Expected a <class 'int'>. Got value: abc\n"
+         "    - Expected a <class 'NoneType'>\n  Given value type: <class 'dict'>\n  Given value: {'top_k': 'abc'}",
+         "model.model.moe.top_k: expected int. Got value: abc"),
+        ("Subcommand 'fit' does not accept option 'trainr.max_steps'", "trainr.max_steps: unknown key"),
+        ("usage: moe-lit fit [-h]\nunrecognized arguments: --model.model.d_modle 3", "model.model.d_modle: unknown key"),
+        ("Does not validate against any of the Union subtypes\nErrors:\n  - moe.top_k: must be <= num_experts=4, got 9"
+         "\n  - Expected a <class 'NoneType'>", "moe.top_k: must be <= num_experts=4, got 9"),
+    ],
+)
+def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):
+    from moe_lit.lit.cli import config_error_line
+
+    assert config_error_line(message) == line
