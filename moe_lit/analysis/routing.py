@@ -53,7 +53,7 @@ LANGUAGE_FAMILIES: dict[str, str] = {
 class RoutingAnalysisConfig:
     """Settings of the per-language routing analysis."""
 
-    max_tokens: int = 50_000
+    max_tokens: int = 20_000
     """Token budget per language: whole test documents are taken in order until the first
     language reaches it; every language gets the same documents."""
     batch_size: int = 8

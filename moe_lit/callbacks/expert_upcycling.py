@@ -12,7 +12,7 @@ starts with its source's AdamW moments.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import lightning.pytorch as pl
 import torch

@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     routing.add_argument("--split", default="test", help="parallel split to route (default: test)")
     routing.add_argument("--name", help="results/analysis/<name> (default: the checkpoint's name)")
-    routing.add_argument("--max-tokens", type=int, default=50_000, help="token budget per language")
+    routing.add_argument("--max-tokens", type=int, default=20_000, help="token budget per language")
     routing.add_argument("--batch-size", type=int, default=8)
     routing.add_argument("--device", default="cpu")
     routing.add_argument("--save-trace", action="store_true", help="also write the routing trace (trace.pt)")

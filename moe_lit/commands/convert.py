@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     hf = actions.add_parser("import-hf", help="import a local HF Llama checkpoint (dir, or dir + GGUF file)")
     hf.add_argument("--model", required=True, type=Path, help="directory of a LlamaForCausalLM (or of a GGUF file)")
-    hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf`)")
+    hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf accelerate`)")
     hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 

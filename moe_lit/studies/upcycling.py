@@ -143,6 +143,7 @@ def _callbacks():
     """Lightning callbacks of the study (imported with Lightning only when a run starts)."""
     import lightning.pytorch as pl
     import torch
+    from typing_extensions import override
 
     from moe_lit.convert.common import next_token_loss
 
@@ -154,12 +155,15 @@ def _callbacks():
             self.step_seconds: list[float] = []
             self._start = 0.0
 
+        @override
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._start = time.perf_counter()
 
+        @override
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.step_seconds.append(time.perf_counter() - self._start)
 
+        @override
         def on_validation_end(self, trainer, pl_module) -> None:
             if not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
                 self.curve.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val/loss"])})
@@ -170,6 +174,7 @@ def _callbacks():
         def __init__(self, step: int, path: Path) -> None:
             self.step, self.path = step, path
 
+        @override
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if trainer.global_step == self.step:
                 trainer.save_checkpoint(self.path)
@@ -180,6 +185,7 @@ def _callbacks():
         def __init__(self, step: int, into: dict, key: str) -> None:
             self.step, self.into, self.key = step, into, key
 
+        @override
         @torch.no_grad()
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if trainer.global_step != self.step or self.key in self.into:

@@ -1,5 +1,3 @@
-from typing import Any
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -10,30 +8,31 @@ from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.config import ConfigError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.model import Transformer
 from tests.conftest import tiny
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine")
 
 
+def _state_by_name(trainer, pl_module) -> dict:
+    names = {id(p): n for n, p in pl_module.model.named_parameters()}
+    state = trainer.optimizers[0].state
+    return {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in state.items()}
+
+
 class Recorder(pl.Callback):
-    """Learning rate of every step, and the optimizer state right after a swap (runs after the swap)."""
+    """Learning rate of every step; the optimizer state by name just before and just after a swap."""
 
     def __init__(self, at_step: int = -1) -> None:
-        self.at_step, self.lrs, self.state_after = at_step, [], None
+        self.at_step, self.lrs = at_step, []
+        self.last_state = self.state_before = self.state_after = None
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # runs after the swap
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         if trainer.global_step == self.at_step:
-            names = {id(p): n for n, p in pl_module.model.named_parameters()}
-            state = trainer.optimizers[0].state
-            self.state_after = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in state.items()}
-            self.state_before = getattr(self, "last_state", None)
+            self.state_before, self.state_after = self.last_state, _state_by_name(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        names = {id(p): n for n, p in pl_module.model.named_parameters()}
-        state = trainer.optimizers[0].state
-        self.last_state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in state.items()}
+        self.last_state = _state_by_name(trainer, pl_module)
 
 
 def _loader(cfg) -> DataLoader:

@@ -17,11 +17,18 @@ from moe_lit.model.experts.megablocks_backend import import_megablocks, unsuppor
 from tests.conftest import tiny
 
 
+NO_MEGABLOCKS = pytest.mark.skipif(importlib.util.find_spec("megablocks") is not None, reason="megablocks is installed")
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+
+
+@CPU_ONLY
 def test_auto_on_cpu_is_torch_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -29,6 +36,7 @@ def test_auto_on_cpu_is_torch_without_a_warning():
         Transformer(tiny())
 
 
+@CPU_ONLY
 def test_forced_megablocks_without_cuda_names_the_field_and_the_reason():
     with pytest.raises(ConfigError, match=r"moe.backend: 'megablocks' cannot run here: no CUDA device"):
         Transformer(tiny(backend="megablocks"))
@@ -57,6 +65,7 @@ def test_supported_configs_pick_megablocks_when_it_is_there(fields, monkeypatch,
     assert resolve_backend(tiny(backend="torch", **fields).moe) == "torch"
 
 
+@NO_MEGABLOCKS
 def test_cuda_without_megablocks_falls_back_with_the_install_hint(fake_cuda):
     with pytest.warns(UserWarning, match="megablocks does not import.*gpu extra"):
         assert resolve_backend(tiny().moe) == "torch"
@@ -64,7 +73,7 @@ def test_cuda_without_megablocks_falls_back_with_the_install_hint(fake_cuda):
         resolve_backend(tiny(backend="megablocks").moe)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("megablocks") is not None, reason="megablocks is installed here")
+@NO_MEGABLOCKS
 def test_lazy_import_error_is_a_user_error():
     with pytest.raises(MoeLitError, match=r"^moe.backend: megablocks does not import .*gpu extra"):
         import_megablocks()

@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moe_lit.checkpoint import load_model
@@ -40,6 +39,7 @@ def _losses(result) -> dict[int, float]:
     return {int(row["step"]): row["train/loss"] for row in read_metrics(result.metrics_csv) if "train/loss" in row}
 
 
+@pytest.mark.slow
 def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(prepared, tmp_path, capsys):
     every = ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=KILLED_AT, save_top_k=-1)
     full = _run(prepared, tmp_path / "full", extra_callbacks=[every])
@@ -56,12 +56,9 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
     assert resumed.val_loss == full.val_loss
     assert load_model(full.checkpoint).config == tiny().replace(vocab_size=300, seq_len=SEQ_LEN)
 
-    # the CLI (experiment config, real datamodule, vocab size linked from the data) on the final weights
-    model_yaml = tmp_path / "model.yaml"
-    model_yaml.write_text(yaml.safe_dump({"model": tiny().to_dict() | {"vocab_size": None, "seq_len": None}}))
-    model_doc = yaml.safe_load(model_yaml.read_text())
-    model_yaml.write_text(yaml.safe_dump({"model": {k: v for k, v in model_doc["model"].items() if v is not None}}))
-    code = main(["validate", "--config", EXPERIMENT, "--model", str(model_yaml), "--data.data_dir", str(prepared),
+    # the CLI on the final weights: experiment config, real datamodule; with --ckpt_path the model
+    # section comes from the checkpoint's hyper-parameters (plain dicts)
+    code = main(["validate", "--config", EXPERIMENT, "--data.data_dir", str(prepared),
                  f"--data.seq_len={SEQ_LEN}", f"--data.batch_size={BATCH}", "--data.val_batches=2",
                  f"--trainer.logger.init_args.save_dir={tmp_path / 'cli'}", "--trainer.enable_progress_bar=false",
                  f"--ckpt_path={full.checkpoint}"])

@@ -82,13 +82,21 @@ def test_hand_written_backward_matches_numerical_gradients(strategy, sizes, toke
     assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs, fast_mode=True)
 
 
-def test_auto_picks_bmm_for_uniform_layouts_and_the_loop_for_heterogeneous_ones():
-    uniform, hetero = ExpertLayout.of([4] * 4), ExpertLayout.of([4, 4, 4, 5])
-    assert use_batched("auto", uniform) and not use_batched("auto", hetero)
-    assert use_batched("batched", hetero) and not use_batched("looped", uniform)
-    _, indices = _routing(32, 4, 1, skew=0)
-    assert plan_dispatch(indices, uniform, None).slots.batched
-    assert not plan_dispatch(indices, hetero, None).slots.batched
+def test_auto_picks_bmm_for_uniform_layouts_on_several_threads_else_the_loop():
+    uniform, hetero, cpu = ExpertLayout.of([4] * 4), ExpertLayout.of([4, 4, 4, 5]), torch.device("cpu")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert use_batched("auto", uniform, cpu) and not use_batched("auto", hetero, cpu)
+        _, indices = _routing(32, 4, 1, skew=0)
+        assert plan_dispatch(indices, uniform, None).slots.batched
+        assert not plan_dispatch(indices, hetero, None).slots.batched
+        torch.set_num_threads(1)
+        assert not use_batched("auto", uniform, cpu)
+        assert use_batched("auto", uniform, torch.device("cuda"))
+        assert use_batched("batched", uniform, cpu) and not use_batched("looped", uniform, torch.device("cuda"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():

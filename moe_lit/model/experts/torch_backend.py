@@ -39,16 +39,18 @@ class Dispatch:
     """Number of dropped assignments (0-dim)."""
 
 
-def use_batched(strategy: Strategy, layout: ExpertLayout) -> bool:
-    """Whether to run the chunked ``bmm`` path.
+def use_batched(strategy: Strategy, layout: ExpertLayout, device: torch.device) -> bool:
+    """Whether to run the chunked ``bmm`` path rather than the packed loop.
 
-    NOTE: ``auto`` takes it whenever the expert sizes are equal. On one thread a loop of per-expert
-    ``mm`` and one ``bmm`` cost the same, but each ``mm`` is its own parallel region: on two shared
-    cores the loop was measured 3-10x slower than the ``bmm`` (see README, Performance).
+    NOTE: ``auto`` takes the loop where nothing runs in parallel (one CPU thread): there it costs
+    the same FLOPs minus the padding, about 15-25% less time. Elsewhere each per-expert ``mm`` is
+    its own parallel region (or kernel launch), and on two busy shared cores the loop was measured
+    2-4x slower than the ``bmm``s (README, Performance). The loop also serves unequal expert sizes.
     """
-    if strategy == "auto":
-        return layout.uniform
-    return strategy == "batched"
+    if strategy != "auto":
+        return strategy == "batched"
+    single_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    return layout.uniform and not single_thread
 
 
 def plan_dispatch(
@@ -69,7 +71,7 @@ def plan_dispatch(
         kept_counts_E = routed_counts_E
         dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
     kept_counts = kept_counts_E.tolist()
-    batched = use_batched(strategy, layout)
+    batched = use_batched(strategy, layout, indices_TK.device)
     slots = build_slots(indices_TK, order_N, rank_N, kept_counts, batched, capacity)
     return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
@@ -88,9 +90,8 @@ class ExpertWeights(nn.Module):
 class TorchExperts(nn.Module):
     """Dropless (or capacity-limited) routed experts; ``mlp`` + ``bias`` as in MegaBlocks dMoE.
 
-    ``strategy`` picks the grouped matmuls: ``auto`` (batched for equal expert sizes, else looped),
-    ``batched`` (chunked bmm; equal sizes only) or ``looped``. All give the same results up to
-    float rounding.
+    ``strategy`` picks the grouped matmuls: ``auto`` (see :func:`use_batched`), ``batched``
+    (chunked bmm; equal sizes only) or ``looped``. All give the same results up to float rounding.
     """
 
     def __init__(self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto") -> None:
