@@ -1,11 +1,12 @@
 """MoE layer forward+backward tokens/s next to a dense SwiGLU FFN of equal active parameters.
 
-    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--strategy auto]
+    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--clock wall] [--strategy auto]
 
 For each shape (E, k, F) at d_model 256 and 2048 tokens, one process times, INTERLEAVED: the MoE
-layer (router + experts + losses), the dense SwiGLU with d_ff = k*F, and a plain fp32 matmul
-``(T, D) @ (D, k*F)`` (one of the three matmuls of that dense FFN). FLOP/s count useful work only
-(padding and routing excluded): 18*N*D*F for the experts' fwd+bwd plus 6*T*D*E for the router.
+layer (router + experts + auxiliary loss), the dense SwiGLU with d_ff = k*F, and a plain fp32
+matmul ``(T, D) @ (D, k*F)`` (one of the three matmuls of that dense FFN). FLOP/s count useful work
+only (no padding, no routing bookkeeping): 18*T*k*D*F for the experts' forward+backward plus
+6*T*D*E for the router; 18*T*D*d_ff for the dense FFN; 2*T*D*d_ff for the matmul.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from benchmarks.common import interleaved_times, median, paired_ratio, report, set_threads
+from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
 from moe_lit.config import MoEConfig
-from moe_lit.model.experts.torch_backend import STRATEGIES
+from moe_lit.model.experts.torch_backend import STRATEGIES, use_batched
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
 
@@ -25,7 +26,7 @@ D_MODEL, TOKENS = 256, 2048
 SHAPES = ((16, 2, 256), (64, 8, 64))
 
 
-def _random_init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+def random_init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
@@ -55,66 +56,53 @@ def matmul_step(d_ff: int) -> Callable[[], None]:
     return lambda: torch.mm(a_TD, b_DF)
 
 
+def bench_shape(shape: tuple[int, int, int], strategy: str, rounds: int, warmup: int, clock: str) -> dict:
+    num_experts, top_k, size = shape
+    d_ff = top_k * size
+    layer = random_init(MoELayer(D_MODEL, MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k), 1), 0)
+    layer.experts.strategy = strategy
+    dense = random_init(SwiGLU(D_MODEL, d_ff), 0)
+    gen = torch.Generator().manual_seed(1)
+    x_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen).requires_grad_(True)
+    dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
+    cases = {"moe": moe_step(layer, x_BLD, dy_BLD), "dense": dense_step(dense, x_BLD, dy_BLD), "matmul": matmul_step(d_ff)}
+    times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
+    flops = {
+        "moe": 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts,
+        "dense": 18 * TOKENS * D_MODEL * d_ff,
+        "matmul": 2 * TOKENS * D_MODEL * d_ff,
+    }
+    flops_per_s = {name: flops[name] / median(times[name]) for name in cases}
+    counts = layer.router.tokens_per_expert
+    return {
+        "experts_path": "batched" if use_batched(strategy, layer.experts.layout, x_BLD.device) else "looped",
+        "routing_max_over_mean": (counts.max() / counts.mean()).item(),
+        "moe_tokens_per_s": TOKENS / median(times["moe"]),
+        "dense_tokens_per_s": TOKENS / median(times["dense"]),
+        "moe_over_dense_time": paired_ratio(times, "moe", "dense"),
+        "median_ms": {name: 1e3 * median(t) for name, t in times.items()},
+        "gflop_per_s": {name: value / 1e9 for name, value in flops_per_s.items()},
+        "moe_flops_fraction_of_matmul": flops_per_s["moe"] / flops_per_s["matmul"],
+        "dense_flops_fraction_of_matmul": flops_per_s["dense"] / flops_per_s["matmul"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
-    results = {}
-    for num_experts, top_k, size in SHAPES:
-        tag = f"E{num_experts}k{top_k}F{size}"
-        d_ff = top_k * size
-        layer = _random_init(MoELayer(D_MODEL, MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k), 1), 0)
-        layer.experts.strategy = args.strategy
-        dense = _random_init(SwiGLU(D_MODEL, d_ff), 0)
-        gen = torch.Generator().manual_seed(1)
-        x_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen).requires_grad_(True)
-        dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
-        times = interleaved_times(
-            {"moe": moe_step(layer, x_BLD, dy_BLD), "dense": dense_step(dense, x_BLD, dy_BLD), "matmul": matmul_step(d_ff)},
-            rounds=args.rounds,
-            warmup=args.warmup,
-        )
-        moe_flops = 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts
-        dense_flops = 18 * TOKENS * D_MODEL * d_ff
-        matmul_flops = 2 * TOKENS * D_MODEL * d_ff
-        flops_per_s = {
-            "moe": moe_flops / median(times["moe"]),
-            "dense": dense_flops / median(times["dense"]),
-            "matmul": matmul_flops / median(times["matmul"]),
-        }
-        results[tag] = {
-            "moe_tokens_per_s": TOKENS / median(times["moe"]),
-            "dense_tokens_per_s": TOKENS / median(times["dense"]),
-            "moe_over_dense_time": paired_ratio(times, "moe", "dense"),
-            "moe_median_ms": 1e3 * median(times["moe"]),
-            "dense_median_ms": 1e3 * median(times["dense"]),
-            "gflop_per_s": {name: value / 1e9 for name, value in flops_per_s.items()},
-            "moe_flops_fraction_of_matmul": flops_per_s["moe"] / flops_per_s["matmul"],
-            "dense_flops_fraction_of_matmul": flops_per_s["dense"] / flops_per_s["matmul"],
-            "batched_path": layer.experts.strategy == "batched" or (
-                args.strategy == "auto" and bool(_last_batched(layer, x_BLD))
-            ),
-        }
-    report(
-        "moe_layer",
-        {"setup": {"d_model": D_MODEL, "tokens": TOKENS, "strategy": args.strategy, "rounds": args.rounds},
-         "shapes": results},
-        save=not args.no_save,
-    )
-
-
-def _last_batched(layer: MoELayer, x_BLD: torch.Tensor) -> bool:
-    """Whether the routing of ``x_BLD`` took the padded bmm path."""
-    from moe_lit.model.experts.torch_backend import plan_dispatch
-
-    with torch.no_grad():
-        routing = layer.router(x_BLD.reshape(-1, D_MODEL))
-        return plan_dispatch(routing.indices_TK, layer.experts.layout, None, layer.experts.strategy).slots.batched
+    shapes = {
+        "E{}k{}F{}".format(*shape): bench_shape(shape, args.strategy, args.rounds, args.warmup, args.clock)
+        for shape in SHAPES
+    }
+    setup = {"d_model": D_MODEL, "tokens": TOKENS, "strategy": args.strategy, "rounds": args.rounds, "clock": args.clock}
+    report("moe_layer", {"setup": setup, "shapes": shapes}, save=not args.no_save)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
 from moe_lit.callbacks.upcycling import ModelSwapCallback
 from moe_lit.config import BALANCING, ConfigError
 from moe_lit.convert.expand import (
@@ -85,8 +86,13 @@ class ExpertUpcycling(ModelSwapCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if pl_module.model.config.moe is None:
-            raise MoeLitError("ExpertUpcycling: the model is dense; use DenseToMoEUpcycling first")
+        upcycled_before = any(
+            isinstance(cb, DenseToMoEUpcycling) and cb.at_steps[0] < self.at_steps[0] for cb in trainer.callbacks
+        )
+        if pl_module.model.config.moe is None and not upcycled_before:
+            raise MoeLitError(
+                "ExpertUpcycling: the model is dense; add a DenseToMoEUpcycling callback with an earlier step"
+            )
 
     @override
     def on_before_optimizer_step(

@@ -7,7 +7,8 @@ Local suite (``moe_lit_suite``), built from the parallel test split of a prepare
 * ``moe_lit_next_<lang>``: multiple choice, the true next paragraph of a document vs distractor
   paragraphs of the same document (next among the split's paragraphs: a split drawn per paragraph
   keeps only some paragraphs of each document);
-* ``moe_lit_pairs_<lang>``: minimal pairs, a real sentence vs the same sentence shuffled.
+* ``moe_lit_pairs_<lang>``: minimal pairs, a real sentence vs the same sentence with its words
+  after the first shuffled (the same tokens, so chance is 50%).
 
 Only paragraph ids present in every language are used and an item is kept only when it is valid
 in every language, so every language answers the same items (choice order included) and scores
@@ -180,14 +181,21 @@ def first_sentence(text: str) -> str:
 
 
 def shuffled(sentence: str, rng: random.Random) -> Optional[str]:
-    """The sentence with its words shuffled (characters when it has no spaces); None if impossible."""
+    """The sentence with all words but the first shuffled; None when no other order exists.
+
+    NOTE: keeping the first word in place keeps the multiset of byte-level BPE pre-tokens
+    (every moved word keeps its leading space, punctuation splits off), so both sentences have
+    the same number of tokens and a length bias cannot decide the pair. Text without spaces
+    falls back to shuffling characters (after the first), where token counts may differ.
+    """
     words = sentence.split()
     units, joiner = (words, " ") if len(words) >= 2 else (list(sentence), "")
+    head, tail = units[:1], units[1:]
     for _ in range(10):
-        candidate = list(units)
+        candidate = list(tail)
         rng.shuffle(candidate)
-        if candidate != units:
-            return joiner.join(candidate)
+        if candidate != tail:
+            return joiner.join(head + candidate)
     return None
 
 

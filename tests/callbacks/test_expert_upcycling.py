@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader
 from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.config import ConfigError
+from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from tests.conftest import tiny
@@ -108,13 +109,15 @@ def test_checkpoint_after_expansion_resumes_into_the_expanded_shape(tmp_path):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
-def test_dense_to_moe_mid_run_is_exact_and_keeps_attention_moments():
+def test_dense_to_moe_mid_run_is_exact_keeps_attention_moments_and_can_grow_again():
     recorder = Recorder(at_step=2)
-    grow = DenseToMoEUpcycling(at_step=2, recipe="granular", num_experts=4, top_k=2, granularity=2)
-    _, module = _fit(tiny(dense=True), [grow, recorder], max_steps=4)
-    (event,) = grow.events
+    upcycle = DenseToMoEUpcycling(at_step=2, recipe="granular", num_experts=4, top_k=2, granularity=2)
+    grow = ExpertUpcycling(at_steps=[3], factor=2)
+    _, module = _fit(tiny(dense=True), [upcycle, grow, recorder], max_steps=4)
+    (event,) = upcycle.events
     assert event["loss_after"] == pytest.approx(event["loss_before"], abs=1e-5)
-    assert module.model.config.moe.num_experts == 4 and module.hparams["model"].moe.expert_size == 32
+    assert event["num_experts"] == 4 and grow.events[0]["num_experts"] == 8
+    assert module.model.config.moe.num_experts == 8 and module.hparams["model"].moe.expert_size == 32
     q = "blocks.0.attn.q_proj.weight"
     assert torch.equal(recorder.state_after[q]["exp_avg"], recorder.state_before[q]["exp_avg"])
     assert "blocks.0.ffn.experts.mlp.w1" not in recorder.state_after
@@ -141,3 +144,5 @@ def test_bad_upcycling_shape_fails_at_setup_not_mid_run():
     grow = DenseToMoEUpcycling(at_step=5, recipe="granular", num_experts=6, top_k=4, granularity=4)
     with pytest.raises(ConfigError, match="num_experts: must be a multiple of granularity=4"):
         _fit(tiny(dense=True), [grow], max_steps=6)
+    with pytest.raises(MoeLitError, match="the model is dense; add a DenseToMoEUpcycling callback"):
+        _fit(tiny(dense=True), [ExpertUpcycling(at_steps=[2])], max_steps=6)

@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from moe_lit.checkpoint import load_model
+from moe_lit.cli import main
 from moe_lit.convert import dense_to_moe
 from moe_lit.errors import MoeLitError
 
@@ -35,8 +37,9 @@ def test_imported_llama_logits_equal_transformers_logits(tie, tmp_path):
     with torch.no_grad():
         expected = hf(idx).logits
     assert (ours(idx).logits_BLV - expected).abs().max().item() < 1e-5
-    hf.save_pretrained(tmp_path)  # the directory route, offline
-    from_dir = from_hf_llama(tmp_path)
+    hf.save_pretrained(tmp_path / "hf")  # the directory route, offline, through the CLI
+    assert main(["convert", "import-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    from_dir = load_model(tmp_path / "ours")
     assert (from_dir(idx).logits_BLV - expected).abs().max().item() < 1e-5
     upcycled = dense_to_moe(ours, "granular", num_experts=4, top_k=2, granularity=2)
     assert (upcycled(idx).logits_BLV - expected).abs().max().item() < 1e-5
