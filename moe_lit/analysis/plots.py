@@ -49,9 +49,13 @@ def similarity_matrix(js_GG: torch.Tensor, languages: Sequence[str], order: Sequ
     image = ax.imshow(similarity_GG.numpy(), cmap="magma", vmin=float(similarity_GG.min()), vmax=1.0)
     ax.set_xticks(range(len(names)), names, rotation=45)
     ax.set_yticks(range(len(names)), names)
+    low, high = float(similarity_GG.min()), 1.0
     for i in range(len(names)):
         for j in range(len(names)):
-            ax.text(j, i, f"{float(similarity_GG[i, j]):.3f}", ha="center", va="center", fontsize=7, color="grey")
+            value = float(similarity_GG[i, j])
+            # NOTE: dark text on the light end of the colour map, light text on the dark end.
+            color = "black" if value > (low + high) / 2 else "white"
+            ax.text(j, i, f"{value:.3f}", ha="center", va="center", fontsize=7, color=color)
     ax.set_title("routing similarity 1 - JS\n(mean over MoE layers, clustering order)", fontsize=10)
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     fig.tight_layout()

@@ -72,8 +72,8 @@ class DenseToMoEUpcycling(ModelSwapCallback):
     @override
     def transform(
         self, model: Transformer, step: int, batch_BL1: torch.Tensor
-    ) -> tuple[Transformer, dict[str, torch.Tensor]]:
-        return dense_to_moe(model, *self._arguments(), **self.moe_fields), {}
+    ) -> tuple[Transformer, dict[str, torch.Tensor], dict[str, Any]]:
+        return dense_to_moe(model, *self._arguments(), **self.moe_fields), {}, {"recipe": self.recipe}
 
 
 __all__ = ["DenseToMoEUpcycling"]

@@ -12,7 +12,7 @@ starts with its source's AdamW moments.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -105,7 +105,7 @@ class ExpertUpcycling(ModelSwapCallback):
     @override
     def transform(
         self, model: Transformer, step: int, batch_BL1: torch.Tensor
-    ) -> tuple[Transformer, dict[str, torch.Tensor]]:
+    ) -> tuple[Transformer, dict[str, torch.Tensor], dict[str, Any]]:
         utility = None
         if self.selection == "utility":
             # NOTE: a run resumed right at the expansion step has no gradients accumulated yet;
@@ -116,7 +116,12 @@ class ExpertUpcycling(ModelSwapCallback):
             model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies
         )
         new = apply_expansion(model, plan, self.noise, self.balancing, self.seed + step)
-        return new, plan.row_sources(model)
+        details = {
+            "selection": self.selection,
+            "copies": {str(block): plan.copies(block) for block in plan.sources},
+            "utility": utility.to_dict() if utility is not None else None,
+        }
+        return new, plan.row_sources(model), details
 
 
 __all__ = ["ExpertUpcycling"]

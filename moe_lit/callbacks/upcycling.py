@@ -67,8 +67,9 @@ class ModelSwapCallback(pl.Callback):
     # ------------------------------------------------------------------ subclass API
     def transform(
         self, model: Transformer, step: int, batch_BL1: torch.Tensor
-    ) -> tuple[Transformer, dict[str, torch.Tensor]]:
-        """The new network and, per grown parameter name, the source row of each of its rows."""
+    ) -> tuple[Transformer, dict[str, torch.Tensor], dict[str, Any]]:
+        """The new network; per grown parameter name, the source row of each of its rows; and
+        JSON-ready details of the decision, recorded with the event."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ hooks
@@ -107,7 +108,7 @@ class ModelSwapCallback(pl.Callback):
     # ------------------------------------------------------------------ the swap
     def swap(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_BL1: torch.Tensor, step: int) -> None:
         old = pl_module.model
-        new, row_sources = self.transform(old, step, batch_BL1)
+        new, row_sources, details = self.transform(old, step, batch_BL1)
         loss_before, loss_after = _eval_loss(old, batch_BL1), _eval_loss(new, batch_BL1)
         saved = _optimizer_state_by_name(trainer, old)
         schedulers = [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]
@@ -124,6 +125,7 @@ class ModelSwapCallback(pl.Callback):
             "loss_before": loss_before,
             "loss_after": loss_after,
             "optimizer_state": self.optimizer_state,
+            **details,
             "row_sources": {name: index.tolist() for name, index in row_sources.items()},
         }
         self.events.append(event)

@@ -5,22 +5,27 @@
    the dense model on active parameters) for the same token budget with :func:`train_run`,
 3. write ``results/demo/`` at once (a temporary directory renamed into place): ``results.json``,
    ``results.md`` (params total/active, tokens, final validation loss overall and per language,
-   tokens/s) and ``val_loss.png`` (validation loss vs training tokens of both models).
+   tokens/s), ``val_loss.png`` (validation loss vs training tokens of both models) and the trained
+   models exported to ``models/<name>/`` (config, safetensors, tokenizer: what ``make eval`` reads;
+   git-ignored, being large).
 
-Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``), which is not committed.
+Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import yaml
 
 from moe_lit.accounting import markdown_table
+from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import ModelConfig
+from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text
 from moe_lit.lit.optim import OptimConfig
@@ -31,6 +36,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[2]
 MODELS = {"dense": REPO / "configs/model/tiny-dense.yaml", "moe": REPO / "configs/model/tiny-moe.yaml"}
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
+MODELS_DIR = "models"
 COMMAND = "make demo"
 
 
@@ -58,13 +64,14 @@ def run(args: argparse.Namespace) -> int:
     for name, path in MODELS.items():
         model_cfg, optim = load_module_config(path)
         print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
+        shutil.rmtree(args.work_dir / name, ignore_errors=True)  # a previous demo's logs and checkpoints
         results[name] = train_run(
             model_cfg, data_dir, args.work_dir / name, max_tokens=args.tokens, seq_len=args.seq_len,
             batch_size=args.batch_size, optim=optim, seed=args.seed, val_batches=args.val_batches,
             eval_every=max(1, steps // args.evals),
         )
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir")}
-    write_results(results, settings, args.out)
+    write_results(results, settings, tokenizer_file(data_dir), args.out)
     print((args.out / RESULTS_MD).read_text())
     return 0
 
@@ -97,9 +104,9 @@ def results_rows(results: dict[str, RunResult]) -> list[dict[str, object]]:
             "total params": result.total_params,
             "active params": result.active_params,
             "tokens": result.tokens,
-            "val loss": round(result.val_loss, 4),
+            "val loss": result.val_loss,
         }
-        row.update({lang: round(loss, 3) for lang, loss in result.val_loss_per_language.items()})
+        row.update(result.val_loss_per_language)
         row["tokens/s"] = round(result.tokens_per_s)
         rows.append(row)
     return rows
@@ -136,11 +143,15 @@ def plot_curves(results: dict[str, RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(results: dict[str, RunResult], settings: dict[str, object], out: Path) -> None:
-    """``results.json``, ``results.md`` and ``val_loss.png`` in ``out``, all or nothing."""
+def write_results(
+    results: dict[str, RunResult], settings: dict[str, object], tokenizer: Path, out: Path
+) -> None:
+    """``results.json``, ``results.md``, ``val_loss.png`` and ``models/`` in ``out``, all or nothing."""
     with atomic_directory(out) as tmp:
         runs = {name: dataclasses.asdict(result) for name, result in results.items()}
         atomic_write_json(tmp / RESULTS_JSON, {"command": COMMAND, "settings": settings, "runs": runs})
         table = markdown_table(results_rows(results))
         atomic_write_text(tmp / RESULTS_MD, f"Made by `{COMMAND}`.\n\n{table}\n")
         plot_curves(results, tmp / PLOT)
+        for name, result in results.items():
+            export_model(load_model(result.checkpoint), tmp / MODELS_DIR / name, tokenizer)

@@ -70,31 +70,39 @@ def run(args: argparse.Namespace) -> int:
 
         text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
         (tmp / "results.json").write_text(text + "\n")
-        (tmp / "results.md").write_text(results_markdown(name, command, rows))
-    print(results_markdown(name, command, rows))
+        markdown = results_markdown(name, command, rows, task_languages(results))
+        (tmp / "results.md").write_text(markdown)
+    print(markdown)
     print(f"wrote {out}/results.json and results.md")
     return 0
 
 
-def results_markdown(name: str, command: str, rows: list[dict]) -> str:
+def results_markdown(name: str, command: str, rows: list[dict], languages: dict[str, str]) -> str:
     """The local suite by language (when it ran), then every metric."""
     from moe_lit.accounting import markdown_table
 
     lines = [f"# Evaluation: {name}", "", f"`{command}`", ""]
-    suite = suite_by_language(rows)
+    suite = suite_by_language(rows, languages)
     if suite:
         lines += ["## Local multilingual suite (same items in every language)", "", markdown_table(suite), ""]
     lines += ["## All metrics", "", markdown_table(rows) if rows else "(no results)", ""]
     return "\n".join(lines)
 
 
-def suite_by_language(rows: list[dict]) -> list[dict]:
+def task_languages(results: dict) -> dict[str, str]:
+    """Task name -> language of the local suite's tasks (their YAML metadata)."""
+    configs = results.get("configs", {})
+    return {task: cfg["metadata"]["language"] for task, cfg in configs.items() if "language" in cfg.get("metadata", {})}
+
+
+def suite_by_language(rows: list[dict], languages: dict[str, str]) -> list[dict]:
     """Pivot ``moe_lit_<kind>_<lang>`` rows into one row per language."""
     table: dict[str, dict] = {}
     for row in rows:
-        if not row["task"].startswith("moe_lit_"):
+        if row["task"] not in languages:
             continue
-        kind, _, lang = row["task"][len("moe_lit_") :].partition("_")
+        kind = row["task"][len("moe_lit_") :].partition("_")[0]
+        lang = languages[row["task"]]
         column = SUITE_COLUMNS.get((kind, row["metric"]))
         if column:
             empty = {"language": lang, **dict.fromkeys(SUITE_COLUMNS.values(), "-")}

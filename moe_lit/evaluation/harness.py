@@ -62,9 +62,10 @@ def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
 
 
 def checkpoint_name(checkpoint: Union[str, Path]) -> str:
-    """A results folder name for a checkpoint: ``<parent dir>-<file stem or export dir>``."""
+    """A results folder name: ``<run dir>-<file stem or export dir>`` (``checkpoints/`` skipped)."""
     checkpoint = Path(checkpoint).resolve()
-    return f"{checkpoint.parent.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
+    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
 
 
 def stored_tokenizer(checkpoint: Union[str, Path]) -> Path:

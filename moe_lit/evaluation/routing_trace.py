@@ -21,7 +21,8 @@ same ``seq_N`` and ``pos_N`` one apart. Traces concatenate (:meth:`RoutingTrace.
 (:meth:`select`, :meth:`where`) and round-trip through ``.pt`` files (:meth:`save`, :meth:`load`).
 
 NOTE: padding tokens are traced like any other token: trace unpadded sequences, or drop the padding
-afterwards with :meth:`RoutingTrace.select`.
+afterwards with :meth:`RoutingTrace.select`. Activation checkpointing re-runs the routers in the
+backward pass and would record them twice: trace forwards without it (e.g. under ``no_grad``).
 """
 
 from __future__ import annotations

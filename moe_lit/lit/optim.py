@@ -108,7 +108,9 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over :func:`param_groups` and a per-step ``LambdaLR`` following :func:`lr_multiplier`."""
     if cfg.schedule != "constant" and total_steps < cfg.warmup_steps:
-        rank_zero_warn(f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup")
+        rank_zero_warn(
+            f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup"
+        )
     optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
     return optimizer, scheduler

@@ -3,8 +3,8 @@
 It trains ``model_cfg`` on a prepared data directory for a token budget, validates every
 ``eval_every`` steps and at the end, and returns a :class:`RunResult`. Everything it writes lies
 under ``out_dir``: ``metrics.csv`` (CSVLogger, one row per logged step) and
-``checkpoints/last.ckpt`` (overwritten every ``checkpoint_every`` steps; resume with
-``ckpt_path``).
+``checkpoints/last.ckpt`` (overwritten every ``checkpoint_every`` steps and at the end; resume
+with ``ckpt_path``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class RunResult:
     wall_s: float
     """Seconds of the whole run (training + validation)."""
     checkpoint: str
-    """Path of the last checkpoint."""
+    """Path of the checkpoint of the final weights."""
     metrics_csv: str
     """Path of the CSV log."""
 
@@ -135,6 +135,9 @@ def train_run(
     module = MoELitModule(cfg, optim)
     trainer = pl.Trainer(**_trainer_kwargs(out_dir, steps, eval_every, checkpoint_every, extra_callbacks, overrides))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
+    # is the final weights, so they are saved there too.
+    trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)
     if "val_check_interval" in overrides or trainer.global_step % eval_every != 0:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
@@ -146,7 +149,10 @@ def _trainer_kwargs(
     extra_callbacks: Iterable[Callback], overrides: dict[str, Any],
 ) -> dict[str, Any]:
     checkpoint = ModelCheckpoint(
-        dirpath=out_dir / CHECKPOINT_DIR, save_last=True, save_top_k=0, every_n_train_steps=checkpoint_every or eval_every
+        dirpath=out_dir / CHECKPOINT_DIR,
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=checkpoint_every or eval_every,
     )
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]

@@ -312,6 +312,7 @@ def _jumps(spec: UpcyclingStudySpec, records: dict[str, dict[str, Any]]) -> list
         event, probe = rec["events"][0], rec["val_probe"]
         rows.append({
             "arm": arm,
+            "copies per source (block 0)": ",".join(map(str, next(iter(event.get("copies", {}).values()), []))),
             "batch loss before": event["loss_before"],
             "batch loss after": event["loss_after"],
             "val before": probe.get("before", float("nan")),

@@ -15,6 +15,7 @@ def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepa
     markdown = (tmp_path / "t" / "results.md").read_text()
     assert "| language | bits/byte | byte ppl | next-paragraph acc | minimal-pairs acc |" in markdown
     assert "moe-lit eval --checkpoint" in markdown and "| moe_lit_pairs_de | acc |" in markdown
+    assert "| en | " in markdown and "| de | - | - | - | " in markdown
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # atomic: no leftovers
 
 
@@ -25,3 +26,17 @@ def test_eval_errors_are_one_line_exit_2(tmp_path, exported, capsys):
     assert len(errors) == 2
     assert "no such file" in errors[0] and "unknown task 'no_such_task_xyz'" in errors[1]
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_suite_table_pivots_tasks_by_language_code():
+    from moe_lit.commands.eval import suite_by_language
+
+    rows = [
+        {"task": "moe_lit_ppl_pt_br", "metric": "bits_per_byte", "value": 1.5},
+        {"task": "moe_lit_pairs_pt_br", "metric": "acc", "value": 0.75},
+        {"task": "xcopa_it", "metric": "acc", "value": 0.5},
+    ]
+    languages = {"moe_lit_ppl_pt_br": "pt-br", "moe_lit_pairs_pt_br": "pt-br"}
+    assert suite_by_language(rows, languages) == [
+        {"language": "pt-br", "bits/byte": 1.5, "byte ppl": "-", "next-paragraph acc": "-", "minimal-pairs acc": 0.75}
+    ]

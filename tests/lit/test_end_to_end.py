@@ -66,3 +66,16 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
     (metrics,) = list((tmp_path / "cli").rglob("metrics.csv"))
     cli_rows = [row for row in read_metrics(metrics) if "val/loss" in row]
     assert cli_rows[-1]["val/loss"] == pytest.approx(full.val_loss, rel=1e-6)
+
+    # the demo's report of that run: table, JSON, plot and the exported model, all in one directory
+    from moe_lit.commands.demo import MODELS_DIR, write_results
+    from moe_lit.data.layout import tokenizer_file
+
+    write_results({"moe": full}, {"tokens": full.tokens}, tokenizer_file(prepared), tmp_path / "demo")
+    table = (tmp_path / "demo" / "results.md").read_text()
+    assert "| model | total params | active params | tokens | val loss | de | en | ru | tokens/s |" in table
+    assert f"| moe | 40,160 | 34,016 | 512 | {full.val_loss:.4g} |" in table
+    assert (tmp_path / "demo" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+    exported = load_model(tmp_path / "demo" / MODELS_DIR / "moe")
+    assert exported.config == load_model(full.checkpoint).config
+    assert (tmp_path / "demo" / MODELS_DIR / "moe" / "tokenizer.json").is_file()

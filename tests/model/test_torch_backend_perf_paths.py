@@ -105,7 +105,7 @@ def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():
     # skewed: rows*(C + overhead) is smallest for C=25: 7 chunks * 41 = 287 < 8 * 100 (one chunk each)
     assert CHUNK_OVERHEAD_ROWS == 16
     assert choose_chunking([100, 10, 10, 10, 0, 0, 0, 0]) == (25, [4, 1, 1, 1, 0, 0, 0, 0])
-    assert choose_chunking([0, 0]) == (0, [1, 1])
+    assert choose_chunking([0, 0]) == (1, [0, 0])  # no tokens: no chunk at all
 
 
 def test_padding_slots_and_idle_experts_contribute_exact_zeros():
@@ -146,3 +146,11 @@ def test_autocast_runs_the_experts_in_bfloat16():
         y_bf16, _ = experts(x, weights, indices, None)
     assert y_bf16.dtype == torch.bfloat16
     assert (y_bf16.float() - y_fp32).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("strategy", ["batched", "looped"])
+def test_empty_batch_gives_empty_output_and_zero_weight_gradients(strategy):
+    experts = _experts([4] * 3, strategy)
+    y, grads, plan = _run(experts, torch.randn(0, D), torch.rand(0, 2), torch.zeros(0, 2, dtype=torch.long), None)
+    assert y.shape == (0, D) and plan.kept_counts == [0, 0, 0]
+    assert all(grads[name].abs().sum().item() == 0.0 for name in ("mlp.w1", "mlp.v1", "mlp.w2", "bias"))

@@ -12,11 +12,11 @@ geometries share all the code below:
   ``torch.bmm`` over ``(B, C, .)`` views. It needs equal expert sizes and stays dropless: C and
   the chunk counts follow the routing (``choose_chunking``).
 * looped: the slots are packed (no padding) and each matmul is a loop of ``torch.mm`` over experts.
-  It handles heterogeneous sizes and very skewed routing.
+  It handles heterogeneous sizes, and wins where nothing runs in parallel (one CPU thread).
 
-Both directions move data with gathers only (no scatter-add): the dispatch gathers token rows into
-slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum over the k slots of a
-token), and the backward reuses the same two index maps. Padding slots read an appended zero row of
+Token rows move with gathers only (no scatter-add over tokens): the dispatch gathers token rows
+into slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum over the k slots of
+a token), and the backward reuses the same two index maps. Padding slots read an appended zero row of
 the input, so they compute exact zeros and add nothing to any weight gradient; a dropped
 assignment (capacity mode) points at an appended zero row of the output buffers.
 """
@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from moe_lit.model.experts.layout import ExpertLayout
 
+Weights = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+"""Grouped weights: ``(B, F, D)`` per chunk (batched) or one ``(F_e, D)`` view per expert (looped)."""
 
 # NOTE: a chunk in the batched path costs a copy of its expert's three weight matrices (forward)
 # and a reduction of their gradients (backward): about as much memory traffic as this many rows of
@@ -70,7 +72,7 @@ def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
     """
     num_experts, top = len(counts), max(counts, default=0)
     if top == 0:
-        return 0, [1] * num_experts
+        return 1, [0] * num_experts
     counts_E = torch.tensor(counts)
     candidates_M = torch.cat([counts_E[counts_E > 0], torch.tensor([-(-top // j) for j in range(2, 9)])]).unique()
     chunks_ME = -torch.div(-counts_E.unsqueeze(0), candidates_M.unsqueeze(1), rounding_mode="floor")
@@ -111,7 +113,7 @@ class ExpertMatmuls:
         """``(B, C, width)`` view of a slot-major buffer."""
         return t.view(-1, self.slots.chunk_rows, width)
 
-    def weights(self, w_SD: torch.Tensor) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def weights(self, w_SD: torch.Tensor) -> Weights:
         """Per-chunk weights ``(B, F, D)`` (a view, or a gather when chunks repeat experts), or per-expert views."""
         if not self.slots.batched:
             return self.layout.split(w_SD)
@@ -146,7 +148,7 @@ class ExpertMatmuls:
         return out_H
 
     # ------------------------------------------------------------------ matmuls
-    def x_wt(self, x_PD: torch.Tensor, w) -> torch.Tensor:
+    def x_wt(self, x_PD: torch.Tensor, w: Weights) -> torch.Tensor:
         """``h = x @ w^T`` per expert -> flat hidden ``(H,)``."""
         h_H = x_PD.new_empty(self.hidden_cells)
         if self.slots.batched:
@@ -157,7 +159,7 @@ class ExpertMatmuls:
                 torch.mm(self._token_rows(x_PD, e), w_FD.t(), out=self._hidden(h_H, e))
         return h_H
 
-    def h_w(self, h_H: torch.Tensor, w, out_PD: torch.Tensor, accumulate: bool) -> None:
+    def h_w(self, h_H: torch.Tensor, w: Weights, out_PD: torch.Tensor, accumulate: bool) -> None:
         """``out (+)= h @ w`` per expert, written into the slot rows of ``out_PD``."""
         if self.slots.batched:
             h_BCF, out_BCD = self._chunks(h_H, w.shape[1]), self._chunks(out_PD, self.d_model)
@@ -287,7 +289,8 @@ def build_slots(
         chunk_rows, chunks = choose_chunking(kept_counts)
         rows = tuple(c * chunk_rows for c in chunks)
         if any(c != 1 for c in chunks):
-            chunk_expert = torch.repeat_interleave(torch.arange(len(chunks), device=device), torch.tensor(chunks, device=device))
+            experts_E = torch.arange(len(chunks), device=device)
+            chunk_expert = torch.repeat_interleave(experts_E, torch.tensor(chunks, device=device))
     else:
         rows = tuple(kept_counts)
     starts_E = torch.tensor([0, *rows], device=device).cumsum(0)[:-1]
