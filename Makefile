@@ -32,7 +32,7 @@ demo: $(STAMP)
 # models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
 DEMO_DIR ?= results/demo
 EVAL_CHECKPOINTS ?= $(or $(patsubst %/model.safetensors,%,$(shell find $(DEMO_DIR) -name model.safetensors 2>/dev/null | sort)),$(shell find $(DEMO_DIR) -name '*.ckpt' 2>/dev/null | sort))
-EVAL_ARGS ?=
+EVAL_ARGS ?= --batch-size 32
 
 eval: $(STAMP)
 	@test -n "$(strip $(EVAL_CHECKPOINTS))" || { echo "make eval: no checkpoints under $(DEMO_DIR); run make demo first"; exit 1; }
@@ -40,7 +40,7 @@ eval: $(STAMP)
 	  echo "== $$ckpt"; \
 	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite $(EVAL_ARGS) || exit $$?; \
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
-	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --save-trace || exit $$?; fi; \
+	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt || exit $$?; fi; \
 	done
 
 clean:

@@ -196,15 +196,16 @@ class RoutingTrace:
     def save(self, path: Union[str, Path]) -> Path:
         """Write the trace to a ``.pt`` file (plain tensors, lists and ints) atomically."""
         path = Path(path)
+        # NOTE: ids are stored narrow (int16 experts, int32 tokens/positions) and widened on load.
         state = {
             "format_version": TRACE_FORMAT_VERSION,
             "layer_ids": list(self.layer_ids),
             "num_experts": self.num_experts,
-            "indices_MNK": self.indices_MNK,
+            "indices_MNK": self.indices_MNK.to(torch.int16 if self.num_experts < 2**15 else torch.int64),
             "weights_MNK": self.weights_MNK,
-            "seq_N": self.seq_N,
-            "pos_N": self.pos_N,
-            "tokens_N": self.tokens_N,
+            "seq_N": self.seq_N.to(torch.int32),
+            "pos_N": self.pos_N.to(torch.int32),
+            "tokens_N": self.tokens_N.to(torch.int32),
             "labels": self.labels,
             "probs_MNE": self.probs_MNE,
         }
@@ -228,6 +229,8 @@ class RoutingTrace:
         version = state.pop("format_version", None)
         if version != TRACE_FORMAT_VERSION:
             raise MoeLitError(f"routing trace {path}: format version {version}, expected {TRACE_FORMAT_VERSION}")
+        for name in ("indices_MNK", "seq_N", "pos_N", "tokens_N"):
+            state[name] = state[name].long()
         return cls(**state)
 
 

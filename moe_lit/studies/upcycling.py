@@ -134,7 +134,9 @@ class UpcyclingStudySpec:
         return self.expand_at - self.utility_batches
 
     def arms(self) -> list[str]:
-        upcycled = [f"up_{s}_{o}" for s in self.selections for o in self.optimizer_states]
+        # NOTE: the optimizer-state choice is the outer loop: on a slow machine the selections
+        # with copied moments (the recipe) finish first.
+        upcycled = [f"up_{s}_{o}" for o in self.optimizer_states for s in self.selections]
         return [FIXED_E, FIXED_ME, *upcycled]
 
 

@@ -96,6 +96,7 @@ def test_save_load_round_trip(tmp_path):
     again = RoutingTrace.load(trace.save(tmp_path / "trace.pt"))
     for name in ("indices_MNK", "weights_MNK", "probs_MNE", "seq_N", "pos_N", "tokens_N"):
         assert torch.equal(getattr(again, name), getattr(trace, name)), name
+    assert again.indices_MNK.dtype == again.seq_N.dtype == torch.long
     assert (again.layer_ids, again.num_experts, again.labels) == (trace.layer_ids, 4, {"language": ["en", "en"]})
     assert [p.name for p in tmp_path.iterdir()] == ["trace.pt"]
     with pytest.raises(MoeLitError, match="no such file"):

@@ -4,6 +4,7 @@ with autograd's own derivatives, in dropless and capacity mode, uniform and hete
 import pytest
 import torch
 
+from moe_lit.model.experts import grouped_swiglu as grouped_swiglu_module
 from moe_lit.model.experts.grouped_swiglu import CHUNK_OVERHEAD_ROWS, choose_chunking, grouped_swiglu
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch, use_batched
@@ -60,21 +61,34 @@ def test_batched_and_looped_paths_agree(capacity, skew):
         assert (g_b - grads_l[name]).abs().max().item() < 1e-5, name
 
 
+def _force_chunks(monkeypatch, chunk_rows):
+    """Bypass the cost model: chunks of ``chunk_rows`` (0: one chunk per expert, idle ones included)."""
+
+    def chunking(counts):
+        if chunk_rows == 0:
+            return max(counts), [1] * len(counts)
+        return chunk_rows, [-(-n // chunk_rows) for n in counts]
+
+    monkeypatch.setattr(grouped_swiglu_module, "choose_chunking", chunking)
+
+
 @pytest.mark.parametrize(
-    "strategy,sizes,tokens,top_k,skew",
-    [("batched", [3] * 3, 7, 2, None), ("batched", [3] * 4, 64, 1, 2), ("looped", [3, 5, 2], 7, 2, None)],
-    ids=["batched", "batched-chunked", "looped-hetero"],
+    "strategy,sizes,chunk_rows",
+    [("batched", [3] * 3, 0), ("batched", [3] * 3, 2), ("looped", [3, 5, 2], None)],
+    ids=["batched-direct", "batched-chunks-of-2", "looped-hetero"],
 )
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_hand_written_backward_matches_numerical_gradients(strategy, sizes, tokens, top_k, skew, capacity):
+def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy, sizes, chunk_rows, capacity):
+    if chunk_rows is not None:
+        _force_chunks(monkeypatch, chunk_rows)
     experts = _experts(sizes, strategy, dtype=torch.float64)
-    weights, indices = _routing(tokens, len(sizes), top_k, seed=4, skew=skew)
+    weights, indices = _routing(7, 3, 2, seed=4)
     layout = experts.layout
     plan = plan_dispatch(indices, layout, capacity, strategy)
-    assert (plan.slots.chunk_expert is not None) == (skew is not None and capacity is None)
+    assert (plan.slots.chunk_expert is not None) == (chunk_rows == 2)
     gen = torch.Generator().manual_seed(5)
     inputs = (
-        torch.randn(tokens, D, generator=gen, dtype=torch.float64).requires_grad_(True),
+        torch.randn(7, D, generator=gen, dtype=torch.float64).requires_grad_(True),
         weights.double().requires_grad_(True),
         *(p.detach().clone().requires_grad_(True) for p in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2)),
         torch.randn(D, generator=gen, dtype=torch.float64).requires_grad_(True),
@@ -100,19 +114,21 @@ def test_auto_picks_bmm_for_uniform_layouts_on_several_threads_else_the_loop():
 
 
 def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():
-    # balanced: one chunk per expert, no weight copy
+    # balanced: one chunk per expert, no weight copy (4 * (11 + 64) rows either way: ties go direct)
     assert choose_chunking([10, 9, 11, 10]) == (11, [1, 1, 1, 1])
-    # skewed: rows*(C + overhead) is smallest for C=25: 7 chunks * 41 = 287 < 8 * 100 (one chunk each)
-    assert CHUNK_OVERHEAD_ROWS == 16
-    assert choose_chunking([100, 10, 10, 10, 0, 0, 0, 0]) == (25, [4, 1, 1, 1, 0, 0, 0, 0])
+    # skewed: chunks * (C + 64) is least for C=50: 5 * 114 = 570 < 8 * (100 + 64) (one chunk each)
+    assert CHUNK_OVERHEAD_ROWS == 64
+    assert choose_chunking([100, 10, 10, 10, 0, 0, 0, 0]) == (50, [2, 1, 1, 1, 0, 0, 0, 0])
     assert choose_chunking([0, 0]) == (1, [0, 0])  # no tokens: no chunk at all
 
 
-def test_padding_slots_and_idle_experts_contribute_exact_zeros():
+@pytest.mark.parametrize("chunk_rows", [0, 2], ids=["direct", "chunks-of-2"])
+def test_padding_slots_and_idle_experts_contribute_exact_zeros(monkeypatch, chunk_rows):
+    _force_chunks(monkeypatch, chunk_rows)
     experts = _experts([5] * 4, "batched")
-    indices = torch.tensor([[0], [0], [0], [1], [2]])  # expert 3 idle, experts 1 and 2 padded to 3 slots
+    indices = torch.tensor([[0], [0], [0], [1], [2]])  # expert 3 idle, every other expert padded
     y, grads, plan = _run(experts, torch.randn(5, D), torch.ones(5, 1), indices, None)
-    assert plan.slots.rows == (3, 3, 3, 3)
+    assert plan.slots.rows == ((3, 3, 3, 3) if chunk_rows == 0 else (4, 2, 2, 0))
     idle = experts.layout.rows(3)
     for name in ("mlp.w1", "mlp.v1", "mlp.w2"):
         assert grads[name][idle].abs().max().item() == 0.0

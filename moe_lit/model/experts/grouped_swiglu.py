@@ -34,10 +34,11 @@ from moe_lit.model.experts.layout import ExpertLayout
 Weights = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 """Grouped weights: ``(B, F, D)`` per chunk (batched) or one ``(F_e, D)`` view per expert (looped)."""
 
-# NOTE: a chunk in the batched path costs a copy of its expert's three weight matrices (forward)
-# and a reduction of their gradients (backward): about as much memory traffic as this many rows of
-# compute (18*D*F FLOPs each) on a CPU. It steers the choice of the chunk size.
-CHUNK_OVERHEAD_ROWS = 16
+# NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
+# expert's weights and the reduction of their gradients, plus the per-matrix overhead of a batched
+# gemm with few rows. Fitted on this project's 2-core CPU (forced chunk sizes on skewed routing,
+# README "Performance"): 30-80 rows. It keeps the chooser from splitting into many small chunks.
+CHUNK_OVERHEAD_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Slots:
 
 
 def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
-    """Chunk size C and chunks per expert for the batched path, minimising padded rows + chunk overhead.
+    """Chunk size C and chunks per expert for the batched path: the least ``chunks * (C + overhead)``.
 
     One chunk per expert (C = the largest count) needs no weight copy; splitting the busy experts
     into several chunks of a smaller C pads much less when the routing is skewed.
@@ -78,7 +79,7 @@ def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
     chunks_ME = -torch.div(-counts_E.unsqueeze(0), candidates_M.unsqueeze(1), rounding_mode="floor")
     costs_M = chunks_ME.sum(1) * (candidates_M + CHUNK_OVERHEAD_ROWS)
     best = int(costs_M.argmin())
-    if num_experts * top <= int(costs_M[best]):
+    if num_experts * (top + CHUNK_OVERHEAD_ROWS) <= int(costs_M[best]):
         return top, [1] * num_experts
     return int(candidates_M[best]), chunks_ME[best].tolist()
 
