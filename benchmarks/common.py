@@ -73,6 +73,7 @@ def environment() -> dict[str, object]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
     }
 

@@ -31,21 +31,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.analysis.routing import (
-        RoutingAnalysisConfig,
-        analyse,
-        summary_markdown,
-        tokenize_documents,
-        trace_languages,
-    )
-    from moe_lit.checkpoint import load_model
-    from moe_lit.evaluation.harness import checkpoint_name, load_tokenizer, resolve_eot_id, stored_tokenizer
-    from moe_lit.evaluation.tasks import read_parallel, resolve_data_dir
-    from moe_lit.io import atomic_directory, atomic_write_json
+    from moe_lit.analysis.routing import RoutingAnalysisConfig, analyse, summary_markdown
+    from moe_lit.evaluation.harness import checkpoint_name
 
     if not args.checkpoint.exists():
         raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
     cfg = RoutingAnalysisConfig(max_tokens=args.max_tokens, batch_size=args.batch_size)
+    trace, languages, data_dir = _trace(args, cfg)
+    report = analyse(trace, cfg, languages=languages)
+    command = ["moe-lit", "analyze", "routing", "--checkpoint", str(args.checkpoint), "--data", str(data_dir)]
+    if args.max_tokens != RoutingAnalysisConfig.max_tokens:
+        command += ["--max-tokens", str(args.max_tokens)]
+    report.update(checkpoint=str(args.checkpoint), data=str(data_dir), command=shlex.join(command))
+    name = args.name or checkpoint_name(args.checkpoint)
+    summary = summary_markdown(report, name) + f"\n`{report['command']}`\n"
+    out = _write(args.out_dir / name, report, summary, trace if args.save_trace else None)
+    print(summary)
+    print(f"wrote {out}")
+    return 0
+
+
+def _trace(args: argparse.Namespace, cfg):
+    """Route the parallel test documents of every language: ``(trace, languages, data dir)``."""
+    from moe_lit.analysis.routing import tokenize_documents, trace_languages
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.harness import load_tokenizer, resolve_eot_id, stored_tokenizer
+    from moe_lit.evaluation.tasks import read_parallel, resolve_data_dir
+
     data_dir = resolve_data_dir(args.checkpoint, args.data)
     tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
     model = load_model(args.checkpoint, map_location=args.device)
@@ -53,24 +65,20 @@ def run(args: argparse.Namespace) -> int:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; routing needs MoE layers")
     parallel = read_parallel(data_dir, args.split)
     token_docs = tokenize_documents(parallel, tokenizer, resolve_eot_id(tokenizer), cfg.max_tokens)
-    trace = trace_languages(model, token_docs, cfg.batch_size)
-    report = analyse(trace, cfg, languages=list(parallel))
-    name = args.name or checkpoint_name(args.checkpoint)
-    report["checkpoint"], report["data"] = str(args.checkpoint), str(data_dir)
-    report["command"] = shlex.join(
-        ["moe-lit", "analyze", "routing", "--checkpoint", str(args.checkpoint), "--data", str(data_dir)]
-    )
-    out = args.out_dir / name
+    return trace_languages(model, token_docs, cfg.batch_size), list(parallel), data_dir
+
+
+def _write(out: Path, report: dict, summary: str, trace) -> Path:
+    """``routing.json``, ``summary.md``, the plots and (when given) ``trace.pt``, atomically."""
+    from moe_lit.io import atomic_directory, atomic_write_json
+
     with atomic_directory(out) as tmp:
         atomic_write_json(tmp / "routing.json", report)
-        summary = summary_markdown(report, name) + f"\n`{report['command']}`\n"
         (tmp / "summary.md").write_text(summary)
         _plots(report, tmp)
-        if args.save_trace:
+        if trace is not None:
             trace.save(tmp / "trace.pt")
-    print(summary)
-    print(f"wrote {out}")
-    return 0
+    return out
 
 
 def _plots(report: dict, out: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import shlex
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from moe_lit.errors import MoeLitError
 
@@ -43,17 +44,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.evaluation.harness import MoeLitLM, checkpoint_name, evaluate, result_rows
-    from moe_lit.evaluation.tasks import SUITE_PREFIX, resolve_data_dir, resolve_tasks
-    from moe_lit.io import atomic_directory
+    from moe_lit.evaluation.harness import checkpoint_name, result_rows
 
     if not args.checkpoint.exists():
         raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
+    results, suite = _evaluate(args)
+    name = args.name or checkpoint_name(args.checkpoint)
+    markdown = results_markdown(name, _command(args), result_rows(results), task_languages(results), suite)
+    out = _write(args.out_dir / name, results, suite, markdown)
+    print(markdown)
+    print(f"wrote {out}/results.json and results.md")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> tuple[dict, Optional[dict]]:
+    """Render the tasks into a temporary dir and run the harness: ``(results, suite manifest)``."""
+    from moe_lit.evaluation.harness import MoeLitLM, evaluate
+    from moe_lit.evaluation.tasks import SUITE_MANIFEST, SUITE_PREFIX, resolve_data_dir, resolve_tasks
+
     tasks = [name for item in args.tasks for name in item.split(",") if name]
     task_data = dict(_task_data_pair(item) for item in args.task_data)
-    name = args.name or checkpoint_name(args.checkpoint)
+    needs_data = any(task.startswith(SUITE_PREFIX) for task in tasks)
     with tempfile.TemporaryDirectory(prefix="moe_lit_tasks_") as work:
-        data_dir = resolve_data_dir(args.checkpoint, args.data) if _needs_suite(tasks, SUITE_PREFIX) else None
+        data_dir = resolve_data_dir(args.checkpoint, args.data) if needs_data else None
         names, manager = resolve_tasks(tasks, Path(work), data_dir=data_dir, task_data=task_data)
         lm = MoeLitLM(
             checkpoint=args.checkpoint, tokenizer=args.tokenizer, batch_size=args.batch_size, device=args.device
@@ -62,29 +75,48 @@ def run(args: argparse.Namespace) -> int:
             lm, names, manager, limit=_limit(args.limit), num_fewshot=args.num_fewshot,
             bootstrap_iters=args.bootstrap_iters,
         )
-    rows = result_rows(results)
-    command = _command(args)
-    out = args.out_dir / name
-    with atomic_directory(out) as tmp:
-        from lm_eval.utils import handle_non_serializable
+        manifest = Path(work) / SUITE_MANIFEST
+        return results, json.loads(manifest.read_text()) if manifest.is_file() else None
 
+
+def _write(out: Path, results: dict, suite: Optional[dict], markdown: str) -> Path:
+    """``results.json`` (the harness's dict), ``results.md`` and ``suite.json``, atomically."""
+    from lm_eval.utils import handle_non_serializable
+
+    from moe_lit.evaluation.tasks import SUITE_MANIFEST
+    from moe_lit.io import atomic_directory
+
+    with atomic_directory(out) as tmp:
         text = json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
         (tmp / "results.json").write_text(text + "\n")
-        markdown = results_markdown(name, command, rows, task_languages(results))
+        if suite is not None:
+            (tmp / SUITE_MANIFEST).write_text(json.dumps(suite, indent=2) + "\n")
         (tmp / "results.md").write_text(markdown)
-    print(markdown)
-    print(f"wrote {out}/results.json and results.md")
-    return 0
+    return out
 
 
-def results_markdown(name: str, command: str, rows: list[dict], languages: dict[str, str]) -> str:
-    """The local suite by language (when it ran), then every metric."""
+def results_markdown(
+    name: str, command: str, rows: list[dict], languages: dict[str, str], suite: Optional[dict] = None
+) -> str:
+    """The local suite by language (when it ran; with chance accuracy), then every metric."""
     from moe_lit.accounting import markdown_table
 
     lines = [f"# Evaluation: {name}", "", f"`{command}`", ""]
-    suite = suite_by_language(rows, languages)
-    if suite:
-        lines += ["## Local multilingual suite (same items in every language)", "", markdown_table(suite), ""]
+    table = suite_by_language(rows, languages)
+    if table:
+        chance = (suite or {}).get("chance_acc", {})
+        table.append(
+            {
+                "language": "chance",
+                **dict.fromkeys(SUITE_COLUMNS.values(), "-"),
+                "next-paragraph acc": chance.get("next", "-"),
+                "minimal-pairs acc": chance.get("pairs", "-"),
+            }
+        )
+        items = ", ".join(f"{kind} {n}" for kind, n in (suite or {}).get("items", {}).items())
+        lines += ["## Local multilingual suite (same items in every language)", ""]
+        lines += [f"Items per language: {items}.", ""] if items else []
+        lines += [markdown_table(table), ""]
     lines += ["## All metrics", "", markdown_table(rows) if rows else "(no results)", ""]
     return "\n".join(lines)
 
@@ -108,10 +140,6 @@ def suite_by_language(rows: list[dict], languages: dict[str, str]) -> list[dict]
             empty = {"language": lang, **dict.fromkeys(SUITE_COLUMNS.values(), "-")}
             table.setdefault(lang, empty)[column] = row["value"]
     return list(table.values())
-
-
-def _needs_suite(tasks: list[str], prefix: str) -> bool:
-    return any(task.startswith(prefix) for task in tasks)
 
 
 def _task_data_pair(item: str) -> tuple[str, Path]:

@@ -61,10 +61,15 @@ def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
     raise MoeLitError(f"tokenizer: no end-of-text token among {list(candidates)}; pass eot_token=<token>")
 
 
+GENERIC_DIRS = ("checkpoints", "models")
+"""Folder names that say nothing about the run; :func:`checkpoint_name` skips them."""
+
+
 def checkpoint_name(checkpoint: Union[str, Path]) -> str:
-    """A results folder name: ``<run dir>-<file stem or export dir>`` (``checkpoints/`` skipped)."""
+    """A results folder name: ``<run dir>-<file stem or export dir>``, e.g. ``demo-tiny-moe`` for
+    ``results/demo/models/tiny-moe`` and ``<run>-last`` for ``<run>/checkpoints/last.ckpt``."""
     checkpoint = Path(checkpoint).resolve()
-    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+    run = checkpoint.parent.parent if checkpoint.parent.name in GENERIC_DIRS else checkpoint.parent
     return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
 
 
@@ -297,9 +302,16 @@ def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> di
     Returns the harness's results dict (``results``, ``configs``, ``n-samples``, ...).
     """
     import lm_eval
+    from datasets.exceptions import DatasetNotFoundError
 
     options.setdefault("log_samples", False)
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
+    except (ConnectionError, DatasetNotFoundError) as exc:
+        raise MoeLitError(
+            f"--tasks: a task's dataset is not reachable ({exc}); offline, run a built-in task on a local "
+            "JSONL in its schema with --task-data TASK=FILE"
+        ) from exc
     if results is None:  # only non-zero ranks of a distributed run get None
         raise MoeLitError("evaluate: lm-eval returned no results")
     return results

@@ -37,6 +37,7 @@ SUITE_PREFIX = "moe_lit_"
 SUITE_KINDS = {"ppl": "ppl.yaml.in", "next": "next_paragraph.yaml.in", "pairs": "minimal_pairs.yaml.in"}
 SUITE_TAGS = ("moe_lit_suite", *(f"{SUITE_PREFIX}{kind}" for kind in SUITE_KINDS))
 LOCAL_SUFFIX = "_local"
+SUITE_MANIFEST = "suite.json"
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？])\s+")
 
 
@@ -234,11 +235,12 @@ def render_template(template: str, out_file: Path, **values: str) -> Path:
 
 
 def render_suite(data_dir: Path, work_dir: Path, cfg: Optional[SuiteConfig] = None) -> dict[str, Any]:
-    """Write the local suite's items and task YAMLs under ``work_dir``; returns a manifest."""
+    """Write the local suite's items and task YAMLs under ``work_dir``; returns (and writes as
+    ``suite.json``) a manifest: languages, items per kind, chance accuracy per kind, task names."""
     cfg = cfg or SuiteConfig()
     parallel = read_parallel(data_dir, cfg.split, cfg.languages)
     items = build_items(parallel, cfg)
-    manifest: dict[str, Any] = {"languages": list(parallel), "items": {}, "tasks": []}
+    manifest: dict[str, Any] = {"languages": list(parallel), "items": {}, "chance_acc": {}, "tasks": []}
     for kind, per_lang in items.items():
         manifest["items"][kind] = len(next(iter(per_lang.values())))
         if not manifest["items"][kind]:
@@ -255,6 +257,12 @@ def render_suite(data_dir: Path, work_dir: Path, cfg: Optional[SuiteConfig] = No
                 data_file=str(data_file.resolve()),
             )
             manifest["tasks"].append(f"{SUITE_PREFIX}{kind}_{lang_key(lang)}")
+    first = {kind: next(iter(per_lang.values())) for kind, per_lang in items.items()}
+    if first["next"]:
+        manifest["chance_acc"]["next"] = sum(1 / len(item["choices"]) for item in first["next"]) / len(first["next"])
+    if first["pairs"]:
+        manifest["chance_acc"]["pairs"] = 0.5
+    (work_dir / SUITE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -327,7 +335,10 @@ def resolve_tasks(
         render_suite(Path(data_dir), work_dir, suite)
     manager = TaskManager(include_path=str(work_dir), include_defaults=False)
     unknown = [name for name in names if name not in manager.all_tasks]
-    if unknown and set(unknown) <= _mentioned_builtin(unknown):
+    if unknown:
+        mentioned = _mentioned_builtin(unknown)
+        unknown = [name for name in unknown if name not in mentioned]
+    if not unknown and not all(name in manager.all_tasks for name in names):
         manager = TaskManager(include_path=str(work_dir))
         unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:

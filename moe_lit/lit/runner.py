@@ -137,7 +137,7 @@ def train_run(
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
     # is the final weights, so they are saved there too.
-    trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)
+    trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
     if "val_check_interval" in overrides or trainer.global_step % eval_every != 0:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start

@@ -114,3 +114,13 @@ def test_user_errors_are_one_line_moe_lit_errors(tmp_path, exported, lm):
         MoeLitLM(checkpoint=exported, batch_size="auto")
     with pytest.raises(MoeLitError, match="greedily"):
         lm.generate_until([request("generate_until", "Open", {"do_sample": True})])
+
+
+def test_checkpoint_names_skip_generic_folders(tmp_path):
+    from moe_lit.evaluation.harness import checkpoint_name
+
+    (tmp_path / "demo" / "models" / "tiny-moe").mkdir(parents=True)
+    (tmp_path / "run7" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run7" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert checkpoint_name(tmp_path / "demo" / "models" / "tiny-moe") == "demo-tiny-moe"
+    assert checkpoint_name(tmp_path / "run7" / "checkpoints" / "last.ckpt") == "run7-last"

@@ -89,6 +89,18 @@ def test_builtin_prompt_runs_on_local_jsonl(tmp_path, lm):
     assert story["target"] == 1 and story["arguments"][1][1] == " Tom had to write the letter again."
 
 
+def test_unreachable_dataset_is_a_user_error(tmp_path, lm):
+    from lm_eval.tasks import TaskManager
+
+    (tmp_path / "remote.yaml").write_text(
+        "task: remote_only\ndataset_path: nobody/no_such_dataset_xyz\noutput_type: loglikelihood\n"
+        "test_split: test\ndoc_to_text: a\ndoc_to_target: b\n"
+    )
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    with pytest.raises(MoeLitError, match="not reachable.*--task-data TASK=FILE"):
+        evaluate(lm, ["remote_only"], manager)
+
+
 def test_unknown_task_is_a_user_error(tmp_path):
     with pytest.raises(MoeLitError, match="unknown task 'no_such_task_xyz'"):
         resolve_tasks(["no_such_task_xyz"], tmp_path)

@@ -1,0 +1,93 @@
+"""Markdown tables of saved benchmark results (the README's Performance section).
+
+    .venv/bin/python -m benchmarks.table [RESULT.json ...]
+
+Without arguments, the newest ``train_step``, ``moe_layer`` and ``data_loader`` results under
+``benchmarks/results/`` are shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR
+from moe_lit.accounting import markdown_table
+
+
+def _conditions(result: dict) -> str:
+    env, setup = result["environment"], result.get("setup", {})
+    clock = setup.get("clock", "wall")
+    return (
+        f"{env['date']}, {env['threads']} thread(s), {clock} clock, OMP_WAIT_POLICY={env.get('omp_wait_policy', '?')}, "
+        f"load avg {env['load_avg_1m']:.1f} on {env['cpu_count']} cores, {setup.get('rounds', '?')} interleaved rounds"
+    )
+
+
+def train_step_table(result: dict) -> str:
+    models, rows = result["models"], []
+    for tag, ratio in result["ratios"].items():
+        dense = next(name for name in models if name.startswith("ours_dense"))
+        rows.append({
+            "shape": tag,
+            "ours tok/s": round(models[f"ours_moe_{tag}"]["tokens_per_s"]),
+            "OLMoE tok/s": round(models[f"olmoe_{tag}"]["tokens_per_s"]),
+            "dense tok/s": round(models[dense]["tokens_per_s"]),
+            "ours / OLMoE speed (goal >= 1.5)": f"{ratio['speedup_vs_olmoe']:.2f}",
+            "MoE / dense time (goal)": f"{ratio['moe_over_dense_time']:.2f} "
+            f"(<= {result['goals']['moe_over_dense_time'][tag]})",
+        })
+    return markdown_table(rows)
+
+
+def moe_layer_table(result: dict) -> str:
+    rows = [
+        {
+            "shape": tag,
+            "path": row["experts_path"],
+            "MoE tok/s": round(row["moe_tokens_per_s"]),
+            "dense tok/s": round(row["dense_tokens_per_s"]),
+            "MoE / dense time": f"{row['moe_over_dense_time']:.2f}",
+            "MoE FLOP/s / matmul FLOP/s": f"{row['moe_flops_fraction_of_matmul']:.2f}",
+            "dense FLOP/s / matmul FLOP/s": f"{row['dense_flops_fraction_of_matmul']:.2f}",
+        }
+        for tag, row in result["shapes"].items()
+    ]
+    return markdown_table(rows)
+
+
+def data_loader_table(result: dict) -> str:
+    rows = [
+        {
+            "consumer": name,
+            "loader tok/s": round(result["loader_tokens_per_s"]),
+            "step tok/s": round(row["tokens_per_s"]),
+            "loader / step (goal >= 20)": f"{row['loader_over_step_rate']:.0f}",
+        }
+        for name, row in result["train_steps"].items()
+    ]
+    return markdown_table(rows)
+
+
+TABLES = {"train_step": train_step_table, "moe_layer": moe_layer_table, "data_loader": data_loader_table}
+
+
+def newest(name: str) -> Path | None:
+    found = sorted(RESULTS_DIR.glob(f"{name}-*.json"))
+    return found[-1] if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", nargs="*", type=Path)
+    args = parser.parse_args()
+    paths = args.results or [path for path in map(newest, TABLES) if path is not None]
+    for path in paths:
+        result = json.loads(path.read_text())
+        print(f"**{result['benchmark']}** ({path.name}: {_conditions(result)})\n")
+        print(TABLES[result["benchmark"]](result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
