@@ -9,7 +9,8 @@ active parameters). Both MoE models use softmax routing, renormalised top-k weig
 embeddings and a 0.01 load-balancing loss; the loss is the same cross-entropy and the optimizer
 the same AdamW (fused by default) for all. OLMoE additionally RMS-normalises q and k (a few
 elementwise ops per layer; its 2*256 norm weights per layer replace our 256 expert-bias entries in
-the parameter count) and runs its experts with transformers' default ``grouped_mm`` path.
+the parameter count) and runs its experts with transformers' default ``grouped_mm`` path
+(``torch._grouped_mm``; ``--olmoe-experts eager`` times the per-expert loop instead).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def our_config(shape: tuple[int, int, int] | None, d_ff: int) -> ModelConfig:
     )
 
 
-def olmoe(shape: tuple[int, int, int]) -> nn.Module:
+def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module:
     try:
         from transformers import OlmoeConfig, OlmoeForCausalLM
     except ImportError as err:  # pragma: no cover - benchmark-only extra
@@ -52,7 +53,9 @@ def olmoe(shape: tuple[int, int, int]) -> nn.Module:
         num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, tie_word_embeddings=False,
         output_router_logits=True, router_aux_loss_coef=AUX_COEF, use_cache=False, eos_token_id=None, pad_token_id=None,
     )
-    return OlmoeForCausalLM(cfg)
+    model = OlmoeForCausalLM(cfg)
+    model.set_experts_implementation(experts_implementation)
+    return model
 
 
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
@@ -84,13 +87,13 @@ def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callab
 GOALS = {"speedup_vs_olmoe": 1.5, "moe_over_dense_time": {"E16k2F256": 1.15, "E64k8F64": 1.3}}
 
 
-def build_models() -> dict[str, tuple[nn.Module, bool]]:
+def build_models(olmoe_experts: str) -> dict[str, tuple[nn.Module, bool]]:
     """Ours and OLMoE for every MoE shape, and our dense model once per distinct d_ff = k*F (name -> (model, hf))."""
     models: dict[str, tuple[nn.Module, bool]] = {}
     for shape in SHAPES:
         tag, d_ff = "E{}k{}F{}".format(*shape), shape[1] * shape[2]
         models[f"ours_moe_{tag}"] = (Transformer(our_config(shape, d_ff)), False)
-        models[f"olmoe_{tag}"] = (olmoe(shape), True)
+        models[f"olmoe_{tag}"] = (olmoe(shape, olmoe_experts), True)
         models.setdefault(f"ours_dense_dff{d_ff}", (Transformer(our_config(None, d_ff)), False))
     return models
 
@@ -102,11 +105,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused", help="AdamW implementation")
+    parser.add_argument(
+        "--olmoe-experts", choices=("grouped_mm", "eager", "batched_mm"), default="grouped_mm",
+        help="transformers' experts implementation for OLMoE (grouped_mm is its default in transformers 5)",
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
     torch.manual_seed(0)
-    built = build_models()
+    built = build_models(args.olmoe_experts)
     cases = {name: step_fn(model, hf, args.optimizer) for name, (model, hf) in built.items()}
     times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup, clock=args.clock)
     tokens = BATCH * SEQ
@@ -133,7 +140,8 @@ def main() -> None:
     setup = {
         "vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS, "heads": HEADS, "seq": SEQ, "batch": BATCH,
         "dtype": "float32", "rounds": args.rounds, "clock": args.clock, "optimizer": f"AdamW ({args.optimizer})",
-        "olmoe_notes": "q/k RMSNorm (OLMoE only); experts_implementation default (grouped_mm: torch._grouped_mm)",
+        "olmoe_notes": "q/k RMSNorm (OLMoE only); sdpa attention",
+        "olmoe_experts_implementation": args.olmoe_experts,
     }
     report("train_step", {"setup": setup, "goals": GOALS, "models": models, "ratios": ratios}, save=not args.no_save)
 
