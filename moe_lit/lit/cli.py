@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import re
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -125,33 +125,28 @@ def config_error_line(message: str) -> str:
     return f"{'.'.join(keys)}: {detail}" if keys else detail
 
 
-def run_lightning_cli(argv: Sequence[str], datamodule_class: Optional[type] = None) -> int:
-    """Run ``fit|validate|test`` with ``argv`` (subcommand first); config errors raise MoeLitError.
-
-    ``datamodule_class`` replaces MoEDataModule (tests use a stand-in over random tokens).
-    """
+def run_lightning_cli(argv: Sequence[str]) -> int:
+    """Run ``fit|validate|test`` with ``argv`` (subcommand first); config errors raise MoeLitError."""
     from jsonargparse import set_parsing_settings
 
-    if datamodule_class is None:
-        from moe_lit.lit.datamodule import MoEDataModule
-
-        datamodule_class = MoEDataModule
     # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
         with warnings.catch_warnings():
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-            _run_cli(datamodule_class, argv)
+            _run_cli(argv)
     except SystemExit as exc:  # --help and --print_config exit 0
         return exc.code if isinstance(exc.code, int) else 2
     return 0
 
 
-def _run_cli(datamodule_class: type, argv: Sequence[str]) -> None:
+def _run_cli(argv: Sequence[str]) -> None:
+    from moe_lit.lit.datamodule import MoEDataModule
+
     MoELightningCLI(
         MoELitModule,
-        datamodule_class,
+        MoEDataModule,
         trainer_defaults=_trainer_defaults(),
         parser_kwargs={"exit_on_error": False},
         save_config_kwargs={"overwrite": True},

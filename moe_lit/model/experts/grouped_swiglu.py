@@ -2,7 +2,7 @@
 
 Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size, S sum of hidden sizes,
 N = T*K routed assignments, P expert *slots* (rows of the grouped buffers), H hidden cells (sum over
-experts of slots_e * F_e).
+experts of slots_e * F_e), B chunks and C rows per chunk (batched path).
 
 Every kept assignment owns one slot; the slots of expert e are contiguous, in token order. Two slot
 geometries share all the code below:
@@ -24,15 +24,13 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from moe_lit.model.experts.layout import ExpertLayout
 
-Weights = Union[torch.Tensor, tuple[torch.Tensor, ...]]
-"""Grouped weights: ``(B, F, D)`` per chunk (batched) or one ``(F_e, D)`` view per expert (looped)."""
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
 # expert's weights and the reduction of their gradients, plus the per-matrix overhead of a batched
@@ -84,117 +82,82 @@ def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
     return int(candidates_M[best]), chunks_ME[best].tolist()
 
 
-class ExpertMatmuls:
-    """The per-expert matmuls of a SwiGLU layer and of its backward, batched over chunks or looped.
+class ExpertBlocks:
+    """Views of the slot buffers as blocks that one set of matmuls handles.
 
-    Hidden activations live in one flat buffer of H cells (expert e's block is a ``(rows_e, F_e)``
-    view; in the batched path, chunk b's block a ``(C, F)`` view), so the elementwise parts run
-    once over all experts whatever the geometry.
+    batched: ONE block, the ``(B, C, .)`` views of all chunks, whose matmuls are ``bmm``s.
+    looped: one ``(rows_e, .)`` block per expert, whose matmuls are ``mm``s; the elementwise work of
+    an expert then runs while its rows are still in cache (measured 5-10% faster than op-by-op over
+    all experts on one thread). Hidden activations of all blocks live in one flat buffer of H cells.
     """
 
     def __init__(self, slots: Slots, layout: ExpertLayout, d_model: int) -> None:
         self.slots, self.layout, self.d_model = slots, layout, d_model
-        cells = [r * f for r, f in zip(slots.rows, layout.sizes)]
+        sizes = (layout.sizes[0],) if slots.batched else layout.sizes
+        rows = (slots.num_slots,) if slots.batched else slots.rows
+        self._hidden_shapes = [
+            (-1, slots.chunk_rows, sizes[0]) if slots.batched else (r, f) for r, f in zip(rows, sizes)
+        ]
+        cells = [r * f for r, f in zip(rows, sizes)]
         self.hidden_cells = sum(cells)
-        self._cell_offsets = [0]
-        for c in cells:
-            self._cell_offsets.append(self._cell_offsets[-1] + c)
-        self._row_offsets = [0]
-        for r in slots.rows:
-            self._row_offsets.append(self._row_offsets[-1] + r)
+        self._cell_offsets = _offsets(cells)
+        self._row_offsets = _offsets(rows)
 
-    # ------------------------------------------------------------------ views
-    def _hidden(self, h_H: torch.Tensor, e: int) -> torch.Tensor:
-        return h_H[self._cell_offsets[e] : self._cell_offsets[e + 1]].view(self.slots.rows[e], self.layout.sizes[e])
+    def __len__(self) -> int:
+        return len(self._row_offsets) - 1
 
-    def _token_rows(self, x_PD: torch.Tensor, e: int) -> torch.Tensor:
-        return x_PD[self._row_offsets[e] : self._row_offsets[e + 1]]
+    def is_empty(self, i: int) -> bool:
+        return self._row_offsets[i + 1] == self._row_offsets[i]
 
-    def _chunks(self, t: torch.Tensor, width: int) -> torch.Tensor:
-        """``(B, C, width)`` view of a slot-major buffer."""
-        return t.view(-1, self.slots.chunk_rows, width)
+    def rows(self, t_P: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i of a slot-major tensor (first dim P): ``(B, C, ...)`` batched, ``(rows_e, ...)`` looped."""
+        t = t_P[self._row_offsets[i] : self._row_offsets[i + 1]]
+        return t.view(-1, self.slots.chunk_rows, *t.shape[1:]) if self.slots.batched else t
 
-    def weights(self, w_SD: torch.Tensor) -> Weights:
-        """Per-chunk weights ``(B, F, D)`` (a view, or a gather when chunks repeat experts), or per-expert views."""
+    def hidden(self, h_H: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i of a flat hidden buffer: ``(B, C, F)`` batched, ``(rows_e, F_e)`` looped."""
+        return h_H[self._cell_offsets[i] : self._cell_offsets[i + 1]].view(self._hidden_shapes[i])
+
+    def weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
+        """Per-block weights: ``(B, F, D)`` chunks (a view, or a gather when chunks repeat experts), or ``(F_e, D)``."""
         if not self.slots.batched:
-            return self.layout.split(w_SD)
+            return list(self.layout.split(w_SD))
         if self.slots.chunk_expert is None:
-            return self.layout.as_EFD(w_SD)
+            return [self.layout.as_EFD(w_SD)]
         # NOTE: a 2-D row gather; index_select over a 3-D tensor takes a slower path on CPU.
         num_experts, size = self.layout.num_experts, self.layout.sizes[0]
         w_BX = w_SD.view(num_experts, size * self.d_model).index_select(0, self.slots.chunk_expert)
-        return w_BX.view(-1, size, self.d_model)
+        return [w_BX.view(-1, size, self.d_model)]
 
-    # ------------------------------------------------------------------ row-wise ops on hidden buffers
-    def row_dot(self, a_H: torch.Tensor, b_H: torch.Tensor) -> torch.Tensor:
-        """``(P,)`` dot product of each slot's hidden row in ``a`` and ``b``."""
-        if self.slots.batched:
-            f = self.layout.sizes[0]
-            return torch.linalg.vecdot(a_H.view(-1, f), b_H.view(-1, f))
-        out_P = a_H.new_zeros(self.slots.num_slots)
-        for e in range(self.layout.num_experts):
-            if self.slots.rows[e]:
-                torch.linalg.vecdot(self._hidden(a_H, e), self._hidden(b_H, e), out=self._token_rows(out_P, e))
-        return out_P
+    def new_weight_grad(self, like_SD: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A stacked ``(S, D)`` gradient buffer and the per-block outputs the matmuls write into."""
+        if not self.slots.batched:
+            g_SD = torch.empty_like(like_SD)
+            return g_SD, list(self.layout.split(g_SD))
+        if self.slots.chunk_expert is None:
+            g_SD = torch.empty_like(like_SD)
+            return g_SD, [self.layout.as_EFD(g_SD)]
+        size = self.layout.sizes[0]
+        return torch.zeros_like(like_SD), [like_SD.new_empty(len(self.slots.chunk_expert), size, self.d_model)]
 
-    def scale_rows(self, h_H: torch.Tensor, s_P: torch.Tensor, out_H: torch.Tensor) -> torch.Tensor:
-        """``out = h * s`` with one scale per slot row (``out_H`` may be ``h_H``)."""
-        if self.slots.batched:
-            f = self.layout.sizes[0]
-            torch.mul(h_H.view(-1, f), s_P.unsqueeze(1), out=out_H.view(-1, f))
-            return out_H
-        for e in range(self.layout.num_experts):
-            if self.slots.rows[e]:
-                torch.mul(self._hidden(h_H, e), self._token_rows(s_P, e).unsqueeze(1), out=self._hidden(out_H, e))
-        return out_H
-
-    # ------------------------------------------------------------------ matmuls
-    def x_wt(self, x_PD: torch.Tensor, w: Weights) -> torch.Tensor:
-        """``h = x @ w^T`` per expert -> flat hidden ``(H,)``."""
-        h_H = x_PD.new_empty(self.hidden_cells)
-        if self.slots.batched:
-            torch.bmm(self._chunks(x_PD, self.d_model), w.transpose(1, 2), out=self._chunks(h_H, w.shape[1]))
-            return h_H
-        for e, w_FD in enumerate(w):
-            if self.slots.rows[e]:
-                torch.mm(self._token_rows(x_PD, e), w_FD.t(), out=self._hidden(h_H, e))
-        return h_H
-
-    def h_w(self, h_H: torch.Tensor, w: Weights, out_PD: torch.Tensor, accumulate: bool) -> None:
-        """``out (+)= h @ w`` per expert, written into the slot rows of ``out_PD``."""
-        if self.slots.batched:
-            h_BCF, out_BCD = self._chunks(h_H, w.shape[1]), self._chunks(out_PD, self.d_model)
-            if accumulate:
-                out_BCD.baddbmm_(h_BCF, w)
-            else:
-                torch.bmm(h_BCF, w, out=out_BCD)
-            return
-        for e, w_FD in enumerate(w):
-            if not self.slots.rows[e]:
-                continue
-            if accumulate:
-                self._token_rows(out_PD, e).addmm_(self._hidden(h_H, e), w_FD)
-            else:
-                torch.mm(self._hidden(h_H, e), w_FD, out=self._token_rows(out_PD, e))
-
-    def ht_y(self, h_H: torch.Tensor, y_PD: torch.Tensor) -> torch.Tensor:
-        """Weight gradient ``h^T @ y`` per expert (chunks of one expert summed) -> stacked ``(S, D)``."""
-        layout, slots = self.layout, self.slots
-        if slots.batched:
-            f = layout.sizes[0]
-            g_BFD = torch.bmm(self._chunks(h_H, f).transpose(1, 2), self._chunks(y_PD, self.d_model))
-            if slots.chunk_expert is None:
-                return g_BFD.view(layout.total_rows, self.d_model)
-            g_EX = g_BFD.new_zeros(layout.num_experts, f * self.d_model)
-            g_EX.index_add_(0, slots.chunk_expert, g_BFD.view(-1, f * self.d_model))
-            return g_EX.view(layout.total_rows, self.d_model)
-        g_SD = y_PD.new_empty(layout.total_rows, self.d_model)
-        for e, g_FD in enumerate(layout.split(g_SD)):
-            if slots.rows[e]:
-                torch.mm(self._hidden(h_H, e).t(), self._token_rows(y_PD, e), out=g_FD)
-            else:
-                g_FD.zero_()
+    def reduce_weight_grad(self, g_SD: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """Sum the chunks of each expert into ``g_SD`` (batched with repeated experts); else a no-op."""
+        if self.slots.batched and self.slots.chunk_expert is not None:
+            num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
+            g_SD.view(num_experts, width).index_add_(0, self.slots.chunk_expert, blocks[0].view(-1, width))
         return g_SD
+
+
+def _offsets(lengths) -> list[int]:
+    out = [0]
+    for length in lengths:
+        out.append(out[-1] + length)
+    return out
+
+
+def _add_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` for 2-D (``addmm_``) or batched 3-D (``baddbmm_``) blocks."""
+    (out.baddbmm_ if out.dim() == 3 else out.addmm_)(a, b)
 
 
 def _with_zero_row(x_TD: torch.Tensor) -> torch.Tensor:
@@ -216,46 +179,62 @@ class GroupedSwiGLU(torch.autograd.Function):
         slots: Slots,
         layout: ExpertLayout,
     ) -> torch.Tensor:
-        mm = ExpertMatmuls(slots, layout, x_TD.shape[1])
-        w1, v1, w2 = mm.weights(w1_SD), mm.weights(v1_SD), mm.weights(w2_SD)
+        blocks = ExpertBlocks(slots, layout, x_TD.shape[1])
         x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
-        h1_H, h2_H = mm.x_wt(x_PD, w1), mm.x_wt(x_PD, v1)
-        act_H = F.silu(h1_H).mul_(h2_H)
+        h1_H, h2_H, act_H = (x_TD.new_empty(blocks.hidden_cells) for _ in range(3))
         # NOTE: one extra zero row at index P: dropped assignments point there.
         o_PD = x_TD.new_empty(slots.num_slots + 1, x_TD.shape[1])
         o_PD[-1].zero_()
-        mm.h_w(act_H, w2, o_PD[:-1], accumulate=False)
+        weights = zip(blocks.weights(w1_SD), blocks.weights(v1_SD), blocks.weights(w2_SD))
+        for i, (w1, v1, w2) in enumerate(weights):
+            if blocks.is_empty(i):
+                continue
+            x, h1, h2, act = blocks.rows(x_PD, i), blocks.hidden(h1_H, i), blocks.hidden(h2_H, i), blocks.hidden(act_H, i)
+            torch.matmul(x, w1.mT, out=h1)
+            torch.matmul(x, v1.mT, out=h2)
+            torch.mul(F.silu(h1), h2, out=act)
+            torch.matmul(act, w2, out=blocks.rows(o_PD, i))
         y_TD = F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
         ctx.save_for_backward(x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD)
-        ctx.mm = mm
+        ctx.blocks = blocks
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
         x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD = ctx.saved_tensors
-        mm: ExpertMatmuls = ctx.mm
-        slots = mm.slots
-        w1, v1, w2 = mm.weights(w1_SD), mm.weights(v1_SD), mm.weights(w2_SD)
-        dy_TD = dy_TD.contiguous()
-        dyg_PD = _with_zero_row(dy_TD).index_select(0, slots.token_P)
-        # NOTE: the gates are applied in hidden space (F wide, not D): the output gradient of a slot
-        # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
-        da_H = mm.x_wt(dyg_PD, w2)
-        dgate_P = F.pad(mm.row_dot(act_H, da_H), (0, 1))
-        dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
+        blocks: ExpertBlocks = ctx.blocks
+        slots = blocks.slots
+        dyg_PD = _with_zero_row(dy_TD.contiguous()).index_select(0, slots.token_P)
         gate_P = F.pad(gate_TK.reshape(-1), (0, 1)).index_select(0, slots.assign_P)
-        dw2_SD = mm.ht_y(mm.scale_rows(act_H, gate_P, torch.empty_like(act_H)), dyg_PD)
-        da_H = mm.scale_rows(da_H, gate_P, da_H)
-        silu_H = F.silu(h1_H)
-        dh2_H = da_H * silu_H
-        dh1_H = torch.ops.aten.silu_backward(da_H.mul_(h2_H), h1_H)
-        dw1_SD, dv1_SD = mm.ht_y(dh1_H, x_PD), mm.ht_y(dh2_H, x_PD)
+        dgate_P = x_PD.new_zeros(slots.num_slots + 1)
         dx_PD = x_PD.new_empty(slots.num_slots + 1, x_PD.shape[1])
         dx_PD[-1].zero_()
-        mm.h_w(dh1_H, w1, dx_PD[:-1], accumulate=False)
-        mm.h_w(dh2_H, v1, dx_PD[:-1], accumulate=True)
+        (dw1_SD, dw1s), (dv1_SD, dv1s), (dw2_SD, dw2s) = (blocks.new_weight_grad(w) for w in (w1_SD, v1_SD, w2_SD))
+        weights = zip(blocks.weights(w1_SD), blocks.weights(v1_SD), blocks.weights(w2_SD))
+        for i, (w1, v1, w2) in enumerate(weights):
+            if blocks.is_empty(i):
+                for g in (dw1s[i], dv1s[i], dw2s[i]):
+                    g.zero_()
+                continue
+            x, dyg, gate = blocks.rows(x_PD, i), blocks.rows(dyg_PD, i), blocks.rows(gate_P, i).unsqueeze(-1)
+            h1, h2, act = blocks.hidden(h1_H, i), blocks.hidden(h2_H, i), blocks.hidden(act_H, i)
+            # NOTE: the gates are applied in hidden space (F wide, not D): a slot's output gradient
+            # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
+            da = torch.matmul(dyg, w2.mT)
+            torch.linalg.vecdot(act, da, out=blocks.rows(dgate_P, i))
+            torch.matmul((act * gate).mT, dyg, out=dw2s[i])
+            da.mul_(gate)
+            dh2 = da * F.silu(h1)
+            dh1 = torch.ops.aten.silu_backward(da.mul_(h2), h1)
+            torch.matmul(dh1.mT, x, out=dw1s[i])
+            torch.matmul(dh2.mT, x, out=dv1s[i])
+            dx = blocks.rows(dx_PD, i)
+            torch.matmul(dh1, w1, out=dx)
+            _add_matmul_(dx, dh2, v1)
+        dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
         dx_TD = F.embedding_bag(slots.slot_TK, dx_PD, mode="sum")
-        return dx_TD, dgate_TK, dw1_SD, dv1_SD, dw2_SD, dy_TD.sum(0), None, None
+        grads = [blocks.reduce_weight_grad(g, gs) for g, gs in ((dw1_SD, dw1s), (dv1_SD, dv1s), (dw2_SD, dw2s))]
+        return dx_TD, dgate_TK, *grads, dy_TD.sum(0), None, None
 
 
 def grouped_swiglu(
