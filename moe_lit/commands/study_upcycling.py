@@ -7,7 +7,6 @@ interrupted study resumes; ``--report-only`` rewrites the report from the finish
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 from pathlib import Path
 
@@ -33,10 +32,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out or Path("results") / spec.name
     command = " ".join(shlex.quote(w) for w in ["moe-lit", "study", "upcycling", str(args.spec)])
     if args.report_only:
-        runs = sorted((out_dir / "runs").glob("*.json"))
-        if not runs:
-            raise MoeLitError(f"study upcycling: no finished arm under {out_dir / 'runs'}")
-        paths = write_report(spec, out_dir, {p.stem: json.loads(p.read_text()) for p in runs}, command)
+        paths = write_report(spec, out_dir, args.data, command)
     else:
         paths = run_study(spec, out_dir, args.data, command)
     print(paths["summary"].read_text())

@@ -4,9 +4,11 @@ Local suite (``moe_lit_suite``), built from the parallel test split of a prepare
 (``meta.json`` + ``text/<split>/<lang>.jsonl`` with one ``{"id", "doc", "text"}`` per paragraph):
 
 * ``moe_lit_ppl_<lang>``: perplexity and bits-per-byte of each test document (loglikelihood_rolling);
-* ``moe_lit_next_<lang>``: multiple choice, the true next paragraph of a document vs distractor
-  paragraphs of the same document (next among the split's paragraphs: a split drawn per paragraph
-  keeps only some paragraphs of each document);
+* ``moe_lit_next_<lang>``: multiple choice: after a paragraph, the test paragraph that truly
+  follows it in the document vs other test paragraphs of that document. With ``pos`` in the
+  records the context is the document's previous paragraph from any split (a split drawn per
+  paragraph keeps only some paragraphs of a document in test; the answer and the distractors are
+  always unseen test paragraphs); without, the previous test paragraph;
 * ``moe_lit_pairs_<lang>``: minimal pairs, a real sentence vs the same sentence with its words
   after the first shuffled (the same tokens, so chance is 50%).
 
@@ -132,13 +134,18 @@ def documents(paragraphs: list[dict[str, Any]]) -> dict[Any, list[int]]:
 
 
 # ---------------------------------------------------------------------- items
-def build_items(parallel: dict[str, list], cfg: SuiteConfig) -> dict[str, dict[str, list[dict]]]:
-    """``{kind: {lang: items}}`` for kinds ppl / next / pairs; the same items in every language."""
+def build_items(
+    parallel: dict[str, list], cfg: SuiteConfig, index: Optional[ParagraphIndex] = None
+) -> dict[str, dict[str, list[dict]]]:
+    """``{kind: {lang: items}}`` for kinds ppl / next / pairs; the same items in every language.
+
+    ``index`` (all splits' paragraphs) gives next-paragraph items their true previous paragraph.
+    """
     reference = next(iter(parallel.values()))
     docs = documents(reference)
     return {
         "ppl": _ppl_items(parallel, docs),
-        "next": _next_items(parallel, docs, cfg),
+        "next": _next_items(parallel, docs, cfg, index),
         "pairs": _pair_items(parallel, cfg),
     }
 
@@ -153,27 +160,73 @@ def _ppl_items(parallel: dict[str, list], docs: dict[Any, list[int]]) -> dict[st
     }
 
 
-def _next_items(parallel: dict[str, list], docs: dict[Any, list[int]], cfg: SuiteConfig) -> dict[str, list[dict]]:
+@dataclass
+class ParagraphIndex:
+    """Every paragraph of every split, to find the paragraph right before a test paragraph."""
+
+    id_at: dict[tuple[Any, int], Any]
+    """``(doc, pos) -> paragraph id`` in the reference (first) language."""
+    text: dict[str, dict[Any, str]]
+    """Per language, ``paragraph id -> text``."""
+
+
+def paragraph_index(data_dir: Path, languages: Sequence[str]) -> Optional[ParagraphIndex]:
+    """Index of all splits' paragraphs; None when the records carry no ``pos`` (document order)."""
+    index = ParagraphIndex({}, {lang: {} for lang in languages})
+    for split_dir in sorted(p for p in (Path(data_dir) / "text").iterdir() if p.is_dir()):
+        for lang in languages:
+            path = split_dir / f"{lang}.jsonl"
+            for record in _read_jsonl(path) if path.is_file() else []:
+                if "pos" not in record:
+                    return None
+                index.text[lang][record["id"]] = record["text"].strip()
+                if lang == languages[0]:
+                    index.id_at[(record["doc"], record["pos"])] = record["id"]
+    return index
+
+
+def _contexts(parallel: dict[str, list], positions: list[int], j: int, index: Optional[ParagraphIndex]):
+    """Per language, the paragraph right before test paragraph ``positions[j]``; None if unknown.
+
+    With ``pos`` it is the document's previous paragraph (any split, the same id in every
+    language); without, the previous test paragraph of the document.
+    """
+    if index is None:
+        return {lang: paras[positions[j - 1]]["text"].strip() for lang, paras in parallel.items()} if j else None
+    answer = next(iter(parallel.values()))[positions[j]]
+    previous_id = index.id_at.get((answer["doc"], answer["pos"] - 1))
+    texts = {lang: index.text[lang].get(previous_id) for lang in parallel}
+    return texts if previous_id is not None and all(texts.values()) else None
+
+
+def _next_items(
+    parallel: dict[str, list], docs: dict[Any, list[int]], cfg: SuiteConfig, index: Optional[ParagraphIndex]
+) -> dict[str, list[dict]]:
     items: dict[str, list[dict]] = {lang: [] for lang in parallel}
     texts = {lang: [r["text"].strip() for r in paras] for lang, paras in parallel.items()}
     reference = next(iter(parallel.values()))
     for positions in docs.values():
-        for here, after in zip(positions, positions[1:]):
-            item_id = reference[here]["id"]
+        for j, answer in enumerate(positions):
+            context = _contexts(parallel, positions, j, index)
+            if context is None:
+                continue
+            item_id = reference[answer]["id"]
             rng = random.Random(f"{cfg.seed}:next:{item_id}")
-            others = [p for p in positions if p not in (here, after)]
+            others = [p for p in positions if p != answer and all(t[p] != context[lang] for lang, t in texts.items())]
             picked = rng.sample(others, min(cfg.num_distractors, len(others)))
             # NOTE: a distractor identical to the answer (repeated headings) is no distractor.
-            picked = [p for p in picked if all(t[p] and t[p] != t[after] for t in texts.values())]
-            used = [here, after, *picked]
-            if not picked or any(not t[here] or max(len(t[p]) for p in used) > cfg.max_chars for t in texts.values()):
+            picked = [p for p in picked if all(t[p] and t[p] != t[answer] for t in texts.values())]
+            too_long = any(
+                max(len(context[lang]), *(len(t[p]) for p in (answer, *picked))) > cfg.max_chars
+                for lang, t in texts.items()
+            )
+            if not picked or too_long:
                 continue
-            order = [after, *picked]
+            order = [answer, *picked]
             rng.shuffle(order)
             for lang, t in texts.items():
-                items[lang].append(
-                    {"id": item_id, "context": t[here], "choices": [t[p] for p in order], "label": order.index(after)}
-                )
+                item = {"id": item_id, "context": context[lang], "choices": [t[p] for p in order]}
+                items[lang].append({**item, "label": order.index(answer)})
     return items
 
 
@@ -239,7 +292,7 @@ def render_suite(data_dir: Path, work_dir: Path, cfg: Optional[SuiteConfig] = No
     ``suite.json``) a manifest: languages, items per kind, chance accuracy per kind, task names."""
     cfg = cfg or SuiteConfig()
     parallel = read_parallel(data_dir, cfg.split, cfg.languages)
-    items = build_items(parallel, cfg)
+    items = build_items(parallel, cfg, paragraph_index(data_dir, list(parallel)))
     manifest: dict[str, Any] = {"languages": list(parallel), "items": {}, "chance_acc": {}, "tasks": []}
     for kind, per_lang in items.items():
         manifest["items"][kind] = len(next(iter(per_lang.values())))

@@ -10,11 +10,14 @@ Arms, all with the same total step budget T, the same data stream, seed and LR s
 The upcycled arms share their first steps with ``fixed_E``: they resume from its checkpoint at
 step ``tau - utility_batches`` (so the utility window is trained in the arm itself), which saves
 recomputing the common prefix. For each arm the study records the validation loss every
-``val_every`` steps and the wall time of every training step (median: robust to a shared machine).
+``val_every`` steps and the median wall time of its training steps. The step times that enter the
+compute estimate, s_E and s_mE, are measured once more at the end by alternating training steps
+of the E and the mE model in one process (``interleaved_step_times``): arms trained minutes apart
+on a machine shared with other jobs do not see the same load.
 
 Results (``results/upcycling/``): ``runs/<arm>.json`` (resumable: a finished arm is not run again),
-``results.json``, ``summary.md`` and ``val_loss.png`` (validation loss against training FLOPs and
-against measured compute). With s_E, s_mE the median step times of the fixed arms:
+``step_times.json``, ``results.json``, ``summary.md`` and ``val_loss.png`` (validation loss
+against training FLOPs and against measured compute). Then:
 
 * compute ``C_fixed = T * s_mE`` and ``C_up = tau * s_E + (T - tau) * s_mE``, saving ``1 - C_up/C_fixed``;
 * gap closure ``eta = (L_fixedE - L_up) / (L_fixedE - L_fixedmE)`` on the final validation loss;
@@ -37,6 +40,7 @@ import yaml
 
 from moe_lit.accounting import markdown_table, training_flops_per_token
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.errors import MoeLitError
 from moe_lit.convert.expand import SELECTIONS
 from moe_lit.io import atomic_write_json, atomic_write_text
 from moe_lit.lit.optim import OptimConfig
@@ -86,6 +90,8 @@ class UpcyclingStudySpec:
     """Validation batches per language."""
     languages: Optional[list[str]] = None
     """Languages to train and validate on (default: all prepared ones)."""
+    timing_rounds: int = 20
+    """Rounds of interleaved E / mE training steps that measure s_E and s_mE for the compute estimate."""
     seed: int = 0
     """Seed of the model initialisation and of the data stream."""
     accelerator: str = "auto"
@@ -98,7 +104,10 @@ class UpcyclingStudySpec:
             self.optim = OptimConfig(**self.optim)
         if self.model.moe is None:
             raise ConfigError("upcycling.model.moe: the study grows an MoE; set model.moe")
-        positive = ("factor", "total_steps", "expand_at", "utility_batches", "batch_size", "val_every", "val_batches")
+        positive = (
+            "factor", "total_steps", "expand_at", "utility_batches", "batch_size", "val_every", "val_batches",
+            "timing_rounds",
+        )
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -270,12 +279,49 @@ def run_arm(spec: UpcyclingStudySpec, arm: str, data_dir: Path, out_dir: Path) -
     }
 
 
+def interleaved_step_times(spec: UpcyclingStudySpec, vocab_size: int) -> dict[str, float]:
+    """Median seconds of one training step (forward, backward, AdamW) of the E and the mE model.
+
+    NOTE: the steps of the two models alternate in one process on the same batch, so a machine
+    shared with other jobs slows both alike; the in-run medians of the arms, measured minutes
+    apart, are kept in the records but are not comparable on a shared machine.
+    """
+    import torch
+
+    from moe_lit.convert.common import next_token_loss
+    from moe_lit.model import Transformer
+
+    use_cuda = spec.accelerator in ("auto", "gpu") and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
+    torch.manual_seed(spec.seed)
+    setups = {}
+    for key, arm in (("E", FIXED_E), ("mE", FIXED_ME)):
+        model = Transformer(_arm_config(spec, arm, vocab_size)).to(device).train()
+        setups[key] = (model, torch.optim.AdamW(model.parameters(), lr=spec.optim.lr))
+    batch_BL1 = torch.randint(0, vocab_size, (spec.batch_size, spec.model.seq_len + 1), device=device)
+    seconds: dict[str, list[float]] = {key: [] for key in setups}
+    warmup = 2
+    for round_index in range(warmup + spec.timing_rounds):
+        for key, (model, optimizer) in setups.items():
+            if use_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            next_token_loss(model, batch_BL1).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.update_router_biases()
+            if use_cuda:
+                torch.cuda.synchronize()
+            if round_index >= warmup:
+                seconds[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in seconds.items()}
+
+
 # ----------------------------------------------------------------------------- analysis
-def analyse(spec: UpcyclingStudySpec, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Compute, savings, gap closure and jumps from the arm records."""
+def analyse(spec: UpcyclingStudySpec, records: dict[str, dict[str, Any]], step_times: dict[str, float]) -> dict[str, Any]:
+    """Compute, savings, gap closure and jumps from the arm records and the step times s_E, s_mE."""
     tau, total = spec.expand_at, spec.total_steps
-    s_e = records[FIXED_E]["step_seconds_median"]
-    s_me = records[FIXED_ME]["step_seconds_median"]
+    s_e, s_me = step_times["E"], step_times["mE"]
     final = {arm: rec["curve"][-1]["val_loss"] for arm, rec in records.items() if rec["curve"]}
     c_fixed, c_up = total * s_me, tau * s_e + (total - tau) * s_me
     gap = final[FIXED_E] - final[FIXED_ME]
@@ -364,7 +410,7 @@ def plot(spec: UpcyclingStudySpec, records, analysis, path: Path) -> Path:
         style = "-" if arm.startswith("fixed") else "--"
         ax_f.plot(flops, losses, style, marker=".", label=arm)
         ax_s.plot(seconds, losses, style, marker=".", label=arm)
-    for ax, xlabel in ((ax_f, "training FLOPs (analytic)"), (ax_s, "compute (s, from measured median step times)")):
+    for ax, xlabel in ((ax_f, "training FLOPs (analytic)"), (ax_s, "compute (s): steps x measured step time s_E or s_mE")):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     ax_f.set_ylabel("validation loss")
@@ -387,7 +433,8 @@ def summary_markdown(spec: UpcyclingStudySpec, analysis: dict[str, Any], command
         "",
         f"E={moe.num_experts} -> mE={spec.factor * moe.num_experts} experts (top-{moe.top_k}), "
         f"T={spec.total_steps} steps of {spec.batch_size}x{spec.model.seq_len} tokens, tau={spec.expand_at}.",
-        f"Median step time s_E={analysis['s_E']:.4f} s, s_mE={analysis['s_mE']:.4f} s; "
+        f"Step time (median of {spec.timing_rounds} interleaved E/mE training steps in one process) "
+        f"s_E={analysis['s_E']:.4f} s, s_mE={analysis['s_mE']:.4f} s; "
         f"C_fixed=T*s_mE={analysis['C_fixed']:.1f} s, C_up=tau*s_E+(T-tau)*s_mE={analysis['C_up']:.1f} s "
         f"(saving {analysis['saving_pct']:.1f}%). L_fixedE - L_fixedmE = {analysis['gap_fixedE_minus_fixedmE']:.4f}.",
         "",
@@ -406,33 +453,52 @@ def run_study(
     spec: UpcyclingStudySpec, out_dir: Path, data_dir: Optional[Path] = None, command: str = "", log: Log = print
 ) -> dict[str, Path]:
     """Run every unfinished arm (fixed_E first: the others fork from it), then write the report."""
-    from moe_lit.data.layout import default_data_dir
-
-    data_dir = Path(data_dir or spec.data_dir or default_data_dir())
+    data_dir = _data_dir(spec, data_dir)
     runs = out_dir / "runs"
-    records = {}
     for arm in spec.arms():
         path = runs / f"{arm}.json"
         if path.is_file():
-            records[arm] = json.loads(path.read_text())
             log(f"{arm}: done before, skipped")
             continue
         if arm not in (FIXED_E, FIXED_ME) and not (runs / FIXED_E / FORK_CKPT).is_file():
             raise ConfigError(f"upcycling: {runs / FIXED_E / FORK_CKPT} is missing; delete {runs / (FIXED_E + '.json')} to rerun fixed_E")
         log(f"{arm}: training ...")
-        records[arm] = run_arm(spec, arm, data_dir, runs)
-        atomic_write_json(path, records[arm])
-        log(f"{arm}: final val loss {records[arm]['curve'][-1]['val_loss']:.4f}, {records[arm]['wall_s']:.0f} s")
+        record = run_arm(spec, arm, data_dir, runs)
+        atomic_write_json(path, record)
+        log(f"{arm}: final val loss {record['curve'][-1]['val_loss']:.4f}, {record['wall_s']:.0f} s")
     # NOTE: every arm is finished; the fork checkpoint (weights + AdamW state) is not a result.
     (runs / FIXED_E / FORK_CKPT).unlink(missing_ok=True)
-    return write_report(spec, out_dir, records, command)
+    return write_report(spec, out_dir, data_dir, command, log)
 
 
-def write_report(spec: UpcyclingStudySpec, out_dir: Path, records: dict, command: str) -> dict[str, Path]:
-    analysis = analyse(spec, records)
+def _data_dir(spec: UpcyclingStudySpec, data_dir: Optional[Path]) -> Path:
+    from moe_lit.data.layout import default_data_dir
+
+    return Path(data_dir or spec.data_dir or default_data_dir())
+
+
+def write_report(
+    spec: UpcyclingStudySpec, out_dir: Path, data_dir: Optional[Path] = None, command: str = "", log: Log = print
+) -> dict[str, Path]:
+    """Report the finished arms (fixed_E and fixed_mE needed); measures the step times once."""
+    records = {p.stem: json.loads(p.read_text()) for p in sorted((out_dir / "runs").glob("*.json"))}
+    missing = [arm for arm in (FIXED_E, FIXED_ME) if arm not in records]
+    if missing:
+        raise MoeLitError(f"study upcycling: arm(s) {missing} not finished under {out_dir / 'runs'}; run the study")
+    times_path = out_dir / "step_times.json"
+    if times_path.is_file():
+        step_times = json.loads(times_path.read_text())
+    else:
+        from moe_lit.lit.datamodule import MoEDataModule
+
+        log("measuring step times (interleaved E / mE steps) ...")
+        data = MoEDataModule(str(_data_dir(spec, data_dir)), seq_len=spec.model.seq_len, languages=spec.languages)
+        step_times = interleaved_step_times(spec, data.vocab_size)
+        atomic_write_json(times_path, step_times)
+    analysis = analyse(spec, records, step_times)
     results = atomic_write_json(out_dir / "results.json", {"spec": spec.to_dict(), "analysis": analysis, "arms": records})
     summary = atomic_write_text(out_dir / "summary.md", summary_markdown(spec, analysis, command))
     return {"results": results, "summary": summary, "plot": plot(spec, records, analysis, out_dir / "val_loss.png")}
 
 
-__all__ = ["UpcyclingStudySpec", "analyse", "run_arm", "run_study", "write_report"]
+__all__ = ["UpcyclingStudySpec", "analyse", "interleaved_step_times", "run_arm", "run_study", "write_report"]

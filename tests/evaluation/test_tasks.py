@@ -24,6 +24,9 @@ def lm(exported):
 
 
 def test_suite_items_are_the_same_in_every_language(prepared_dir):
+    from moe_lit.evaluation.tasks import paragraph_index
+
+    assert paragraph_index(prepared_dir, LANGUAGES) is None  # no "pos": previous test paragraph
     items = build_items(read_parallel(prepared_dir), SuiteConfig(num_distractors=2))
     for kind, per_lang in items.items():
         ids = {lang: [item["id"] for item in per_lang[lang]] for lang in LANGUAGES}
@@ -108,3 +111,24 @@ def test_unknown_task_is_a_user_error(tmp_path):
         resolve_tasks(["moe_lit_suite"], tmp_path)
     with pytest.raises(MoeLitError, match="not among --tasks"):
         resolve_tasks(["moe_lit_suite"], tmp_path, task_data={"xcopa_it": FIXTURES / "xcopa_it.jsonl"})
+
+
+def test_next_paragraph_context_is_the_true_previous_paragraph_from_any_split(tmp_path):
+    from moe_lit.evaluation.tasks import paragraph_index
+
+    # one document of six paragraphs; test keeps positions 1, 3, 5, train the others
+    texts = {lang: [f"{lang} paragraph number {i} of the help page." for i in range(6)] for lang in ("en", "de")}
+    for split, kept in (("test", (1, 3, 5)), ("train", (0, 2, 4))):
+        (tmp_path / "text" / split).mkdir(parents=True)
+        for lang, paras in texts.items():
+            lines = [json.dumps({"id": f"p{i}", "doc": "d", "pos": i, "text": paras[i]}) for i in kept]
+            (tmp_path / "text" / split / f"{lang}.jsonl").write_text("\n".join(lines) + "\n")
+    parallel = read_parallel(tmp_path, languages=["en", "de"])
+    items = build_items(parallel, SuiteConfig(), paragraph_index(tmp_path, ["en", "de"]))["next"]
+    for lang in ("en", "de"):
+        assert [item["id"] for item in items[lang]] == ["p1", "p3", "p5"]
+        for item in items[lang]:
+            answer = int(item["id"][1:])
+            assert item["context"] == texts[lang][answer - 1]  # a train paragraph
+            assert item["choices"][item["label"]] == texts[lang][answer]
+            assert sorted(item["choices"]) == sorted(texts[lang][i] for i in (1, 3, 5))
