@@ -49,7 +49,7 @@ def interleaved_times(
             cases[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = timer()
             cases[name]()
             times[name].append(timer() - start)

@@ -56,7 +56,18 @@ def write_stdlib_corpus(root: Path) -> Path:
 
 def prepare(text_dir: Path, out: Path) -> Path:
     """Run ``moe-lit data prepare`` on a local text folder."""
-    cmd = [sys.executable, "-m", "moe_lit.cli", "data", "prepare", "--source", str(text_dir), "--out", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_lit.cli",
+        "data",
+        "prepare",
+        "--source",
+        str(text_dir),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     subprocess.run(cmd, check=True)
     return out
 
@@ -115,8 +126,13 @@ def main() -> None:
     report(
         "data_loader",
         {
-            "setup": {"seq": SEQ, "batch": BATCH, "loader_batches_per_call": LOADER_BATCHES, "rounds": args.rounds,
-                      "data": str(args.data_dir or args.text_dir or "stdlib docstrings")},
+            "setup": {
+                "seq": SEQ,
+                "batch": BATCH,
+                "loader_batches_per_call": LOADER_BATCHES,
+                "rounds": args.rounds,
+                "data": str(args.data_dir or args.text_dir or "stdlib docstrings"),
+            },
             "loader_tokens_per_s": loader_rate,
             "train_steps": steps,
             "goal_loader_over_step_rate": 20,

@@ -65,7 +65,11 @@ def bench_shape(shape: tuple[int, int, int], strategy: str, rounds: int, warmup:
     gen = torch.Generator().manual_seed(1)
     x_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen).requires_grad_(True)
     dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
-    cases = {"moe": moe_step(layer, x_BLD, dy_BLD), "dense": dense_step(dense, x_BLD, dy_BLD), "matmul": matmul_step(d_ff)}
+    cases = {
+        "moe": moe_step(layer, x_BLD, dy_BLD),
+        "dense": dense_step(dense, x_BLD, dy_BLD),
+        "matmul": matmul_step(d_ff),
+    }
     times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
     flops = {
         "moe": 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts,
@@ -101,7 +105,13 @@ def main() -> None:
         "E{}k{}F{}".format(*shape): bench_shape(shape, args.strategy, args.rounds, args.warmup, args.clock)
         for shape in SHAPES
     }
-    setup = {"d_model": D_MODEL, "tokens": TOKENS, "strategy": args.strategy, "rounds": args.rounds, "clock": args.clock}
+    setup = {
+        "d_model": D_MODEL,
+        "tokens": TOKENS,
+        "strategy": args.strategy,
+        "rounds": args.rounds,
+        "clock": args.clock,
+    }
     report("moe_layer", {"setup": setup, "shapes": shapes}, save=not args.no_save)
 
 

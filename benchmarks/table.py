@@ -29,15 +29,17 @@ def train_step_table(result: dict) -> str:
     models, rows = result["models"], []
     for tag, ratio in result["ratios"].items():
         dense = next(name for name in models if name.startswith("ours_dense"))
-        rows.append({
-            "shape": tag,
-            "ours tok/s": round(models[f"ours_moe_{tag}"]["tokens_per_s"]),
-            "OLMoE tok/s": round(models[f"olmoe_{tag}"]["tokens_per_s"]),
-            "dense tok/s": round(models[dense]["tokens_per_s"]),
-            "ours / OLMoE speed (goal >= 1.5)": f"{ratio['speedup_vs_olmoe']:.2f}",
-            "MoE / dense time (goal)": f"{ratio['moe_over_dense_time']:.2f} "
-            f"(<= {result['goals']['moe_over_dense_time'][tag]})",
-        })
+        rows.append(
+            {
+                "shape": tag,
+                "ours tok/s": round(models[f"ours_moe_{tag}"]["tokens_per_s"]),
+                "OLMoE tok/s": round(models[f"olmoe_{tag}"]["tokens_per_s"]),
+                "dense tok/s": round(models[dense]["tokens_per_s"]),
+                "ours / OLMoE speed (goal >= 1.5)": f"{ratio['speedup_vs_olmoe']:.2f}",
+                "MoE / dense time (goal)": f"{ratio['moe_over_dense_time']:.2f} "
+                f"(<= {result['goals']['moe_over_dense_time'][tag]})",
+            }
+        )
     return markdown_table(rows)
 
 

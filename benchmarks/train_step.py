@@ -48,10 +48,22 @@ def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module
         raise SystemExit("this benchmark needs transformers: pip install -e '.[benchmarks]'") from err
     num_experts, top_k, size = shape
     cfg = OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=size, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
-        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, tie_word_embeddings=False,
-        output_router_logits=True, router_aux_loss_coef=AUX_COEF, use_cache=False, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=size,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=SEQ,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        router_aux_loss_coef=AUX_COEF,
+        use_cache=False,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     model = OlmoeForCausalLM(cfg)
     model.set_experts_implementation(experts_implementation)
@@ -106,7 +118,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
     parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused", help="AdamW implementation")
     parser.add_argument(
-        "--olmoe-experts", choices=("grouped_mm", "eager", "batched_mm"), default="grouped_mm",
+        "--olmoe-experts",
+        choices=("grouped_mm", "eager", "batched_mm"),
+        default="grouped_mm",
         help="transformers' experts implementation for OLMoE (grouped_mm is its default in transformers 5)",
     )
     parser.add_argument("--no-save", action="store_true")
@@ -138,8 +152,16 @@ def main() -> None:
             "over_dense_goal_met": over_dense <= GOALS["moe_over_dense_time"][tag],
         }
     setup = {
-        "vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS, "heads": HEADS, "seq": SEQ, "batch": BATCH,
-        "dtype": "float32", "rounds": args.rounds, "clock": args.clock, "optimizer": f"AdamW ({args.optimizer})",
+        "vocab": VOCAB,
+        "d_model": D_MODEL,
+        "layers": LAYERS,
+        "heads": HEADS,
+        "seq": SEQ,
+        "batch": BATCH,
+        "dtype": "float32",
+        "rounds": args.rounds,
+        "clock": args.clock,
+        "optimizer": f"AdamW ({args.optimizer})",
         "olmoe_notes": "q/k RMSNorm (OLMoE only); sdpa attention",
         "olmoe_experts_implementation": args.olmoe_experts,
     }

@@ -14,7 +14,8 @@ From one :class:`~moe_lit.evaluation.routing_trace.RoutingTrace` labelled with `
   ``used_fraction / E`` of that language's assignments (``used_fraction`` of a uniform share);
   it is *shared* when every language uses it, *specific* when exactly one does;
 * families: mean JS within a language family vs across families, with a permutation test that
-  shuffles family labels across languages (is "related languages route more alike" chance?).
+  shuffles family labels across languages (is "related languages route more alike" chance?);
+  each language's mean JS to the others says which languages route most distinctly.
 """
 
 from __future__ import annotations
@@ -258,6 +259,7 @@ def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Optional
         "usage": {lang: usage_GME[g].tolist() for g, lang in enumerate(languages)},
         "js_divergence": {"per_layer": js_MGG.tolist(), "mean": js_GG.tolist()},
         "cluster_order": [languages[i] for i in cluster_order(js_GG)],
+        "mean_js_to_others": dict(zip(languages, (js_GG.sum(dim=1) / max(len(languages) - 1, 1)).tolist())),
         "expert_language_entropy": [[None if math.isnan(x) else x for x in row] for row in entropy_ME.tolist()],
         "experts": classify_experts(usage_GME, languages, cfg.used_fraction),
         "family_comparison": family_comparison(js_GG, languages, cfg.permutations, cfg.seed),
@@ -279,6 +281,12 @@ def summary_markdown(report: dict, title: str) -> str:
     )
     lines += ["", "**" + verdict(fam) + "**", ""]
     lines.append(f"Clustering order (average linkage on JS): {' '.join(report['cluster_order'])}.")
+    isolation = sorted(report["mean_js_to_others"].items(), key=lambda item: -item[1])
+    lines.append(
+        "Mean JS to the other languages (most distinct routing first): "
+        + ", ".join(f"{lang} {js:.3f}" for lang, js in isolation)
+        + "."
+    )
     lines.append("")
     rows = []
     for m, layer in enumerate(report["layer_ids"]):

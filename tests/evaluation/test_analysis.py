@@ -59,6 +59,8 @@ def test_related_languages_sharing_experts_are_detected():
     # expert 0: en, de, ru use it equally -> entropy log2(3)/log2(5); expert 4 only ru -> 0; expert 5 unused
     entropy = report["expert_language_entropy"][0]
     assert entropy[0] == pytest.approx(math.log2(3) / math.log2(5)) and entropy[4] == 0.0 and entropy[5] is None
+    mean_js = report["mean_js_to_others"]
+    assert mean_js["fr"] == pytest.approx(0.75) and mean_js["ru"] == pytest.approx((2 * float(js[0, 4]) + 2) / 4)
     order = report["cluster_order"]
     assert abs(order.index("en") - order.index("de")) == 1 and abs(order.index("fr") - order.index("es")) == 1
 

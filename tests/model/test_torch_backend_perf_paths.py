@@ -52,9 +52,7 @@ def test_batched_and_looped_paths_agree(capacity, skew):
     if capacity is None:  # the skewed routing splits the busy expert into several chunks
         assert (plan_b.slots.chunk_expert is not None) == (skew is not None)
     assert plan_b.kept_counts == plan_l.kept_counts
-    assert int(plan_b.dropped) == int(plan_l.dropped) == sum(plan_b.routed_counts_E.tolist()) - sum(
-        plan_b.kept_counts
-    )
+    assert int(plan_b.dropped) == int(plan_l.dropped) == sum(plan_b.routed_counts_E.tolist()) - sum(plan_b.kept_counts)
     assert (y_b - y_l).abs().max().item() < 1e-5
     assert set(grads_b) == {"x", "weights", "bias", "mlp.w1", "mlp.v1", "mlp.w2"}
     for name, g_b in grads_b.items():

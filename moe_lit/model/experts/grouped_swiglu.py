@@ -187,7 +187,12 @@ class GroupedSwiGLU(torch.autograd.Function):
         for i, (w1, v1, w2) in enumerate(weights):
             if blocks.is_empty(i):
                 continue
-            x, h1, h2, act = blocks.rows(x_PD, i), blocks.hidden(h1_H, i), blocks.hidden(h2_H, i), blocks.hidden(act_H, i)
+            x, h1, h2, act = (
+                blocks.rows(x_PD, i),
+                blocks.hidden(h1_H, i),
+                blocks.hidden(h2_H, i),
+                blocks.hidden(act_H, i),
+            )
             torch.matmul(x, w1.mT, out=h1)
             torch.matmul(x, v1.mT, out=h2)
             torch.mul(F.silu(h1), h2, out=act)

@@ -25,6 +25,7 @@ from moe_lit.model.experts.layout import ExpertLayout
 Strategy = Literal["auto", "batched", "looped"]
 STRATEGIES = ("auto", "batched", "looped")
 
+
 @dataclass
 class Dispatch:
     """Where each kept assignment goes, and the routing counts the MoE layer reports."""
@@ -42,10 +43,10 @@ class Dispatch:
 def use_batched(strategy: Strategy, layout: ExpertLayout, device: torch.device) -> bool:
     """Whether to run the chunked ``bmm`` path rather than the packed loop.
 
-    NOTE: ``auto`` takes the loop where nothing runs in parallel (one CPU thread): there it costs
-    the same FLOPs minus the padding, about 15-25% less time. Elsewhere each per-expert ``mm`` is
-    its own parallel region (or kernel launch), and on two busy shared cores the loop was measured
-    2-4x slower than the ``bmm``s (README, Performance). The loop also serves unequal expert sizes.
+    NOTE: ``auto`` takes the loop where nothing runs in parallel (one CPU thread): there it does the
+    same FLOPs minus the padding, measured 10-30% faster. Elsewhere each per-expert ``mm`` is its
+    own parallel region (or kernel launch), and on two busy shared cores the loop was measured 2-4x
+    slower than the ``bmm``s (README, Performance). The loop also serves unequal expert sizes.
     """
     if strategy != "auto":
         return strategy == "batched"
