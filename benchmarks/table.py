@@ -19,9 +19,13 @@ from moe_lit.accounting import markdown_table
 def _conditions(result: dict) -> str:
     env, setup = result["environment"], result.get("setup", {})
     clock = setup.get("clock", "wall")
+    olmoe = (
+        f", OLMoE experts: {setup['olmoe_experts_implementation']}" if "olmoe_experts_implementation" in setup else ""
+    )
     return (
         f"{env['date']}, {env['threads']} thread(s), {clock} clock, OMP_WAIT_POLICY={env.get('omp_wait_policy', '?')}, "
         f"load avg {env['load_avg_1m']:.1f} on {env['cpu_count']} cores, {setup.get('rounds', '?')} interleaved rounds"
+        f"{olmoe}"
     )
 
 

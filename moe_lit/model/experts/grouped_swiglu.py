@@ -255,18 +255,19 @@ def grouped_swiglu(
 
 
 def build_slots(
-    indices_TK: torch.Tensor,
+    shape_TK: torch.Size,
     order_N: torch.Tensor,
+    sorted_experts_N: torch.Tensor,
     rank_N: torch.Tensor,
     kept_counts: list[int],
     batched: bool,
     capacity: Optional[int],
 ) -> Slots:
-    """Slot index maps from the expert-sorted assignments (``order_N``) and their rank inside their expert."""
-    num_tokens, top_k = indices_TK.shape
+    """Slot index maps from the expert-sorted assignments: ``order_N`` (flat ids), their experts and
+    their rank inside their expert."""
+    num_tokens, top_k = shape_TK
     num_assignments = num_tokens * top_k
-    device = indices_TK.device
-    sorted_experts_N = indices_TK.reshape(-1).index_select(0, order_N)
+    device = order_N.device
     chunk_rows, chunk_expert = 0, None
     if batched:
         chunk_rows, chunks = choose_chunking(kept_counts)

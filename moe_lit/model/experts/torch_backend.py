@@ -62,9 +62,8 @@ def plan_dispatch(
     order_N = torch.argsort(experts_N, stable=True)
     routed_counts_E = torch.bincount(experts_N, minlength=layout.num_experts)
     starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
-    rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E.index_select(
-        0, experts_N.index_select(0, order_N)
-    )
+    sorted_experts_N = experts_N.index_select(0, order_N)
+    rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E.index_select(0, sorted_experts_N)
     if capacity is not None:
         kept_counts_E = routed_counts_E.clamp(max=capacity)
         dropped = routed_counts_E.sum() - kept_counts_E.sum()
@@ -73,7 +72,7 @@ def plan_dispatch(
         dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
     kept_counts = kept_counts_E.tolist()
     batched = use_batched(strategy, layout, indices_TK.device)
-    slots = build_slots(indices_TK, order_N, rank_N, kept_counts, batched, capacity)
+    slots = build_slots(indices_TK.shape, order_N, sorted_experts_N, rank_N, kept_counts, batched, capacity)
     return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
 
