@@ -280,7 +280,7 @@ def summary_markdown(report: dict, title: str) -> str:
         f"{len(report['layer_ids'])} MoE layers x {report['num_experts']} experts, top-{report['top_k']}."
     )
     lines += ["", "**" + verdict(fam) + "**", ""]
-    lines.append(f"Clustering order (average linkage on JS): {' '.join(report['cluster_order'])}.")
+    lines += [f"Clustering order (average linkage on JS): {' '.join(report['cluster_order'])}.", ""]
     isolation = sorted(report["mean_js_to_others"].items(), key=lambda item: -item[1])
     lines.append(
         "Mean JS to the other languages (most distinct routing first): "
