@@ -18,7 +18,7 @@ plus their means over layers under ``routing/mean/...``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -60,16 +60,34 @@ class RoutingMonitor(pl.Callback):
         self._handles: list[RemovableHandle] = []
         self._entropy: dict[int, torch.Tensor] = {}
         self._routers: dict[int, Router] = {}
+        self._model: Optional[torch.nn.Module] = None
         self._last_logged_step = -1
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        blocks = pl_module.model.blocks
-        self._routers = {i: block.ffn.router for i, block in enumerate(blocks) if block.is_moe}
+        self._attach(pl_module.model)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # NOTE: upcycling callbacks swap pl_module.model mid-run; follow the live routers.
+        if pl_module.model is not self._model:
+            self._attach(pl_module.model)
+
+    def _attach(self, model: torch.nn.Module) -> None:
+        self._detach()
+        self._model = model
+        self._routers = {i: block.ffn.router for i, block in enumerate(model.blocks) if block.is_moe}
         if not self._routers:
             rank_zero_info("RoutingMonitor: the model has no MoE layer; nothing to log")
         for layer_id, router in self._routers.items():
             self._handles.append(router.register_forward_hook(self._entropy_hook(layer_id, router.score_func)))
+
+    def _detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._entropy, self._routers, self._model = [], {}, {}, None
 
     def _entropy_hook(self, layer_id: int, score_func: str):
         def hook(module: Router, args: Any, output: RouterOutput) -> None:
@@ -82,9 +100,7 @@ class RoutingMonitor(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._entropy, self._routers = [], {}, {}
+        self._detach()
 
     def layer_metrics(self) -> dict[str, float]:
         """The metrics of the last training forward, by name (empty before the first one)."""

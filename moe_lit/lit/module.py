@@ -120,9 +120,11 @@ class MoELitModule(pl.LightningModule):
         return loss
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # NOTE: the routers hold the counts of this batch's forward; aux-loss-free balancing
-        # nudges the selection biases after every training batch (no-op unless balancing=bias).
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # NOTE: the routers hold the counts of the last forward; aux-loss-free balancing nudges the
+        # selection biases once per optimizer step (no-op unless balancing=bias). Doing it here,
+        # not in on_train_batch_end, puts the update before any checkpoint of this step, since
+        # Lightning runs callbacks' (ModelCheckpoint's) on_train_batch_end before the module's.
         self.model.update_router_biases()
 
     @override

@@ -468,6 +468,8 @@ def run_study(
         log(f"{arm}: final val loss {record['curve'][-1]['val_loss']:.4f}, {record['wall_s']:.0f} s")
     # NOTE: every arm is finished; the fork checkpoint (weights + AdamW state) is not a result.
     (runs / FIXED_E / FORK_CKPT).unlink(missing_ok=True)
+    if (runs / FIXED_E).is_dir() and not any((runs / FIXED_E).iterdir()):
+        (runs / FIXED_E).rmdir()
     return write_report(spec, out_dir, data_dir, command, log)
 
 

@@ -95,9 +95,6 @@ def test_checkpoint_after_expansion_resumes_into_the_expanded_shape(tmp_path):
     cfg = tiny(top_k=2)
 
     def grow():
-        # NOTE: balancing kept at aux_loss: MoELitModule updates selection biases in its own
-        # on_train_batch_end, which Lightning runs after the callbacks' (ModelCheckpoint's), so a
-        # checkpoint misses that step's bias update; reported, not this callback's to fix.
         return ExpertUpcycling(at_steps=[2], selection="utility", utility_batches=2, balancing=None, noise=0.0)
 
     _, straight = _fit(cfg, [grow(), SaveAt(4, tmp_path / "mid.ckpt")], max_steps=6)

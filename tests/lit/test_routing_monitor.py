@@ -71,3 +71,21 @@ def test_monitor_logs_every_n_steps_per_moe_layer_and_matches_the_router_buffers
     mean = (last["routing/layer1/load_imbalance"] + last["routing/layer2/load_imbalance"]) / 2
     assert last["routing/mean/load_imbalance"] == pytest.approx(mean)
     assert not any(h for r in (module.model.blocks[1].ffn.router, router) for h in r._forward_hooks.values())
+
+
+def test_monitor_follows_a_model_swapped_mid_run():
+    from moe_lit.model import Transformer
+
+    monitor = RoutingMonitor(every_n_steps=1)
+    first, second = Transformer(tiny(vocab_size=64)), Transformer(tiny(vocab_size=64, num_experts=8))
+
+    class Holder:
+        model = first
+
+    monitor.setup(None, Holder, "fit")
+    Holder.model = second
+    monitor.on_train_batch_start(None, Holder, None, 0)
+    second.train()(torch.randint(0, 64, (2, 8)))
+    metrics = monitor.layer_metrics()
+    assert metrics and all(r is second.blocks[i].ffn.router for i, r in monitor._routers.items())
+    assert len(first.blocks[0].ffn.router._forward_hooks) == 0
