@@ -5,7 +5,8 @@ Every backend holds the same parameters under the same names (``mlp.w1|v1|w2`` o
 
 * ``torch``: :class:`TorchExperts`, CPU and GPU, any expert sizes, dropless or capacity-limited; for
   equal experts on a torch with grouped GEMM it is :class:`GroupedMMExperts`, which runs
-  ``torch._grouped_mm`` on CUDA and the plain loop elsewhere.
+  ``torch._grouped_mm`` on CUDA (bf16) and falls back to :class:`TorchExperts` (its batched or
+  looped grouped-SwiGLU path) elsewhere.
 * ``megablocks``: :class:`~moe_lit.model.experts.megablocks_backend.MegaBlocksExperts` (CUDA,
   equal experts, dropless), imported lazily.
 * ``auto``: MegaBlocks when CUDA and megablocks are present and the layer is supported, else torch;
