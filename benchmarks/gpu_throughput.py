@@ -1,4 +1,4 @@
-"""Training throughput on one GPU: MegaBlocks vs torch._grouped_mm vs the torch backend's own matmuls.
+"""Training throughput on one GPU: MegaBlocks vs the torch backend's grouped GEMMs vs its padded bmm.
 
     python -m benchmarks.gpu_throughput [--out FILE] [--steps 10] [--warmup 3] [--models moe-180m,moe-720m]
 
@@ -6,8 +6,8 @@ For each model (~180M and ~720M total parameters, bf16 autocast over fp32 master
 AdamW) and each expert backend, times full training steps (forward, backward, optimizer) with CUDA
 events and reports tokens/s, step time, peak memory and MFU = training FLOPs/token * tokens/s over
 the bf16 peak (the datasheet's dense 989 TFLOP/s and, beside it, a measured 8192^3 bf16 matmul).
-Backends: ``megablocks`` (MegaBlocksExperts), ``grouped_mm`` (GroupedMMExperts on CUDA) and
-``torch`` (the same module with its grouped path switched off: TorchExperts' matmuls). Prints one
+Backends: ``megablocks`` (MegaBlocksExperts), ``grouped`` (TorchExperts, ``torch._grouped_mm``
+over packed slots) and ``batched`` (TorchExperts, one ``bmm`` over padded chunks). Prints one
 JSON object and writes it to ``--out`` (default ``benchmarks/results/gpu-<date>.json``).
 """
 
@@ -21,18 +21,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from moe_lit.accounting import count_config_params, training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.io import atomic_write_json
 from moe_lit.model import Transformer
-from moe_lit.model.experts import GroupedMMExperts
+from moe_lit.model.experts import TorchExperts
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DATASHEET_BF16_FLOPS = 989e12
 """Dense bf16 peak of an H100/H200 SXM (vendor datasheet)."""
-BACKENDS = ("megablocks", "grouped_mm", "torch")
+BACKENDS = ("megablocks", "grouped", "batched")
 
 MODELS: dict[str, tuple[ModelConfig, int]] = {
     # name: (config, batch size in sequences)
@@ -53,10 +52,10 @@ def build(cfg: ModelConfig, backend: str) -> Transformer:
     """The model on CUDA with the requested expert backend (raises when it cannot run here)."""
     model = Transformer(cfg.replace(moe={"backend": "megablocks" if backend == "megablocks" else "torch"}))
     for layer in model.moe_layers():
-        if backend != "megablocks" and not isinstance(layer.experts, GroupedMMExperts):
-            raise RuntimeError(f"expected GroupedMMExperts for backend {backend}, got {type(layer.experts).__name__}")
-        if backend == "torch":
-            layer.experts.devices = ()  # grouped path off: TorchExperts' own matmuls
+        if backend != "megablocks":
+            if not isinstance(layer.experts, TorchExperts):
+                raise RuntimeError(f"expected TorchExperts for backend {backend}, got {type(layer.experts).__name__}")
+            layer.experts.strategy = backend
     return model.cuda()
 
 
@@ -80,8 +79,8 @@ def train_step(model: Transformer, batch_BL1: torch.Tensor) -> Callable[[], None
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(batch_BL1[:, :-1])
-            loss = F.cross_entropy(out.logits_BLV.flatten(0, 1).float(), batch_BL1[:, 1:].flatten()) + out.aux_loss
+            out = model(batch_BL1[:, :-1], batch_BL1[:, 1:])
+            loss = out.ce + out.aux_loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -119,12 +118,12 @@ def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> d
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per model: tokens/s of each backend over the torch backend's, and the fastest backend."""
+    """Per model: tokens/s of each backend over the padded-bmm ``batched`` one's, and the fastest backend."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["model"] for r in rows):
         speeds = {r["backend"]: r["tokens_per_s"] for r in rows if r["model"] == name and "tokens_per_s" in r}
-        summary: dict[str, Any] = {f"{b}_vs_torch": round(s / speeds["torch"], 3) for b, s in speeds.items()
-                                   if "torch" in speeds and b != "torch"}
+        summary: dict[str, Any] = {f"{b}_vs_batched": round(s / speeds["batched"], 3) for b, s in speeds.items()
+                                   if "batched" in speeds and b != "batched"}
         summary["fastest"] = max(speeds, key=speeds.get) if speeds else None
         out[name] = summary
     return out

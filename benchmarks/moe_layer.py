@@ -1,12 +1,14 @@
 """MoE layer forward+backward tokens/s next to a dense SwiGLU FFN of equal active parameters.
 
-    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--clock wall] [--strategy auto]
+    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--clock wall]
 
 For each shape (E, k, F) at d_model 256 and 2048 tokens, one process times, INTERLEAVED: the MoE
-layer (router + experts + auxiliary loss), the dense SwiGLU with d_ff = k*F, and a plain fp32
-matmul ``(T, D) @ (D, k*F)`` (one of the three matmuls of that dense FFN). FLOP/s count useful work
-only (no padding, no routing bookkeeping): 18*T*k*D*F for the experts' forward+backward plus
-6*T*D*E for the router; 18*T*D*d_ff for the dense FFN; 2*T*D*d_ff for the matmul.
+layer (router + experts + auxiliary loss) once per slot geometry of the torch backend (grouped,
+batched, looped: ``moe_<geometry>``; ``auto_geometry`` names the one ``strategy: auto`` takes), the
+dense SwiGLU with d_ff = k*F, and a plain fp32 matmul ``(T, D) @ (D, k*F)`` (one of the three
+matmuls of that dense FFN). FLOP/s count useful work only (no padding, no routing bookkeeping):
+18*T*k*D*F for the experts' forward+backward plus 6*T*D*E for the router; 18*T*D*d_ff for the
+dense FFN; 2*T*D*d_ff for the matmul.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import torch
 
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
 from moe_lit.config import MoEConfig
-from moe_lit.model.experts.torch_backend import STRATEGIES, use_batched
+from moe_lit.model.experts.torch_backend import choose_geometry
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
 
 D_MODEL, TOKENS = 256, 2048
 SHAPES = ((16, 2, 256), (64, 8, 64))
+GEOMETRIES = ("grouped", "batched", "looped")
 
 
 def random_init(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -56,38 +59,38 @@ def matmul_step(d_ff: int) -> Callable[[], None]:
     return lambda: torch.mm(a_TD, b_DF)
 
 
-def bench_shape(shape: tuple[int, int, int], strategy: str, rounds: int, warmup: int, clock: str) -> dict:
+def bench_shape(shape: tuple[int, int, int], rounds: int, warmup: int, clock: str) -> dict:
     num_experts, top_k, size = shape
     d_ff = top_k * size
-    layer = random_init(MoELayer(D_MODEL, MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k), 1), 0)
-    layer.experts.strategy = strategy
+    layers = {}
+    for geometry in GEOMETRIES:
+        cfg = MoEConfig(num_experts=num_experts, expert_size=size, top_k=top_k)
+        layers[geometry] = random_init(MoELayer(D_MODEL, cfg, 1), 0)
+        layers[geometry].experts.strategy = geometry
     dense = random_init(SwiGLU(D_MODEL, d_ff), 0)
     gen = torch.Generator().manual_seed(1)
     x_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen).requires_grad_(True)
     dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
-    cases = {
-        "moe": moe_step(layer, x_BLD, dy_BLD),
-        "dense": dense_step(dense, x_BLD, dy_BLD),
-        "matmul": matmul_step(d_ff),
-    }
+    cases = {f"moe_{g}": moe_step(layer, x_BLD, dy_BLD) for g, layer in layers.items()}
+    cases.update(dense=dense_step(dense, x_BLD, dy_BLD), matmul=matmul_step(d_ff))
     times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
-    flops = {
-        "moe": 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts,
-        "dense": 18 * TOKENS * D_MODEL * d_ff,
-        "matmul": 2 * TOKENS * D_MODEL * d_ff,
-    }
+    moe_flops = 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts
+    flops = {name: moe_flops for name in cases if name.startswith("moe_")}
+    flops.update(dense=18 * TOKENS * D_MODEL * d_ff, matmul=2 * TOKENS * D_MODEL * d_ff)
     flops_per_s = {name: flops[name] / median(times[name]) for name in cases}
-    counts = layer.router.tokens_per_expert
+    counts = layers["grouped"].router.tokens_per_expert
+    layout = layers["grouped"].experts.layout
+    auto = choose_geometry("auto", layout, TOKENS * top_k, D_MODEL, x_BLD.dtype, x_BLD.device)
     return {
-        "experts_path": "batched" if use_batched(strategy, layer.experts.layout, x_BLD.device) else "looped",
+        "auto_geometry": auto,
         "routing_max_over_mean": (counts.max() / counts.mean()).item(),
-        "moe_tokens_per_s": TOKENS / median(times["moe"]),
-        "dense_tokens_per_s": TOKENS / median(times["dense"]),
-        "moe_over_dense_time": paired_ratio(times, "moe", "dense"),
+        "tokens_per_s": {name: TOKENS / median(t) for name, t in times.items() if name != "matmul"},
+        "moe_over_dense_time": {g: paired_ratio(times, f"moe_{g}", "dense") for g in GEOMETRIES},
         "median_ms": {name: 1e3 * median(t) for name, t in times.items()},
         "gflop_per_s": {name: value / 1e9 for name, value in flops_per_s.items()},
-        "moe_flops_fraction_of_matmul": flops_per_s["moe"] / flops_per_s["matmul"],
-        "dense_flops_fraction_of_matmul": flops_per_s["dense"] / flops_per_s["matmul"],
+        "flops_fraction_of_matmul": {
+            name: value / flops_per_s["matmul"] for name, value in flops_per_s.items() if name != "matmul"
+        },
     }
 
 
@@ -97,18 +100,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="auto")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
     shapes = {
-        "E{}k{}F{}".format(*shape): bench_shape(shape, args.strategy, args.rounds, args.warmup, args.clock)
+        "E{}k{}F{}".format(*shape): bench_shape(shape, args.rounds, args.warmup, args.clock)
         for shape in SHAPES
     }
     setup = {
         "d_model": D_MODEL,
         "tokens": TOKENS,
-        "strategy": args.strategy,
         "rounds": args.rounds,
         "clock": args.clock,
     }

@@ -40,6 +40,7 @@ def train_step_table(result: dict) -> str:
                 "OLMoE tok/s": round(models[f"olmoe_{tag}"]["tokens_per_s"]),
                 "dense tok/s": round(models[dense]["tokens_per_s"]),
                 "ours / OLMoE speed (goal >= 1.5)": f"{ratio['speedup_vs_olmoe']:.2f}",
+                "our dense / OLMoE speed": f"{ratio['dense_speedup_vs_olmoe']:.2f}",
                 "MoE / dense time (goal)": f"{ratio['moe_over_dense_time']:.2f} "
                 f"(<= {result['goals']['moe_over_dense_time'][tag]})",
             }
@@ -48,18 +49,22 @@ def train_step_table(result: dict) -> str:
 
 
 def moe_layer_table(result: dict) -> str:
-    rows = [
-        {
-            "shape": tag,
-            "path": row["experts_path"],
-            "MoE tok/s": round(row["moe_tokens_per_s"]),
-            "dense tok/s": round(row["dense_tokens_per_s"]),
-            "MoE / dense time": f"{row['moe_over_dense_time']:.2f}",
-            "MoE FLOP/s / matmul FLOP/s": f"{row['moe_flops_fraction_of_matmul']:.2f}",
-            "dense FLOP/s / matmul FLOP/s": f"{row['dense_flops_fraction_of_matmul']:.2f}",
-        }
-        for tag, row in result["shapes"].items()
-    ]
+    rows = []
+    for tag, row in result["shapes"].items():
+        fraction = row["flops_fraction_of_matmul"]
+        for case, tokens_per_s in row["tokens_per_s"].items():
+            geometry = case.removeprefix("moe_")
+            rows.append(
+                {
+                    "shape": tag,
+                    "case": f"MoE, {geometry}" + (" (auto)" if geometry == row["auto_geometry"] else "")
+                    if case.startswith("moe_")
+                    else "dense SwiGLU",
+                    "tok/s": round(tokens_per_s),
+                    "time / dense": f"{row['moe_over_dense_time'][geometry]:.2f}" if case.startswith("moe_") else "1",
+                    "FLOP/s / matmul FLOP/s": f"{fraction[case]:.2f}",
+                }
+            )
     return markdown_table(rows)
 
 

@@ -184,6 +184,9 @@ class ModelConfig:
     """Std of the normal init; output projections use init_std / sqrt(2 * n_layers)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    loss_chunk_tokens: int = 256
+    """Tokens per chunk of the fused output head + cross-entropy in training/validation (the
+    (tokens, vocab) logits are never materialised); 0 = plain head then F.cross_entropy."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
@@ -205,6 +208,11 @@ class ModelConfig:
         _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} must be even for RoPE")
         _require(self.rope_base > 0, "model.rope_base", f"must be > 0, got {self.rope_base}")
         _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        _require(
+            isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 0,
+            "model.loss_chunk_tokens",
+            f"must be an int >= 0 (0 = no chunking), got {self.loss_chunk_tokens!r}",
+        )
         if self.moe is not None:
             _require(
                 self.moe.first_dense_layers < self.n_layers,

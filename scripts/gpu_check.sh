@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh
 #       ON THE GPU MACHINE (no internet; carry .gpu-sdists): build grouped_gemm and megablocks from
 #       those sdists into /tmp/gpu-site (in parallel, patched for CUDA 13), run the GPU-marked tests
-#       (tests/gpu: MegaBlocks and grouped_mm parity vs the torch backend, a CPU-trained checkpoint
+#       (tests/gpu: MegaBlocks and grouped-GEMM parity vs the torch backend's loop, a CPU-trained checkpoint
 #       evaluated on the MegaBlocks path) and benchmarks/gpu_throughput.py. Logs and the benchmark
 #       JSON go to $OUT (the device tool brings them back) or benchmarks/results/.
 #       Device tool call: run(command="bash scripts/gpu_check.sh", carry=[".gpu-sdists"], timeout_s=540)

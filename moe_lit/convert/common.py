@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moe_lit.config import ModelConfig
 from moe_lit.model import Transformer
@@ -30,8 +29,7 @@ def rebuild(model: Transformer, cfg: ModelConfig) -> Transformer:
 
 def next_token_loss(model: Transformer, batch_BL1: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of a ``(B, L+1)`` token batch (inputs ``[:, :-1]``)."""
-    out = model(batch_BL1[:, :-1])
-    return F.cross_entropy(out.logits_BLV.flatten(0, 1).float(), batch_BL1[:, 1:].flatten())
+    return model(batch_BL1[:, :-1], batch_BL1[:, 1:]).ce
 
 
 __all__ = ["next_token_loss", "rebuild"]

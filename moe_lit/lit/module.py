@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
@@ -102,9 +101,8 @@ class MoELitModule(pl.LightningModule):
     def _losses(self, batch_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (mean over tokens, fp32) and the model's weighted auxiliary losses."""
         inputs_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
-        out = self.model(inputs_BL)
-        ce = F.cross_entropy(out.logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
-        return ce, out.aux_losses
+        out = self.model(inputs_BL, targets_BL)
+        return out.ce, out.aux_losses
 
     @override
     def training_step(self, batch_BL1: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -82,14 +82,25 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return 1.0 - (1 - floor) * progress
 
 
+NORMS = (nn.RMSNorm, nn.LayerNorm)
+"""Modules whose parameters are never decayed."""
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed matrices, and undecayed 1-D params (norms, biases) + input embedding.
+    """Two AdamW groups: decayed matrices, and undecayed norm weights, biases and input embedding.
 
     NOTE: the input embedding is a lookup table (each row only sees the tokens that use it), so decay
     would shrink rare tokens towards zero; it is left undecayed as in GPT-NeoX/OLMo. An untied output
-    head is an ordinary matmul and is decayed; a tied one is the embedding and is not.
+    head is an ordinary matmul and is decayed; a tied one is the embedding and is not. Norms and
+    biases are found by module type and attribute name, not by ``ndim``: FSDP1 (use_orig_params)
+    hands the optimizer 1-D shards of every parameter, matrices included.
     """
-    no_decay_ids = {id(p) for p in model.parameters() if p.ndim < 2}
+    no_decay_ids = {
+        id(param)
+        for module in model.modules()
+        for name, param in module.named_parameters(recurse=False)
+        if name == "bias" or isinstance(module, NORMS)
+    }
     embedding = getattr(model, "tok_embeddings", None)
     if embedding is not None:
         no_decay_ids.add(id(embedding.weight))

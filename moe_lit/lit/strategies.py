@@ -8,11 +8,14 @@
 * :class:`FSDP2Strategy`: Lightning's ``ModelParallelStrategy`` as pure data parallelism (tensor
   parallel size 1) with ``fully_shard`` applied to every ``Block`` and then to the whole network,
   so every parameter the step uses (embeddings, final norm and head included) is sharded. It runs on
-  CPU with gloo too. ``MoELitModule.configure_model`` calls :func:`shard_for_strategy`.
+  CPU with gloo too. ``MoELitModule.configure_model`` calls :func:`shard_for_strategy`. With
+  ``expert_parallel_size`` > 1 it also splits the experts of MegaBlocks MoE layers over groups of
+  consecutive ranks (:func:`apply_expert_parallel`).
 
 Every strategy saves a checkpoint with the same ``model.``-prefixed state-dict keys as a
-single-device run (FSDP2 defaults to one consolidated file: ``save_distributed_checkpoint=False``),
-so ``moe_lit.checkpoint.load_model`` and any other strategy load it.
+single-device run (FSDP1 with ``state_dict_type: full`` and FSDP2 by default write one consolidated
+file), expert-parallel runs included, so ``moe_lit.checkpoint.load_model`` and any other strategy
+load it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from moe_lit.errors import MoeLitError
+from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
+from moe_lit.model.moe import MoELayer
 from moe_lit.model.transformer import Block
 
 MixedPrecisionName = Optional[Literal["bf16"]]
@@ -67,6 +72,20 @@ class FSDPStrategy(_LightningFSDPStrategy):
             **kwargs,
         )
 
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._state_dict_type != "full":
+            return super().optimizer_state(optimizer)
+        return full_optimizer_state(self.model, optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        # NOTE: FSDP1 loads full optimizer states on every rank (no rank-0 broadcast), as Lightning does.
+        return load_full_checkpoint(self, path, weights_only, broadcast_from_rank0=False)
+
 
 def _fsdp1_mixed_precision():
     from torch.distributed.fsdp import MixedPrecision
@@ -83,6 +102,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         activation_checkpointing: bool = False,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = False,
+        expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         """
@@ -94,8 +114,13 @@ class FSDP2Strategy(ModelParallelStrategy):
                 false keeps them until the backward (ZeRO-2-like, more memory, less communication).
             save_distributed_checkpoint: false = one consolidated file (loads anywhere);
                 true = a directory of shards (consolidate with Lightning's consolidate_checkpoint).
+            expert_parallel_size: ep > 1 splits every MoE layer's experts over ep consecutive ranks
+                (MegaBlocks backend only; ep divides the world size and moe.num_experts); the
+                checkpoint keeps the full expert layout. 1 = every rank holds every expert.
         """
         _check_mixed_precision(mixed_precision)
+        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+            raise MoeLitError(f"strategy.expert_parallel_size: must be an integer >= 1, got {expert_parallel_size!r}")
         # NOTE: pure data parallelism: the data-parallel size is set to the world size once the
         # number of nodes and processes is known (setup_environment).
         super().__init__(
@@ -107,48 +132,49 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.mixed_precision = mixed_precision
         self.activation_checkpointing = activation_checkpointing
         self.reshard_after_forward = reshard_after_forward
+        self.expert_parallel_size = expert_parallel_size
+        self.expert_mesh: Any = None
+        """("expert_data_parallel", "expert_parallel") DeviceMesh when expert_parallel_size > 1."""
 
     @override
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if self.expert_parallel_size > 1:
+            self.expert_mesh = expert_parallel_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return optimizer_state_by_id(get_optimizer_state_dict(self.model, optimizer, options=options))
+        return full_optimizer_state(self.model, optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_file():
             return super().load_checkpoint(path, weights_only=weights_only)
-        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        strict = self.lightning_module.strict_loading
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-        for state, optimizer in zip(checkpoint.get("optimizer_states", []), self.optimizers):
-            named = optimizer_state_by_name(state, optimizer, self.model)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=named, options=options)
-        return checkpoint
+        return load_full_checkpoint(self, path, weights_only, broadcast_from_rank0=True)
 
     def shard(self, model: nn.Module) -> None:
-        """Apply FSDP2 to a Transformer in place (idempotent)."""
+        """Apply expert parallelism (when configured), then FSDP2, to a Transformer in place (idempotent)."""
+        experts_mesh = None
+        if self.expert_mesh is not None:
+            if self.root_device.type == "cuda" and self.mixed_precision != "bf16":
+                raise MoeLitError(
+                    "strategy.mixed_precision: expert_parallel_size > 1 on CUDA needs bf16 "
+                    "(grouped_gemm has bf16 kernels only)"
+                )
+            apply_expert_parallel(model, self.expert_mesh["expert_parallel"])
+            experts_mesh = self.expert_mesh["expert_data_parallel"]
         apply_fsdp2(
             model,
             self.device_mesh["data_parallel"],
             mixed_precision=self.mixed_precision,
             activation_checkpointing=self.activation_checkpointing,
             reshard_after_forward=self.reshard_after_forward,
+            experts_mesh=experts_mesh,
         )
 
 
@@ -168,10 +194,16 @@ def optimizer_state_by_id(named_state: dict[str, Any]) -> dict[str, Any]:
 
 
 def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: nn.Module) -> dict[str, Any]:
-    """A plain (id-keyed) optimizer state -> parameter-name keys, via ``optimizer``'s own groups."""
+    """A plain (id-keyed) optimizer state -> parameter-name keys, via ``optimizer``'s own groups.
+
+    Names are the unwrapped module's (FSDP1 and activation-checkpoint wrapper prefixes removed).
+    """
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
     if not state["state"] or isinstance(next(iter(state["state"])), str):
         return state
-    name_of = {id(p): name for name, p in model.named_parameters()}
+    # NOTE: torch's own helper, the one FSDP1's optimizer state dicts name parameters with.
+    name_of = {id(p): clean_tensor_name(name) for name, p in model.named_parameters()}
     if len(state["param_groups"]) != len(optimizer.param_groups):
         raise MoeLitError(
             f"checkpoint: optimizer has {len(state['param_groups'])} parameter groups, this run has "
@@ -188,14 +220,85 @@ def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: 
     return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
 
 
+def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """The full optimizer state of a sharded model (FSDP1 or FSDP2) on rank 0, keyed by plain ids."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    # NOTE: offloading a CPU model's state "to CPU" makes FSDP1 return exp_avg and exp_avg_sq as
+    # one aliased buffer (torch 2.13, measured): offload only from an accelerator. Without
+    # offload every rank gets the full state; Lightning writes rank 0's.
+    on_accelerator = next(model.parameters()).device.type != "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
+    return optimizer_state_by_id(get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def load_full_optimizer_states(
+    model: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]], broadcast_from_rank0: bool, strict: bool
+) -> None:
+    """Load plain (id-keyed) full optimizer states, e.g. from any strategy's checkpoint, into a sharded model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
+    for state, optimizer in zip(states, optimizers):
+        named = optimizer_state_by_name(state, optimizer, model)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=named, options=options)
+
+
+def load_full_checkpoint(strategy: Any, path: Path, weights_only: Optional[bool], broadcast_from_rank0: bool) -> dict[str, Any]:
+    """``load_checkpoint`` body of our sharded strategies for a one-file checkpoint (any strategy's)."""
+    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+
+    strict = strategy.lightning_module.strict_loading
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    _load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
+    states = checkpoint.get("optimizer_states", [])
+    load_full_optimizer_states(strategy.model, strategy.optimizers, states, broadcast_from_rank0, strict)
+    return checkpoint
+
+
+def expert_parallel_mesh(device_type: str, world_size: int, expert_parallel_size: int) -> Any:
+    """A 2-D DeviceMesh ("expert_data_parallel", "expert_parallel"): ep groups of consecutive ranks.
+
+    Rank r holds the experts of ep rank ``r % ep``; the ranks holding the same experts form an
+    "expert_data_parallel" group, over which (and only over which) those experts' gradients are reduced.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world_size % expert_parallel_size:
+        raise MoeLitError(
+            f"strategy.expert_parallel_size: {expert_parallel_size} does not divide the world size {world_size}"
+        )
+    shape = (world_size // expert_parallel_size, expert_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("expert_data_parallel", "expert_parallel"))
+
+
+def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
+    """Split every MoE layer's experts over a 1-D expert-parallel mesh (in place, idempotent)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, MoELayer):
+            continue
+        if not isinstance(module.experts, MegaBlocksExperts):
+            raise MoeLitError(
+                f"strategy.expert_parallel_size: {mesh.size()} needs the MegaBlocks backend "
+                f"(moe.backend: megablocks), but {name}.experts is {type(module.experts).__name__}"
+            )
+        module.experts.shard_experts(mesh)
+
+
 def apply_fsdp2(
     model: nn.Module,
     mesh: Any,
     mixed_precision: MixedPrecisionName = None,
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
+    experts_mesh: Any = None,
 ) -> None:
-    """``fully_shard`` each Block (with optional activation checkpointing), then the whole model."""
+    """``fully_shard`` each Block (with optional activation checkpointing), then the whole model.
+
+    With ``experts_mesh`` (expert parallelism), each expert-parallel MegaBlocks ``experts.mlp``
+    first becomes its own unit over that mesh.
+    """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     _check_mixed_precision(mixed_precision)
@@ -204,6 +307,14 @@ def apply_fsdp2(
     kwargs: dict[str, Any] = {"mesh": mesh}
     if mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if experts_mesh is not None:
+        for module in model.modules():
+            if isinstance(module, MegaBlocksExperts) and module.expert_parallel_group is not None:
+                # NOTE: the expert weights (DTensors over the expert-parallel mesh) are sharded and
+                # their gradients averaged over the ranks holding the SAME experts only; MegaBlocks
+                # already scaled them by 1/ep, so together: the mean over every rank's tokens. The
+                # experts' output bias is not expert-parallel and stays in the Block's unit.
+                fully_shard(module.mlp, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
     for module in model.modules():
         if isinstance(module, Block):
             if activation_checkpointing:
@@ -228,7 +339,12 @@ def shard_for_strategy(module: Any) -> None:
 __all__ = [
     "FSDP2Strategy",
     "FSDPStrategy",
+    "apply_expert_parallel",
     "apply_fsdp2",
+    "expert_parallel_mesh",
+    "full_optimizer_state",
+    "load_full_checkpoint",
+    "load_full_optimizer_states",
     "optimizer_state_by_id",
     "optimizer_state_by_name",
     "shard_for_strategy",

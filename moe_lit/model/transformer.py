@@ -7,26 +7,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import nn
 
 from moe_lit.config import ModelConfig
 from moe_lit.model.attention import CausalSelfAttention
+from moe_lit.model.loss import linear_cross_entropy
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
 
 
 @dataclass
 class LMOutput:
-    logits_BLV: torch.Tensor
+    logits_BLV: Optional[torch.Tensor]
+    """Next-token logits; None when the forward got targets and computed ``ce`` without them."""
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Weighted auxiliary losses summed over layers, by name (load_balancing, z_loss)."""
+    ce: Optional[torch.Tensor] = None
+    """Mean next-token cross-entropy (fp32) when the forward got targets."""
 
     @property
     def aux_loss(self) -> torch.Tensor:
         """Sum of all auxiliary losses (0 for a dense model)."""
-        return sum(self.aux_losses.values(), torch.zeros((), device=self.logits_BLV.device))
+        device = (self.logits_BLV if self.logits_BLV is not None else self.ce).device
+        return sum(self.aux_losses.values(), torch.zeros((), device=device))
 
 
 class Block(nn.Module):
@@ -81,14 +87,21 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(param, std=std)
 
-    def forward(self, idx_BL: torch.Tensor) -> LMOutput:
+    def forward(self, idx_BL: torch.Tensor, targets_BL: Optional[torch.Tensor] = None) -> LMOutput:
+        """Logits, or with ``targets_BL`` the mean cross-entropy through the chunked head (no logits)."""
         x_BLD = self.tok_embeddings(idx_BL)
         aux_losses: dict[str, torch.Tensor] = {}
         for block in self.blocks:
             x_BLD, losses = block(x_BLD)
             for name, value in losses.items():
                 aux_losses[name] = aux_losses[name] + value if name in aux_losses else value
-        return LMOutput(self.lm_head(self.norm(x_BLD)), aux_losses)
+        x_BLD = self.norm(x_BLD)
+        if targets_BL is None:
+            return LMOutput(self.lm_head(x_BLD), aux_losses)
+        ce = linear_cross_entropy(
+            x_BLD.flatten(0, 1), self.lm_head.weight, targets_BL.flatten(), self.config.loss_chunk_tokens
+        )
+        return LMOutput(None, aux_losses, ce=ce)
 
     @torch.no_grad()
     def update_router_biases(self) -> None:

@@ -39,6 +39,9 @@ def test_trainer_yamls_build_the_strategies():
         assert (fsdp2.mixed_precision, fsdp2._save_distributed_checkpoint, fsdp2._tensor_parallel_size) == (
             "bf16", False, 1
         )
+        assert fsdp2.expert_parallel_size == 1
+    ep = _strategy("fsdp2-ep.yaml")
+    assert isinstance(ep, FSDP2Strategy) and (ep.expert_parallel_size, ep.mixed_precision) == (2, "bf16")
 
 
 def test_activation_checkpointing_wraps_blocks():

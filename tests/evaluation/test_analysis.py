@@ -8,7 +8,6 @@ from scipy.spatial.distance import jensenshannon
 from moe_lit.analysis.routing import (
     RoutingAnalysisConfig,
     analyse,
-    expert_language_entropy,
     family_of,
     js_divergence,
     verdict,

@@ -6,7 +6,8 @@ Shape legend: T tokens, D d_model, K top-k, N = T*K routed assignments (in MegaB
 under ``$MOE_LIT_CACHE`` or ``~/.cache/moe_lit``); their Python packages go on ``sys.path`` and the
 compiled/Triton pieces are replaced by modules written here from the kernels' documented semantics:
 
-* ``megablocks_ops`` (CUDA extension): stable key sort with its permutation, histogram, cumsums;
+* ``megablocks_ops`` (CUDA extension): stable key sort with its permutation, histogram, cumsums,
+  replicate (the expert-parallel path);
 * ``megablocks.backend.kernels`` (Triton): ``gather`` / ``scatter`` / ``scatter_wgrad`` (unpadded);
 * ``grouped_gemm``: ``ops.gmm`` as one matmul per expert;
 * ``stk.backend.triton_kernels`` (Triton, only used by the sparse path): empty.
@@ -84,6 +85,12 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int, out: torch.Tensor) -> None:
     out.copy_(torch.cumsum(x, dim) - x)
 
 
+def _replicate_forward(x_1B: torch.Tensor, bins_B: torch.Tensor, out_1M: torch.Tensor) -> None:
+    """Column j of the output is the entry of the bin j falls in (bins are inclusive cumsums)."""
+    counts_B = torch.diff(bins_B.long(), prepend=bins_B.new_zeros(1).long())
+    out_1M.copy_(torch.repeat_interleave(x_1B, counts_B, dim=1))
+
+
 def _gather(x_TD, indices_N, bin_ids_N, weights_N, bins_E, top_k):
     """Row i of the output is token ``indices[i] // top_k`` (scaled by ``weights[indices[i]]``)."""
     out_ND = x_TD.index_select(0, indices_N.long() // top_k)
@@ -119,6 +126,7 @@ def _standins() -> dict[str, types.ModuleType]:
     ops = types.ModuleType("megablocks_ops")
     ops.sort, ops.histogram = _sort, _histogram
     ops.inclusive_cumsum, ops.exclusive_cumsum = _inclusive_cumsum, _exclusive_cumsum
+    ops.replicate_forward = _replicate_forward
     kernels = types.ModuleType("megablocks.backend.kernels")
     kernels.gather, kernels.scatter, kernels.scatter_wgrad = _gather, _scatter, _scatter_wgrad
     gg = types.ModuleType("grouped_gemm")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import MoEConfig
 from moe_lit.model import Transformer
-from moe_lit.model.experts import GroupedMMExperts, build_experts
+from moe_lit.model.experts import build_experts
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts, unavailable_reason
 from moe_lit.model.moe import MoELayer
 from tests.conftest import tiny
@@ -79,15 +79,13 @@ def test_megablocks_matches_torch_backend(fields):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_grouped_mm_matches_torch_backend_on_cuda(capacity_factor):
+def test_grouped_gemm_geometry_matches_the_loop_on_cuda(capacity_factor):
     reference = _layer(capacity_factor=capacity_factor)
+    reference.experts.strategy = "looped"
     grouped = copy.deepcopy(reference)
-    grouped.experts = GroupedMMExperts(D, reference.experts.layout).cuda()
-    grouped.experts.load_state_dict(reference.experts.state_dict())
+    grouped.experts.strategy = "grouped"
     torch.manual_seed(2)
     x_BLD, g_BLD = torch.randn(2, T // 2, D, device="cuda"), torch.randn(2, T // 2, D, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        assert grouped.experts.runs_grouped(x_BLD.reshape(-1, D))
     y_r, _, grads_r = _run(reference, x_BLD, g_BLD)
     y_g, _, grads_g = _run(grouped, x_BLD, g_BLD)
     assert _rel_err(y_g, y_r) < 2e-2

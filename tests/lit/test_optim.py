@@ -31,6 +31,16 @@ def test_param_groups_exclude_norms_biases_and_embedding_from_decay():
     assert all(p.ndim == 2 for p in decay["params"])
 
 
+def test_param_groups_do_not_depend_on_parameter_shapes():
+    """FSDP1 (use_orig_params) shows the optimizer 1-D shards: the groups must stay the same."""
+    model = Transformer(tiny(shared_expert_size=8))
+    expected = [_names(model, group["params"]) for group in param_groups(model, weight_decay=0.1)]
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(param.detach().flatten()))
+    assert [_names(model, group["params"]) for group in param_groups(model, weight_decay=0.1)] == expected
+
+
 def test_tied_head_is_the_undecayed_embedding():
     model = Transformer(tiny(dense=True, tie_embeddings=True))
     decay, no_decay = param_groups(model, weight_decay=0.1)

@@ -1,5 +1,6 @@
-"""The torch backend's fast paths (padded bmm "batched", packed "looped") agree with each other and
-with autograd's own derivatives, in dropless and capacity mode, uniform and heterogeneous."""
+"""The torch backend's slot geometries (padded bmm "batched", packed "looped"; "grouped" GEMMs in
+tests/gpu/test_grouped_mm.py) agree with each other and with autograd's own derivatives, in
+dropless and capacity mode, uniform and heterogeneous."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from moe_lit.model.experts import grouped_swiglu as grouped_swiglu_module
 from moe_lit.model.experts.grouped_swiglu import CHUNK_OVERHEAD_ROWS, choose_chunking, grouped_swiglu
 from moe_lit.model.experts.layout import ExpertLayout
-from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch, use_batched
+from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch
 
 D = 8
 
@@ -94,23 +95,6 @@ def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy
     assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs, fast_mode=True)
 
 
-def test_auto_picks_bmm_for_uniform_layouts_on_several_threads_else_the_loop():
-    uniform, hetero, cpu = ExpertLayout.of([4] * 4), ExpertLayout.of([4, 4, 4, 5]), torch.device("cpu")
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert use_batched("auto", uniform, cpu) and not use_batched("auto", hetero, cpu)
-        _, indices = _routing(32, 4, 1, skew=0)
-        assert plan_dispatch(indices, uniform, None).slots.batched
-        assert not plan_dispatch(indices, hetero, None).slots.batched
-        torch.set_num_threads(1)
-        assert not use_batched("auto", uniform, cpu)
-        assert use_batched("auto", uniform, torch.device("cuda"))
-        assert use_batched("batched", uniform, cpu) and not use_batched("looped", uniform, torch.device("cuda"))
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():
     # balanced: one chunk per expert, no weight copy (4 * (11 + 64) rows either way: ties go direct)
     assert choose_chunking([10, 9, 11, 10]) == (11, [1, 1, 1, 1])
@@ -147,8 +131,8 @@ def test_dropped_assignments_get_zero_gate_gradient_and_add_nothing():
 def test_batched_strategy_rejects_heterogeneous_layouts_and_unknown_names():
     with pytest.raises(ValueError, match="equal expert sizes"):
         TorchExperts(D, ExpertLayout.of([2, 3]), strategy="batched")
-    with pytest.raises(ValueError, match="allowed values: auto, batched, looped"):
-        TorchExperts(D, ExpertLayout.of([2, 2]), strategy="grouped")
+    with pytest.raises(ValueError, match="allowed values: auto, grouped, batched, looped"):
+        TorchExperts(D, ExpertLayout.of([2, 2]), strategy="bmm")
 
 
 def test_autocast_runs_the_experts_in_bfloat16():

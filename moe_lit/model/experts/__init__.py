@@ -3,10 +3,9 @@
 Every backend holds the same parameters under the same names (``mlp.w1|v1|w2`` of shape (S, D),
 ``bias``), so the choice never changes a checkpoint:
 
-* ``torch``: :class:`TorchExperts`, CPU and GPU, any expert sizes, dropless or capacity-limited; for
-  equal experts on a torch with grouped GEMM it is :class:`GroupedMMExperts`, which runs
-  ``torch._grouped_mm`` on CUDA (bf16) and falls back to :class:`TorchExperts` (its batched or
-  looped grouped-SwiGLU path) elsewhere.
+* ``torch``: :class:`TorchExperts`, CPU and GPU, any expert sizes, dropless or capacity-limited; its
+  matmuls run as grouped GEMMs (``torch._grouped_mm``, as torchtitan uses it; bf16 on CUDA), padded
+  ``bmm`` chunks or a per-expert loop, chosen per batch (``torch_backend.choose_geometry``).
 * ``megablocks``: :class:`~moe_lit.model.experts.megablocks_backend.MegaBlocksExperts` (CUDA,
   equal experts, dropless), imported lazily.
 * ``auto``: MegaBlocks when CUDA and megablocks are present and the layer is supported, else torch;
@@ -22,7 +21,6 @@ import torch
 from torch import nn
 
 from moe_lit.config import ConfigError, MoEConfig
-from moe_lit.model.experts.grouped_mm import GroupedMMExperts, grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts, unavailable_reason, unsupported_reason
 from moe_lit.model.experts.torch_backend import TorchExperts
@@ -50,10 +48,7 @@ def build_experts(d_model: int, cfg: MoEConfig) -> nn.Module:
     """Routed experts for one MoE layer, in the shared ``mlp.w1/v1/w2`` + ``bias`` layout."""
     if resolve_backend(cfg) == "megablocks":
         return MegaBlocksExperts(d_model, cfg)
-    layout = ExpertLayout.of(cfg.expert_sizes)
-    if layout.uniform and grouped_mm_op() is not None:
-        return GroupedMMExperts(d_model, layout)
-    return TorchExperts(d_model, layout)
+    return TorchExperts(d_model, ExpertLayout.of(cfg.expert_sizes))
 
 
-__all__ = ["ExpertLayout", "GroupedMMExperts", "TorchExperts", "build_experts", "resolve_backend"]
+__all__ = ["ExpertLayout", "TorchExperts", "build_experts", "resolve_backend"]

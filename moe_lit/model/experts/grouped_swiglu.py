@@ -4,16 +4,19 @@ Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden siz
 N = T*K routed assignments, P expert *slots* (rows of the grouped buffers), H hidden cells (sum over
 experts of slots_e * F_e), B chunks and C rows per chunk (batched path).
 
-Every kept assignment owns one slot; the slots of expert e are contiguous, in token order. Two slot
-geometries share all the code below, which runs the SwiGLU math block by block
-(:class:`ExpertBlocks`):
+Every kept assignment owns one slot; the slots of expert e are contiguous, in token order. Three
+slot geometries share all the code below: :class:`ExpertBlocks` runs each matmul of the SwiGLU
+over all experts (the only geometry-specific code), the elementwise work runs once over the whole
+flat hidden buffers.
 
+* grouped: the slots are packed (no padding) and every matmul is ONE grouped GEMM
+  (``torch._grouped_mm`` with the experts' row offsets). Equal expert sizes, rows 16-byte aligned.
 * batched: the slots come in B chunks of C rows, each chunk serving one expert (a busy expert may
   get several chunks, an idle one none), unused slots are padding, and ONE 3-D block covers them
   all, so each matmul is one ``torch.bmm``. It needs equal expert sizes and stays dropless: C and
   the chunk counts follow the routing (``choose_chunking``).
-* looped: the slots are packed (no padding), one 2-D block per expert, each matmul a ``torch.mm``.
-  It handles heterogeneous sizes, and wins where nothing runs in parallel (one CPU thread).
+* looped: the slots are packed, one 2-D block per expert, each matmul a ``torch.mm`` per expert.
+  It handles heterogeneous sizes.
 
 Token rows move with gathers only (no scatter-add over tokens): the dispatch gathers token rows
 into slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum over the k slots of
@@ -25,7 +28,7 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,15 @@ from moe_lit.model.experts.layout import ExpertLayout
 # README "Performance"): 30-80 rows. It keeps the chooser from splitting into many small chunks.
 CHUNK_OVERHEAD_ROWS = 64
 
+Geometry = Literal["grouped", "batched", "looped"]
+ALIGN_BYTES = 16
+"""Grouped GEMM kernels need every row stride to be a multiple of 16 bytes."""
+
+
+def grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
+    """``F.grouped_mm`` (public since torch 2.10), else ``torch._grouped_mm`` (2.8+), else None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 
 @dataclass(frozen=True)
 class Slots:
@@ -46,8 +58,8 @@ class Slots:
 
     rows: tuple[int, ...]
     """Slots per expert: contiguous blocks, in expert order."""
-    batched: bool
-    """True: equal chunks of ``chunk_rows`` slots and ``bmm``; False: packed slots and a loop of ``mm``."""
+    geometry: Geometry
+    """How the matmuls run over the slots: grouped GEMMs, padded chunks and ``bmm``, or a loop of ``mm``."""
     chunk_rows: int
     """Slots per chunk (batched only; 0 otherwise)."""
     chunk_expert: Optional[torch.Tensor]
@@ -58,10 +70,16 @@ class Slots:
     """Flat assignment ``t*K + k`` held by each slot; padding slots hold N (an appended zero gate)."""
     slot_TK: torch.Tensor
     """Slot of each assignment; a dropped assignment holds P (an appended zero row of the outputs)."""
+    may_drop: bool
+    """Capacity mode: some ``slot_TK`` may point at the zero row P."""
 
     @property
     def num_slots(self) -> int:
         return sum(self.rows)
+
+    @property
+    def batched(self) -> bool:
+        return self.geometry == "batched"
 
 
 def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
@@ -84,18 +102,19 @@ def choose_chunking(counts: list[int]) -> tuple[int, list[int]]:
 
 
 class ExpertBlocks:
-    """Views of the slot buffers as blocks that one set of matmuls handles.
+    """Each matmul of the expert SwiGLU over all slots, in the slots' geometry.
 
-    batched: ONE block, the ``(B, C, .)`` views of all chunks, whose matmuls are ``bmm``s.
-    looped: one ``(rows_e, .)`` block per expert, whose matmuls are ``mm``s; the elementwise work of
-    an expert then runs while its rows are still in cache (measured about 10% faster than op-by-op
-    over all experts, on one thread). Hidden activations of all blocks live in one flat buffer.
+    Slot-major tensors (first dim P, plus an optional zero row) and flat hidden buffers (H cells:
+    each slot's F_e activations, slot after slot) are the currency; a *block* is what one matmul
+    call sees: the whole ``(P, .)`` for grouped, the ``(B, C, .)`` chunks for batched, one expert's
+    ``(rows_e, .)`` for looped.
     """
 
     def __init__(self, slots: Slots, layout: ExpertLayout, d_model: int) -> None:
         self.slots, self.layout, self.d_model = slots, layout, d_model
-        sizes = (layout.sizes[0],) if slots.batched else layout.sizes
-        rows = (slots.num_slots,) if slots.batched else slots.rows
+        one_block = slots.geometry != "looped"
+        sizes = (layout.sizes[0],) if one_block else layout.sizes
+        rows = (slots.num_slots,) if one_block else slots.rows
         self._hidden_shapes = [
             (-1, slots.chunk_rows, sizes[0]) if slots.batched else (r, f) for r, f in zip(rows, sizes)
         ]
@@ -104,21 +123,24 @@ class ExpertBlocks:
         self._cell_offsets = _offsets(cells)
         self._row_offsets = _offsets(rows)
 
-    def is_empty(self, i: int) -> bool:
-        return self._row_offsets[i + 1] == self._row_offsets[i]
+    # ------------------------------------------------------------------ views
+    def _blocks(self, empty: bool = False) -> list[int]:
+        starts, ends = self._row_offsets[:-1], self._row_offsets[1:]
+        return [i for i, (a, b) in enumerate(zip(starts, ends)) if (a == b) == empty]
 
     def rows(self, t_P: torch.Tensor, i: int) -> torch.Tensor:
-        """Block i of a slot-major tensor (first dim P): ``(B, C, ...)`` batched, ``(rows_e, ...)`` looped."""
+        """Block i of a slot-major tensor (first dim P): ``(B, C, ...)`` batched, else ``(rows, ...)``."""
         t = t_P[self._row_offsets[i] : self._row_offsets[i + 1]]
         return t.view(-1, self.slots.chunk_rows, *t.shape[1:]) if self.slots.batched else t
 
     def hidden(self, h_H: torch.Tensor, i: int) -> torch.Tensor:
-        """Block i of a flat hidden buffer: ``(B, C, F)`` batched, ``(rows_e, F_e)`` looped."""
+        """Block i of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
         return h_H[self._cell_offsets[i] : self._cell_offsets[i + 1]].view(self._hidden_shapes[i])
 
-    def weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
-        """Per-block weights: ``(B, F, D)`` chunks (a view, or a gather when chunks repeat experts), or ``(F_e, D)``."""
-        if not self.slots.batched:
+    def _weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
+        """Per-block weights: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather when chunks
+        repeat experts); ``(F_e, D)`` looped."""
+        if self.slots.geometry == "looped":
             return list(self.layout.split(w_SD))
         if self.slots.chunk_expert is None:
             return [self.layout.as_EFD(w_SD)]
@@ -127,23 +149,91 @@ class ExpertBlocks:
         w_BX = w_SD.view(num_experts, size * self.d_model).index_select(0, self.slots.chunk_expert)
         return [w_BX.view(-1, size, self.d_model)]
 
-    def new_weight_grad(self, like_SD: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A stacked ``(S, D)`` gradient buffer and the per-block outputs the matmuls write into."""
-        if not self.slots.batched:
-            g_SD = torch.empty_like(like_SD)
-            return g_SD, list(self.layout.split(g_SD))
-        if self.slots.chunk_expert is None:
-            g_SD = torch.empty_like(like_SD)
-            return g_SD, [self.layout.as_EFD(g_SD)]
-        size = self.layout.sizes[0]
-        return torch.zeros_like(like_SD), [like_SD.new_empty(len(self.slots.chunk_expert), size, self.d_model)]
+    def _uniform_rows(self, h_H: torch.Tensor) -> Optional[torch.Tensor]:
+        """The flat hidden buffer as ``(P, F)`` when every block has the same F, else None."""
+        return h_H.view(-1, self.layout.sizes[0]) if self.slots.geometry != "looped" or self.layout.uniform else None
 
-    def reduce_weight_grad(self, g_SD: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """Sum the chunks of each expert into ``g_SD`` (batched with repeated experts); else a no-op."""
-        if self.slots.batched and self.slots.chunk_expert is not None:
+    def _offs(self, device: torch.device) -> torch.Tensor:
+        """End row of each expert's group (the ``offs`` of a grouped GEMM)."""
+        return torch.tensor(_offsets(self.slots.rows)[1:], dtype=torch.int32, device=device)
+
+    # ------------------------------------------------------------------ matmuls over all blocks
+    def project_in(self, x_PD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
+        """Flat hidden buffer of ``x_p @ w_e^T`` for every slot p (expert e)."""
+        if self.slots.geometry == "grouped":
+            x = x_PD[: self.slots.num_slots]
+            return grouped_mm_op()(x, self.layout.as_EFD(w_SD).mT, offs=self._offs(x.device)).view(-1)
+        h_H = x_PD.new_empty(self.hidden_cells)
+        weights = self._weights(w_SD)
+        for i in self._blocks():
+            torch.matmul(self.rows(x_PD, i), weights[i].mT, out=self.hidden(h_H, i))
+        return h_H
+
+    def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``h_p @ w_e`` for every slot, as ``(P, D)`` plus a zero row P when an assignment may point
+        there; with ``add_to`` the products are added into it (same shape) instead."""
+        num_slots = self.slots.num_slots
+        if self.slots.geometry == "grouped":
+            h_PF = h_H.view(num_slots, -1)
+            o_PD = grouped_mm_op()(h_PF, self.layout.as_EFD(w_SD), offs=self._offs(h_H.device))
+            if add_to is not None:
+                add_to[:num_slots] += o_PD
+                return add_to
+            return _with_zero_row(o_PD) if self.slots.may_drop else o_PD
+        if add_to is None:
+            # NOTE: one extra zero row at index P: dropped assignments point there.
+            add_to = h_H.new_empty(num_slots + 1, self.d_model)
+            add_to[-1].zero_()
+            matmul = lambda a, b, out: torch.matmul(a, b, out=out)  # noqa: E731
+        else:
+            matmul = _add_matmul_
+        weights = self._weights(w_SD)
+        for i in self._blocks():
+            matmul(self.hidden(h_H, i), weights[i], self.rows(add_to, i))
+        return add_to
+
+    def weight_grad(self, h_H: torch.Tensor, y_PD: torch.Tensor, like_SD: torch.Tensor) -> torch.Tensor:
+        """The stacked ``(S, D)`` gradient ``sum_p h_p^T y_p`` of every expert's (F_e, D) matrix."""
+        if self.slots.geometry == "grouped":
+            num_slots = self.slots.num_slots
+            h_PF = h_H.view(num_slots, -1)
+            g_EFD = grouped_mm_op()(h_PF.mT, y_PD[:num_slots], offs=self._offs(h_H.device))
+            return g_EFD.view_as(like_SD)
+        repeated = self.slots.batched and self.slots.chunk_expert is not None
+        if repeated:
+            g_SD = torch.zeros_like(like_SD)
+            outs = [like_SD.new_empty(len(self.slots.chunk_expert), self.layout.sizes[0], self.d_model)]
+        else:
+            g_SD = torch.empty_like(like_SD)
+            outs = [self.layout.as_EFD(g_SD)] if self.slots.batched else list(self.layout.split(g_SD))
+        for i in self._blocks():
+            torch.matmul(self.hidden(h_H, i).mT, self.rows(y_PD, i), out=outs[i])
+        for i in self._blocks(empty=True):
+            outs[i].zero_()
+        if repeated:
             num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
-            g_SD.view(num_experts, width).index_add_(0, self.slots.chunk_expert, blocks[0].view(-1, width))
+            g_SD.view(num_experts, width).index_add_(0, self.slots.chunk_expert, outs[0].view(-1, width))
         return g_SD
+
+    # ------------------------------------------------------------------ per-slot elementwise work
+    def row_dots(self, a_H: torch.Tensor, b_H: torch.Tensor, out_P: torch.Tensor) -> None:
+        """``out_P[p] = <a_p, b_p>`` over each slot's hidden cells (entries beyond P untouched)."""
+        a_PF, b_PF = self._uniform_rows(a_H), self._uniform_rows(b_H)
+        if a_PF is not None:
+            torch.linalg.vecdot(a_PF, b_PF, out=out_P[: a_PF.shape[0]])
+            return
+        for i in self._blocks():
+            torch.linalg.vecdot(self.hidden(a_H, i), self.hidden(b_H, i), out=self.rows(out_P, i))
+
+    def scale_rows_(self, h_H: torch.Tensor, scale_P: torch.Tensor) -> torch.Tensor:
+        """Multiply each slot's hidden cells by its entry of ``scale_P``, in place; returns ``h_H``."""
+        h_PF = self._uniform_rows(h_H)
+        if h_PF is not None:
+            h_PF.mul_(scale_P[: h_PF.shape[0]].unsqueeze(-1))
+            return h_H
+        for i in self._blocks():
+            self.hidden(h_H, i).mul_(self.rows(scale_P, i).unsqueeze(-1))
+        return h_H
 
 
 def _offsets(lengths) -> list[int]:
@@ -153,7 +243,7 @@ def _offsets(lengths) -> list[int]:
     return out
 
 
-def _add_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def _add_matmul_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out += a @ b`` for 2-D (``addmm_``) or batched 3-D (``baddbmm_``) blocks."""
     (out.baddbmm_ if out.dim() == 3 else out.addmm_)(a, b)
 
@@ -179,24 +269,9 @@ class GroupedSwiGLU(torch.autograd.Function):
     ) -> torch.Tensor:
         blocks = ExpertBlocks(slots, layout, x_TD.shape[1])
         x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
-        h1_H, h2_H, act_H = (x_TD.new_empty(blocks.hidden_cells) for _ in range(3))
-        # NOTE: one extra zero row at index P: dropped assignments point there.
-        o_PD = x_TD.new_empty(slots.num_slots + 1, x_TD.shape[1])
-        o_PD[-1].zero_()
-        weights = zip(blocks.weights(w1_SD), blocks.weights(v1_SD), blocks.weights(w2_SD))
-        for i, (w1, v1, w2) in enumerate(weights):
-            if blocks.is_empty(i):
-                continue
-            x, h1, h2, act = (
-                blocks.rows(x_PD, i),
-                blocks.hidden(h1_H, i),
-                blocks.hidden(h2_H, i),
-                blocks.hidden(act_H, i),
-            )
-            torch.matmul(x, w1.mT, out=h1)
-            torch.matmul(x, v1.mT, out=h2)
-            torch.mul(F.silu(h1), h2, out=act)
-            torch.matmul(act, w2, out=blocks.rows(o_PD, i))
+        h1_H, h2_H = blocks.project_in(x_PD, w1_SD), blocks.project_in(x_PD, v1_SD)
+        act_H = F.silu(h1_H).mul_(h2_H)
+        o_PD = blocks.project_out(act_H, w2_SD)
         y_TD = F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
         ctx.save_for_backward(x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD)
         ctx.blocks = blocks
@@ -209,35 +284,20 @@ class GroupedSwiGLU(torch.autograd.Function):
         slots = blocks.slots
         dyg_PD = _with_zero_row(dy_TD.contiguous()).index_select(0, slots.token_P)
         gate_P = F.pad(gate_TK.reshape(-1), (0, 1)).index_select(0, slots.assign_P)
+        # NOTE: the gates are applied in hidden space (F wide, not D): a slot's output gradient
+        # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
+        da_H = blocks.project_in(dyg_PD, w2_SD)
         dgate_P = x_PD.new_zeros(slots.num_slots + 1)
-        dx_PD = x_PD.new_empty(slots.num_slots + 1, x_PD.shape[1])
-        dx_PD[-1].zero_()
-        (dw1_SD, dw1s), (dv1_SD, dv1s), (dw2_SD, dw2s) = (blocks.new_weight_grad(w) for w in (w1_SD, v1_SD, w2_SD))
-        weights = zip(blocks.weights(w1_SD), blocks.weights(v1_SD), blocks.weights(w2_SD))
-        for i, (w1, v1, w2) in enumerate(weights):
-            if blocks.is_empty(i):
-                for g in (dw1s[i], dv1s[i], dw2s[i]):
-                    g.zero_()
-                continue
-            x, dyg, gate = blocks.rows(x_PD, i), blocks.rows(dyg_PD, i), blocks.rows(gate_P, i).unsqueeze(-1)
-            h1, h2, act = blocks.hidden(h1_H, i), blocks.hidden(h2_H, i), blocks.hidden(act_H, i)
-            # NOTE: the gates are applied in hidden space (F wide, not D): a slot's output gradient
-            # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
-            da = torch.matmul(dyg, w2.mT)
-            torch.linalg.vecdot(act, da, out=blocks.rows(dgate_P, i))
-            torch.matmul((act * gate).mT, dyg, out=dw2s[i])
-            da.mul_(gate)
-            dh2 = da * F.silu(h1)
-            dh1 = torch.ops.aten.silu_backward(da.mul_(h2), h1)
-            torch.matmul(dh1.mT, x, out=dw1s[i])
-            torch.matmul(dh2.mT, x, out=dv1s[i])
-            dx = blocks.rows(dx_PD, i)
-            torch.matmul(dh1, w1, out=dx)
-            _add_matmul_(dx, dh2, v1)
+        blocks.row_dots(act_H, da_H, out_P=dgate_P)
+        blocks.scale_rows_(da_H, gate_P)
+        dw2_SD = blocks.weight_grad(blocks.scale_rows_(act_H.clone(), gate_P), dyg_PD, w2_SD)
+        dh2_H = da_H * F.silu(h1_H)
+        dh1_H = torch.ops.aten.silu_backward(da_H.mul_(h2_H), h1_H)
+        dw1_SD, dv1_SD = blocks.weight_grad(dh1_H, x_PD, w1_SD), blocks.weight_grad(dh2_H, x_PD, v1_SD)
+        dx_PD = blocks.project_out(dh2_H, v1_SD, add_to=blocks.project_out(dh1_H, w1_SD))
         dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
         dx_TD = F.embedding_bag(slots.slot_TK, dx_PD, mode="sum")
-        grads = [blocks.reduce_weight_grad(g, gs) for g, gs in ((dw1_SD, dw1s), (dv1_SD, dv1s), (dw2_SD, dw2s))]
-        return dx_TD, dgate_TK, *grads, dy_TD.sum(0), None, None
+        return dx_TD, dgate_TK, dw1_SD, dv1_SD, dw2_SD, dy_TD.sum(0), None, None
 
 
 def grouped_swiglu(
@@ -260,7 +320,7 @@ def build_slots(
     sorted_experts_N: torch.Tensor,
     rank_N: torch.Tensor,
     kept_counts: list[int],
-    batched: bool,
+    geometry: Geometry,
     capacity: Optional[int],
 ) -> Slots:
     """Slot index maps from the expert-sorted assignments: ``order_N`` (flat ids), their experts and
@@ -269,7 +329,7 @@ def build_slots(
     num_assignments = num_tokens * top_k
     device = order_N.device
     chunk_rows, chunk_expert = 0, None
-    if batched:
+    if geometry == "batched":
         chunk_rows, chunks = choose_chunking(kept_counts)
         rows = tuple(c * chunk_rows for c in chunks)
         if any(c != 1 for c in chunks):
@@ -291,4 +351,6 @@ def build_slots(
     slot_TK = torch.empty(num_assignments, dtype=torch.long, device=device)
     slot_TK.index_copy_(0, order_N, slot_N)
     # NOTE: padding slots hold assignment N, and N // K == T is the appended zero row of the input.
-    return Slots(rows, batched, chunk_rows, chunk_expert, assign_P // top_k, assign_P, slot_TK.view(num_tokens, top_k))
+    token_P = assign_P // top_k
+    may_drop = capacity is not None
+    return Slots(rows, geometry, chunk_rows, chunk_expert, token_P, assign_P, slot_TK.view(num_tokens, top_k), may_drop)

@@ -23,6 +23,14 @@ with MegaBlocks' formulas (tests compare them with a real dMoE's batched losses)
 grouped_gemm has bf16 kernels only, so on CUDA the expert matmuls run in bf16 whatever the
 parameter dtype (fp32 master weights are cast inside the autograd graph); the output comes back in
 the input's dtype.
+
+Expert parallelism (:meth:`MegaBlocksExperts.shard_experts`, called by the FSDP2 strategy): the
+``Arguments`` get ``moe_expert_model_parallelism=True`` and the expert-parallel process group, so
+MegaBlocks' ``GroupedGLU`` holds only this rank's ``E/ep`` experts and scales their gradients by
+``1/ep``; ``mlp.w1|v1|w2`` become DTensors ``Shard(0)`` over the expert-parallel mesh (R legend:
+ranks of that group, M rows received from them), and the forward is MegaBlocks'
+``parallel_forward_once`` for ``hidden_sharding_degree == 1``: tokens travel to their experts' rank
+with MegaBlocks' autograd ``all_to_all`` and back.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -99,8 +108,12 @@ def megablocks_arguments(
     num_moe_layers: int = 1,
     dtype: torch.dtype = torch.float32,
     device: Optional[torch.device] = None,
+    expert_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> Any:
-    """MegaBlocks ``Arguments`` describing one dMoE layer of this config (uniform experts)."""
+    """MegaBlocks ``Arguments`` describing one dMoE layer of this config (uniform experts).
+
+    With ``expert_parallel_group`` the layer's experts are split over that group's ranks.
+    """
     reason = unsupported_reason(cfg)
     if reason is not None:
         raise MoeLitError(f"moe.backend: MegaBlocks cannot run this layer: {reason}")
@@ -127,6 +140,8 @@ def megablocks_arguments(
         device=device if device is not None else torch.get_default_device(),
         init_method=_keep_init,
         output_layer_init_method=_keep_init,
+        moe_expert_model_parallelism=expert_parallel_group is not None,
+        expert_parallel_group=expert_parallel_group,
     )
 
 
@@ -143,6 +158,8 @@ class MegaBlocksExperts(nn.Module):
         super().__init__()
         args = megablocks_arguments(d_model, cfg, num_moe_layers, device=device)
         megablocks = import_megablocks()
+        self.cfg = cfg
+        self.num_moe_layers = num_moe_layers
         self.layout = ExpertLayout.of(cfg.expert_sizes)
         self.top_k = cfg.top_k
         # NOTE: radix-sort key width, as MegaBlocks' ParallelMLP computes it.
@@ -154,11 +171,48 @@ class MegaBlocksExperts(nn.Module):
     def num_experts(self) -> int:
         return self.layout.num_experts
 
+    @property
+    def expert_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The process group the experts are split over (None: this rank holds all of them)."""
+        return self.mlp.args.expert_parallel_group
+
+    def shard_experts(self, mesh: Any) -> None:
+        """Keep only this rank's experts of a 1-D expert-parallel DeviceMesh (in place, once).
+
+        ``mlp.w1|v1|w2`` become DTensors ``Shard(0)`` over ``mesh``: this rank's rows are MegaBlocks'
+        (experts ``rank*E/ep`` to ``(rank+1)*E/ep``), and a full state dict gathers the one layout.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.expert_parallel_group is not None:
+            return
+        size = mesh.size()
+        if self.num_experts % size:
+            raise MoeLitError(
+                f"strategy.expert_parallel_size: {size} does not divide moe.num_experts={self.num_experts}"
+            )
+        full = dict(self.mlp.named_parameters())
+        args = megablocks_arguments(
+            self.mlp.args.hidden_size, self.cfg, self.num_moe_layers, device=torch.device("meta"),
+            expert_parallel_group=mesh.get_group(),
+        )
+        # NOTE: built on meta (no memory), then given this rank's rows of the full weights: a
+        # clone, so the other experts' rows are freed; from_local makes no communication.
+        mlp = import_megablocks().layers.dmlp_registry.get(args)
+        rows = self.layout.total_rows // size
+        start = mesh.get_local_rank() * rows
+        for name, weight_SD in full.items():
+            local = weight_SD.detach()[start : start + rows].clone()
+            setattr(mlp, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False)))
+        self.mlp = mlp
+
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
     ) -> tuple[torch.Tensor, RoutingCounts]:
         if capacity is not None:
             raise MoeLitError("moe.capacity_factor: the MegaBlocks backend is dropless; use moe.backend: torch")
+        if self.expert_parallel_group is not None:
+            return self._expert_parallel_forward(x_TD, weights_TK, indices_TK)
         # NOTE: looked up per call, not stored: a module attribute would make the layer un-copyable.
         ops = importlib.import_module("megablocks.ops")
         with torch.no_grad():
@@ -173,6 +227,49 @@ class MegaBlocksExperts(nn.Module):
         params = {name: p.to(compute) for name, p in self.mlp.named_parameters()}
         h_ND = functional_call(self.mlp, params, (x_ND, counts_E))
         y_TD = ops.scatter(h_ND, order_N, sorted_experts_N, weights_TK.reshape(-1).to(compute), bins_E, self.top_k)
+        counts = RoutingCounts(counts_E.long(), torch.zeros((), dtype=torch.long, device=x_TD.device))
+        return y_TD.to(x_TD.dtype) + self.bias, counts
+
+    def _expert_parallel_forward(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, RoutingCounts]:
+        megablocks = importlib.import_module("megablocks")
+        ops = megablocks.ops
+        group = self.expert_parallel_group
+        num_ranks = dist.get_world_size(group)
+        local_experts = self.num_experts // num_ranks
+        with torch.no_grad():
+            experts_N = indices_TK.reshape(-1).int()
+            sorted_experts_N, order_N = ops.sort(experts_N, self.sort_end_bit)
+            counts_E = ops.histogram(experts_N, self.num_experts)
+            bins_E = ops.inclusive_cumsum(counts_E, 0).view(-1)
+            # NOTE: rank r's experts are E/ep consecutive ids, so counts_E viewed (ep, E/ep) are
+            # the rows sent to each rank; the exchange returns, per source rank, the rows coming here.
+            received_RE = torch.empty_like(counts_E)
+            dist.all_to_all_single(received_RE, counts_E, group=group)
+            received_RE = received_RE.view(num_ranks, local_experts).cpu()
+            send_counts = counts_E.view(num_ranks, local_experts).sum(dim=1).tolist()
+            recv_counts = received_RE.sum(dim=1).tolist()
+        compute = _compute_dtype(x_TD)
+        x_ND = ops.gather(x_TD.to(compute), order_N, sorted_experts_N, bins_E, self.top_k)
+        x_MD, _ = megablocks.layers.all_to_all.all_to_all(x_ND, recv_counts, send_counts, group)
+        with torch.no_grad():
+            # NOTE: the received rows come grouped by source rank, then by local expert; regroup
+            # them by local expert (MegaBlocks' replicate + sort), keeping the order inside a group.
+            local_ids = torch.arange(local_experts, dtype=torch.int32, device=x_TD.device).repeat(num_ranks)
+            replicate_bins = ops.inclusive_cumsum(received_RE.flatten().to(x_TD.device), 0).view(-1)
+            experts_M = ops.replicate(local_ids.unsqueeze(0), replicate_bins, sum(recv_counts)).flatten()
+            sorted_experts_M, order_M = ops.sort(experts_M, self.sort_end_bit)
+            local_counts = received_RE.sum(dim=0, dtype=torch.int)
+            local_bins = ops.inclusive_cumsum(local_counts.to(x_TD.device), 0).view(-1)
+        x_MD = ops.gather(x_MD, order_M, sorted_experts_M, local_bins, 1)
+        # NOTE: called as a module (no functional_call): FSDP2's hooks on it gather its shards
+        # (in bf16 with the strategy's mixed precision, which CUDA requires here), and GroupedGLU
+        # takes the local rows of its DTensors and scales their gradients by 1/ep.
+        h_MD = self.mlp(x_MD, local_counts).to(compute)
+        h_MD = ops.scatter(h_MD, order_M, sorted_experts_M, None, local_bins, 1)
+        y_ND, _ = megablocks.layers.all_to_all.all_to_all(h_MD, send_counts, recv_counts, group)
+        y_TD = ops.scatter(y_ND, order_N, sorted_experts_N, weights_TK.reshape(-1).to(compute), bins_E, self.top_k)
         counts = RoutingCounts(counts_E.long(), torch.zeros((), dtype=torch.long, device=x_TD.device))
         return y_TD.to(x_TD.dtype) + self.bias, counts
 

@@ -19,11 +19,11 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from moe_lit.model.experts.grouped_swiglu import Slots, build_slots, grouped_swiglu
+from moe_lit.model.experts.grouped_swiglu import ALIGN_BYTES, Geometry, Slots, build_slots, grouped_mm_op, grouped_swiglu
 from moe_lit.model.experts.layout import ExpertLayout
 
-Strategy = Literal["auto", "batched", "looped"]
-STRATEGIES = ("auto", "batched", "looped")
+Strategy = Literal["auto", "grouped", "batched", "looped"]
+STRATEGIES = ("auto", "grouped", "batched", "looped")
 
 
 @dataclass
@@ -40,22 +40,52 @@ class Dispatch:
     """Number of dropped assignments (0-dim)."""
 
 
-def use_batched(strategy: Strategy, layout: ExpertLayout, device: torch.device) -> bool:
-    """Whether to run the chunked ``bmm`` path rather than the packed loop.
+def grouped_gemm_fits(layout: ExpertLayout, d_model: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the grouped-GEMM geometry can run: equal experts, the op exists, rows 16-byte aligned,
+    and bf16 on CUDA (the only dtype its CUDA kernels take)."""
+    if not layout.uniform or grouped_mm_op() is None or (device.type == "cuda" and dtype != torch.bfloat16):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(n * itemsize % ALIGN_BYTES == 0 for n in (d_model, layout.sizes[0]))
 
-    NOTE: ``auto`` takes the loop where nothing runs in parallel (one CPU thread): there it does the
-    same FLOPs minus the padding, measured 10-30% faster. Elsewhere each per-expert ``mm`` is its
-    own parallel region (or kernel launch), and on two busy shared cores the loop was measured 2-4x
-    slower than the ``bmm``s (README, Performance). The loop also serves unequal expert sizes.
+
+# NOTE: on several CPU threads one small GEMM per expert does not keep the threads busy, while one
+# bmm over padded chunks splits the experts between them. benchmarks/moe_layer.py on this project's
+# 2-core machine (2048 tokens, d_model 256): E16 k2 F256 (about 17M multiply-adds per expert matmul)
+# grouped 43.6 ms vs batched 48.1; E64 k8 F64 (4M) grouped 79.2 vs batched 72.6. The threshold sits
+# between the two.
+MIN_GROUPED_EXPERT_MACS = 8_000_000
+"""Mean multiply-adds of one expert matmul below which ``auto`` pads into ``bmm`` chunks on a multi-threaded CPU."""
+
+
+def choose_geometry(
+    strategy: Strategy, layout: ExpertLayout, num_assignments: int, d_model: int, dtype: torch.dtype, device: torch.device
+) -> Geometry:
+    """The slot geometry for ``strategy`` and this batch (``num_assignments`` = tokens * top-k).
+
+    ``auto``: unequal sizes loop; otherwise grouped GEMMs over packed slots (no padding, no per-expert
+    calls from Python) where they fit, except on a multi-threaded CPU when the mean expert matmul is
+    small (:data:`MIN_GROUPED_EXPERT_MACS`), and padded ``bmm`` chunks where grouped GEMMs do not fit.
     """
+    grouped_fits = grouped_gemm_fits(layout, d_model, dtype, device)
     if strategy != "auto":
-        return strategy == "batched"
-    single_thread = device.type == "cpu" and torch.get_num_threads() == 1
-    return layout.uniform and not single_thread
+        if strategy == "grouped" and not grouped_fits:
+            raise ValueError(
+                "strategy: 'grouped' needs equal expert sizes, torch._grouped_mm, 16-byte aligned rows "
+                "and bf16 on CUDA; use 'auto'"
+            )
+        return strategy
+    if not layout.uniform:
+        return "looped"
+    if not grouped_fits:
+        return "batched"
+    mean_expert_macs = num_assignments / layout.num_experts * layout.sizes[0] * d_model
+    threaded_cpu = device.type == "cpu" and torch.get_num_threads() > 1
+    return "batched" if threaded_cpu and mean_expert_macs < MIN_GROUPED_EXPERT_MACS else "grouped"
 
 
 def plan_dispatch(
-    indices_TK: torch.Tensor, layout: ExpertLayout, capacity: Optional[int], strategy: Strategy = "auto"
+    indices_TK: torch.Tensor, layout: ExpertLayout, capacity: Optional[int], geometry: Geometry
 ) -> Dispatch:
     """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
     experts_N = indices_TK.reshape(-1)
@@ -71,8 +101,7 @@ def plan_dispatch(
         kept_counts_E = routed_counts_E
         dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
     kept_counts = kept_counts_E.tolist()
-    batched = use_batched(strategy, layout, indices_TK.device)
-    slots = build_slots(indices_TK.shape, order_N, sorted_experts_N, rank_N, kept_counts, batched, capacity)
+    slots = build_slots(indices_TK.shape, order_N, sorted_experts_N, rank_N, kept_counts, geometry, capacity)
     return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
 
@@ -90,16 +119,17 @@ class ExpertWeights(nn.Module):
 class TorchExperts(nn.Module):
     """Dropless (or capacity-limited) routed experts; ``mlp`` + ``bias`` as in MegaBlocks dMoE.
 
-    ``strategy`` picks the grouped matmuls: ``auto`` (see :func:`use_batched`), ``batched``
-    (chunked bmm; equal sizes only) or ``looped``. All give the same results up to float rounding.
+    ``strategy`` picks the slot geometry of the matmuls: ``auto`` (see :func:`choose_geometry`),
+    ``grouped`` (grouped GEMMs), ``batched`` (chunked bmm) — both for equal sizes only — or
+    ``looped``. All give the same results up to float rounding.
     """
 
     def __init__(self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto") -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: got {strategy!r}, allowed values: {', '.join(STRATEGIES)}")
-        if strategy == "batched" and not layout.uniform:
-            raise ValueError("strategy: 'batched' needs equal expert sizes; use 'auto' or 'looped'")
+        if strategy in ("grouped", "batched") and not layout.uniform:
+            raise ValueError(f"strategy: {strategy!r} needs equal expert sizes; use 'auto' or 'looped'")
         self.mlp = ExpertWeights(d_model, layout)
         self.bias = nn.Parameter(torch.zeros(d_model))
         self.strategy: Strategy = strategy
@@ -111,12 +141,13 @@ class TorchExperts(nn.Module):
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
     ) -> tuple[torch.Tensor, Dispatch]:
-        plan = plan_dispatch(indices_TK, self.layout, capacity, self.strategy)
-        tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
         device_type = x_TD.device.type
         # NOTE: the Function's buffers are written with out=, which autocast cannot see: cast the
         # inputs to the autocast dtype here (as torch.amp.custom_fwd would) and run it without autocast.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
+        geometry = choose_geometry(self.strategy, self.layout, indices_TK.numel(), x_TD.shape[-1], dtype, x_TD.device)
+        plan = plan_dispatch(indices_TK, self.layout, capacity, geometry)
+        tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
         with torch.autocast(device_type, enabled=False):
             y_TD = grouped_swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
         return y_TD, plan
