@@ -80,7 +80,7 @@ def bench_shape(shape: tuple[int, int, int], rounds: int, warmup: int, clock: st
     flops_per_s = {name: flops[name] / median(times[name]) for name in cases}
     counts = layers["grouped"].router.tokens_per_expert
     layout = layers["grouped"].experts.layout
-    auto = choose_geometry("auto", layout, TOKENS * top_k, D_MODEL, x_BLD.dtype, x_BLD.device)
+    auto = choose_geometry("auto", layout, D_MODEL, x_BLD.dtype, x_BLD.device)
     return {
         "auto_geometry": auto,
         "routing_max_over_mean": (counts.max() / counts.mean()).item(),
@@ -103,10 +103,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
-    shapes = {
-        "E{}k{}F{}".format(*shape): bench_shape(shape, args.rounds, args.warmup, args.clock)
-        for shape in SHAPES
-    }
+    shapes = {"E{}k{}F{}".format(*shape): bench_shape(shape, args.rounds, args.warmup, args.clock) for shape in SHAPES}
     setup = {
         "d_model": D_MODEL,
         "tokens": TOKENS,

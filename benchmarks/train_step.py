@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
+from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.model.transformer import Transformer
 
@@ -107,6 +108,26 @@ def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callab
 
 
 GOALS = {"speedup_vs_olmoe": 1.5, "moe_over_dense_time": {"E16k2F256": 1.15, "E64k8F64": 1.3}}
+GEMM_SHAPES = ((2048, 256, 256), (2048, 256, 512), (2048, 512, 256), (256, 256, 8192), (1024, 1024, 1024))
+"""(M, K, N) of plain fp32 matmuls timed beside the steps: the model's own shapes and a square one."""
+
+
+def gemm_fn(m: int, k: int, n: int) -> Callable[[], None]:
+    a_MK, b_KN = torch.randn(m, k), torch.randn(k, n)
+    return lambda: torch.mm(a_MK, b_KN)
+
+
+def flop_floor(times: dict[str, list[float]], tag: str, shape: tuple[int, int, int]) -> dict[str, float]:
+    """The step time if all its FLOPs ran at the best GEMM rate measured in this run, and the
+    speedup over OLMoE such a step would have: no implementation of this fp32 math gets past it."""
+    peak = max(2 * m * k * n / median(times[f"gemm_{m}x{k}x{n}"]) for m, k, n in GEMM_SHAPES)
+    config = our_config(shape, shape[1] * shape[2])
+    floor_s = training_flops_per_token(config) * BATCH * SEQ / peak
+    return {
+        "peak_gemm_gflop_per_s": peak / 1e9,
+        "flop_floor_s": floor_s,
+        "speedup_vs_olmoe_at_floor": median(times[f"olmoe_{tag}"]) / floor_s,
+    }
 
 
 def build_models(olmoe_experts: str, loss_chunk_tokens: int) -> dict[str, tuple[nn.Module, bool]]:
@@ -145,6 +166,7 @@ def main() -> None:
     torch.manual_seed(0)
     built = build_models(args.olmoe_experts, args.loss_chunk_tokens)
     cases = {name: step_fn(model, hf, args.optimizer) for name, (model, hf) in built.items()}
+    cases.update({f"gemm_{m}x{k}x{n}": gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES})
     times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup, clock=args.clock)
     tokens = BATCH * SEQ
     models = {
@@ -155,6 +177,7 @@ def main() -> None:
             "times_s": t,
         }
         for name, t in times.items()
+        if name in built
     }
     ratios = {}
     for shape in SHAPES:
@@ -170,6 +193,7 @@ def main() -> None:
             "dense_speedup_vs_olmoe": paired_ratio(times, f"olmoe_{tag}", dense),
             "moe_over_dense_time": over_dense,
             "over_dense_goal_met": over_dense <= GOALS["moe_over_dense_time"][tag],
+            **flop_floor(times, tag, shape),
         }
     setup = {
         "vocab": VOCAB,

@@ -27,6 +27,7 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -112,30 +113,32 @@ class ExpertBlocks:
 
     def __init__(self, slots: Slots, layout: ExpertLayout, d_model: int) -> None:
         self.slots, self.layout, self.d_model = slots, layout, d_model
-        one_block = slots.geometry != "looped"
-        sizes = (layout.sizes[0],) if one_block else layout.sizes
-        rows = (slots.num_slots,) if one_block else slots.rows
-        self._hidden_shapes = [
-            (-1, slots.chunk_rows, sizes[0]) if slots.batched else (r, f) for r, f in zip(rows, sizes)
-        ]
-        cells = [r * f for r, f in zip(rows, sizes)]
-        self.hidden_cells = sum(cells)
-        self._cell_offsets = _offsets(cells)
-        self._row_offsets = _offsets(rows)
+        looped = slots.geometry == "looped"
+        self._block_rows = slots.rows if looped else (slots.num_slots,)
+        self._block_sizes = layout.sizes if looped else (layout.sizes[0],)
+        self._cells = [r * f for r, f in zip(self._block_rows, self._block_sizes)]
+        self.hidden_cells = sum(self._cells)
+        self._filled = [i for i, rows in enumerate(self._block_rows) if rows]
+        self._empty = [i for i, rows in enumerate(self._block_rows) if not rows]
 
     # ------------------------------------------------------------------ views
-    def _blocks(self, empty: bool = False) -> list[int]:
-        starts, ends = self._row_offsets[:-1], self._row_offsets[1:]
-        return [i for i, (a, b) in enumerate(zip(starts, ends)) if (a == b) == empty]
+    # NOTE: each list comes from one ``split`` call: with 64 experts the backward touches ~20 block
+    # views per expert, and view-by-view slicing cost measurable Python time.
+    def _rows(self, t_P: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of a slot-major tensor (first dim P, extra rows ignored)."""
+        t = t_P[: self.slots.num_slots]
+        if self.slots.batched:
+            return [t.view(-1, self.slots.chunk_rows, *t.shape[1:])]
+        return list(t.split(self._block_rows))
 
-    def rows(self, t_P: torch.Tensor, i: int) -> torch.Tensor:
-        """Block i of a slot-major tensor (first dim P): ``(B, C, ...)`` batched, else ``(rows, ...)``."""
-        t = t_P[self._row_offsets[i] : self._row_offsets[i + 1]]
-        return t.view(-1, self.slots.chunk_rows, *t.shape[1:]) if self.slots.batched else t
-
-    def hidden(self, h_H: torch.Tensor, i: int) -> torch.Tensor:
-        """Block i of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
-        return h_H[self._cell_offsets[i] : self._cell_offsets[i + 1]].view(self._hidden_shapes[i])
+    def _hidden(self, h_H: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
+        h_PF = self._uniform_rows(h_H)
+        if self.slots.batched:
+            return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])]
+        if h_PF is not None:
+            return list(h_PF.split(self._block_rows))
+        return [c.view(r, f) for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes)]
 
     def _weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
         """Per-block weights: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather when chunks
@@ -151,11 +154,11 @@ class ExpertBlocks:
 
     def _uniform_rows(self, h_H: torch.Tensor) -> Optional[torch.Tensor]:
         """The flat hidden buffer as ``(P, F)`` when every block has the same F, else None."""
-        return h_H.view(-1, self.layout.sizes[0]) if self.slots.geometry != "looped" or self.layout.uniform else None
+        return h_H.view(-1, self._block_sizes[0]) if len(set(self._block_sizes)) == 1 else None
 
     def _offs(self, device: torch.device) -> torch.Tensor:
         """End row of each expert's group (the ``offs`` of a grouped GEMM)."""
-        return torch.tensor(_offsets(self.slots.rows)[1:], dtype=torch.int32, device=device)
+        return torch.tensor(list(itertools.accumulate(self.slots.rows)), dtype=torch.int32, device=device)
 
     # ------------------------------------------------------------------ matmuls over all blocks
     def project_in(self, x_PD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
@@ -164,9 +167,9 @@ class ExpertBlocks:
             x = x_PD[: self.slots.num_slots]
             return grouped_mm_op()(x, self.layout.as_EFD(w_SD).mT, offs=self._offs(x.device)).view(-1)
         h_H = x_PD.new_empty(self.hidden_cells)
-        weights = self._weights(w_SD)
-        for i in self._blocks():
-            torch.matmul(self.rows(x_PD, i), weights[i].mT, out=self.hidden(h_H, i))
+        xs, hs, ws = self._rows(x_PD), self._hidden(h_H), self._weights(w_SD)
+        for i in self._filled:
+            torch.matmul(xs[i], ws[i].mT, out=hs[i])
         return h_H
 
     def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -187,9 +190,9 @@ class ExpertBlocks:
             matmul = lambda a, b, out: torch.matmul(a, b, out=out)  # noqa: E731
         else:
             matmul = _add_matmul_
-        weights = self._weights(w_SD)
-        for i in self._blocks():
-            matmul(self.hidden(h_H, i), weights[i], self.rows(add_to, i))
+        hs, ws, outs = self._hidden(h_H), self._weights(w_SD), self._rows(add_to)
+        for i in self._filled:
+            matmul(hs[i], ws[i], outs[i])
         return add_to
 
     def weight_grad(self, h_H: torch.Tensor, y_PD: torch.Tensor, like_SD: torch.Tensor) -> torch.Tensor:
@@ -206,9 +209,10 @@ class ExpertBlocks:
         else:
             g_SD = torch.empty_like(like_SD)
             outs = [self.layout.as_EFD(g_SD)] if self.slots.batched else list(self.layout.split(g_SD))
-        for i in self._blocks():
-            torch.matmul(self.hidden(h_H, i).mT, self.rows(y_PD, i), out=outs[i])
-        for i in self._blocks(empty=True):
+        hs, ys = self._hidden(h_H), self._rows(y_PD)
+        for i in self._filled:
+            torch.matmul(hs[i].mT, ys[i], out=outs[i])
+        for i in self._empty:
             outs[i].zero_()
         if repeated:
             num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
@@ -222,8 +226,8 @@ class ExpertBlocks:
         if a_PF is not None:
             torch.linalg.vecdot(a_PF, b_PF, out=out_P[: a_PF.shape[0]])
             return
-        for i in self._blocks():
-            torch.linalg.vecdot(self.hidden(a_H, i), self.hidden(b_H, i), out=self.rows(out_P, i))
+        for a, b, out in zip(self._hidden(a_H), self._hidden(b_H), self._rows(out_P)):
+            torch.linalg.vecdot(a, b, out=out)
 
     def scale_rows_(self, h_H: torch.Tensor, scale_P: torch.Tensor) -> torch.Tensor:
         """Multiply each slot's hidden cells by its entry of ``scale_P``, in place; returns ``h_H``."""
@@ -231,16 +235,9 @@ class ExpertBlocks:
         if h_PF is not None:
             h_PF.mul_(scale_P[: h_PF.shape[0]].unsqueeze(-1))
             return h_H
-        for i in self._blocks():
-            self.hidden(h_H, i).mul_(self.rows(scale_P, i).unsqueeze(-1))
+        for h, scale in zip(self._hidden(h_H), self._rows(scale_P)):
+            h.mul_(scale.unsqueeze(-1))
         return h_H
-
-
-def _offsets(lengths) -> list[int]:
-    out = [0]
-    for length in lengths:
-        out.append(out[-1] + length)
-    return out
 
 
 def _add_matmul_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:

@@ -19,7 +19,14 @@ from typing import Literal, Optional
 import torch
 from torch import nn
 
-from moe_lit.model.experts.grouped_swiglu import ALIGN_BYTES, Geometry, Slots, build_slots, grouped_mm_op, grouped_swiglu
+from moe_lit.model.experts.grouped_swiglu import (
+    ALIGN_BYTES,
+    Geometry,
+    Slots,
+    build_slots,
+    grouped_mm_op,
+    grouped_swiglu,
+)
 from moe_lit.model.experts.layout import ExpertLayout
 
 Strategy = Literal["auto", "grouped", "batched", "looped"]
@@ -49,23 +56,17 @@ def grouped_gemm_fits(layout: ExpertLayout, d_model: int, dtype: torch.dtype, de
     return all(n * itemsize % ALIGN_BYTES == 0 for n in (d_model, layout.sizes[0]))
 
 
-# NOTE: on several CPU threads one small GEMM per expert does not keep the threads busy, while one
-# bmm over padded chunks splits the experts between them. benchmarks/moe_layer.py on this project's
-# 2-core machine (2048 tokens, d_model 256): E16 k2 F256 (about 17M multiply-adds per expert matmul)
-# grouped 43.6 ms vs batched 48.1; E64 k8 F64 (4M) grouped 79.2 vs batched 72.6. The threshold sits
-# between the two.
-MIN_GROUPED_EXPERT_MACS = 8_000_000
-"""Mean multiply-adds of one expert matmul below which ``auto`` pads into ``bmm`` chunks on a multi-threaded CPU."""
-
-
 def choose_geometry(
-    strategy: Strategy, layout: ExpertLayout, num_assignments: int, d_model: int, dtype: torch.dtype, device: torch.device
+    strategy: Strategy, layout: ExpertLayout, d_model: int, dtype: torch.dtype, device: torch.device
 ) -> Geometry:
-    """The slot geometry for ``strategy`` and this batch (``num_assignments`` = tokens * top-k).
+    """The slot geometry for ``strategy``; ``auto``: the loop on CPU and for unequal sizes, else grouped
+    GEMMs where they fit, else padded ``bmm`` chunks.
 
-    ``auto``: unequal sizes loop; otherwise grouped GEMMs over packed slots (no padding, no per-expert
-    calls from Python) where they fit, except on a multi-threaded CPU when the mean expert matmul is
-    small (:data:`MIN_GROUPED_EXPERT_MACS`), and padded ``bmm`` chunks where grouped GEMMs do not fit.
+    NOTE: on CPU the loop of per-expert GEMMs was measured fastest (benchmarks/moe_layer.py, this
+    project's 2-core machine, idle, 2048 tokens, d_model 256, median of 15 interleaved rounds:
+    E16 k2 F256 looped 39.6 ms, grouped 40.7, batched 44.0; E64 k8 F64 56.3, 57.9, 61.4): it does
+    no padding, and torch's CPU grouped GEMM is itself a loop over the experts. On GPUs one grouped
+    GEMM replaces a kernel launch per expert.
     """
     grouped_fits = grouped_gemm_fits(layout, d_model, dtype, device)
     if strategy != "auto":
@@ -75,13 +76,9 @@ def choose_geometry(
                 "and bf16 on CUDA; use 'auto'"
             )
         return strategy
-    if not layout.uniform:
+    if not layout.uniform or device.type == "cpu":
         return "looped"
-    if not grouped_fits:
-        return "batched"
-    mean_expert_macs = num_assignments / layout.num_experts * layout.sizes[0] * d_model
-    threaded_cpu = device.type == "cpu" and torch.get_num_threads() > 1
-    return "batched" if threaded_cpu and mean_expert_macs < MIN_GROUPED_EXPERT_MACS else "grouped"
+    return "grouped" if grouped_fits else "batched"
 
 
 def plan_dispatch(
@@ -145,7 +142,7 @@ class TorchExperts(nn.Module):
         # NOTE: the Function's buffers are written with out=, which autocast cannot see: cast the
         # inputs to the autocast dtype here (as torch.amp.custom_fwd would) and run it without autocast.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
-        geometry = choose_geometry(self.strategy, self.layout, indices_TK.numel(), x_TD.shape[-1], dtype, x_TD.device)
+        geometry = choose_geometry(self.strategy, self.layout, x_TD.shape[-1], dtype, x_TD.device)
         plan = plan_dispatch(indices_TK, self.layout, capacity, geometry)
         tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
         with torch.autocast(device_type, enabled=False):
