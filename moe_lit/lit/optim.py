@@ -19,6 +19,8 @@ from moe_lit.config import ConfigError
 
 Schedule = Literal["cosine", "wsd", "constant"]
 SCHEDULES = ("cosine", "wsd", "constant")
+Implementation = Literal["fused", "foreach", "for_loop"]
+IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
 
 
 @dataclass
@@ -42,8 +44,15 @@ class OptimConfig:
     """WSD only: fraction of all steps spent in the final linear decay."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr (cosine and wsd)."""
+    implementation: Implementation = "fused"
+    """AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; 11 vs 83 ms per step of an
+    18M-parameter model on 2 CPU threads) | foreach | for_loop (torch's CPU default)."""
 
     def __post_init__(self) -> None:
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ConfigError(
+                f"optim.implementation: got {self.implementation!r}, allowed values: {', '.join(IMPLEMENTATIONS)}"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule: got {self.schedule!r}, allowed values: {', '.join(SCHEDULES)}")
         if not self.lr > 0:
@@ -122,9 +131,12 @@ def build_optimizer(
         rank_zero_warn(
             f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup"
         )
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+    optimizer = torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kernel[cfg.implementation]
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
     return optimizer, scheduler
 
 
-__all__ = ["OptimConfig", "SCHEDULES", "build_optimizer", "lr_multiplier", "param_groups"]
+__all__ = ["IMPLEMENTATIONS", "OptimConfig", "SCHEDULES", "build_optimizer", "lr_multiplier", "param_groups"]

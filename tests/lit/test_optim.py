@@ -84,8 +84,27 @@ def test_constant_schedule_and_scheduler_follow_the_multiplier():
     "fields, field",
     [({"schedule": "linear"}, "optim.schedule"), ({"lr": 0.0}, "optim.lr"), ({"betas": (0.9,)}, "optim.betas"),
      ({"warmup_steps": -1}, "optim.warmup_steps"), ({"decay_fraction": 0.0}, "optim.decay_fraction"),
-     ({"min_lr_ratio": 2.0}, "optim.min_lr_ratio"), ({"weight_decay": -0.1}, "optim.weight_decay")],
+     ({"min_lr_ratio": 2.0}, "optim.min_lr_ratio"), ({"weight_decay": -0.1}, "optim.weight_decay"),
+     ({"implementation": "apex"}, "optim.implementation")],
 )
 def test_optim_config_errors_name_the_field(fields, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         OptimConfig(**fields)
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for_loop"])
+def test_every_adamw_implementation_takes_the_same_step(implementation):
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs_BL, targets_BL = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    results = {}
+    for kind in ("for_loop", implementation):
+        model.load_state_dict(reference, strict=False)
+        optimizer, _ = build_optimizer(model, OptimConfig(implementation=kind, warmup_steps=0), total_steps=10)
+        model.zero_grad()
+        model(inputs_BL, targets_BL).ce.backward()
+        optimizer.step()
+        results[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, value in results["for_loop"].items():
+        torch.testing.assert_close(results[implementation][name], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
