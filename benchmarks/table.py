@@ -22,6 +22,8 @@ def _conditions(result: dict) -> str:
     olmoe = (
         f", OLMoE experts: {setup['olmoe_experts_implementation']}" if "olmoe_experts_implementation" in setup else ""
     )
+    if "ours_experts_strategy" in setup:
+        olmoe += f", our experts: {setup['ours_experts_strategy']}, loss chunk {setup['ours_loss_chunk_tokens']}"
     return (
         f"{env['date']}, {env['threads']} thread(s), {clock} clock, OMP_WAIT_POLICY={env.get('omp_wait_policy', '?')}, "
         f"load avg {env['load_avg_1m']:.1f} on {env['cpu_count']} cores, {setup.get('rounds', '?')} interleaved rounds"

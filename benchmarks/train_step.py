@@ -25,6 +25,7 @@ from torch import nn
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 256, 8
@@ -130,12 +131,15 @@ def flop_floor(times: dict[str, list[float]], tag: str, shape: tuple[int, int, i
     }
 
 
-def build_models(olmoe_experts: str, loss_chunk_tokens: int) -> dict[str, tuple[nn.Module, bool]]:
+def build_models(olmoe_experts: str, loss_chunk_tokens: int, strategy: str) -> dict[str, tuple[nn.Module, bool]]:
     """Ours and OLMoE for every MoE shape, and our dense model once per distinct d_ff = k*F (name -> (model, hf))."""
     models: dict[str, tuple[nn.Module, bool]] = {}
     for shape in SHAPES:
         tag, d_ff = "E{}k{}F{}".format(*shape), shape[1] * shape[2]
-        models[f"ours_moe_{tag}"] = (Transformer(our_config(shape, d_ff, loss_chunk_tokens)), False)
+        ours = Transformer(our_config(shape, d_ff, loss_chunk_tokens))
+        for layer in ours.moe_layers():
+            layer.experts.strategy = strategy
+        models[f"ours_moe_{tag}"] = (ours, False)
         models[f"olmoe_{tag}"] = (olmoe(shape, olmoe_experts), True)
         models.setdefault(f"ours_dense_dff{d_ff}", (Transformer(our_config(None, d_ff, loss_chunk_tokens)), False))
     return models
@@ -160,11 +164,12 @@ def main() -> None:
         default=ModelConfig.loss_chunk_tokens,
         help="our models' fused head + cross-entropy chunk (0 = plain logits + F.cross_entropy, as OLMoE)",
     )
+    parser.add_argument("--strategy", choices=STRATEGIES, default="auto", help="our experts' slot geometry")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
     torch.manual_seed(0)
-    built = build_models(args.olmoe_experts, args.loss_chunk_tokens)
+    built = build_models(args.olmoe_experts, args.loss_chunk_tokens, args.strategy)
     cases = {name: step_fn(model, hf, args.optimizer) for name, (model, hf) in built.items()}
     cases.update({f"gemm_{m}x{k}x{n}": gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES})
     times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup, clock=args.clock)
@@ -207,6 +212,7 @@ def main() -> None:
         "clock": args.clock,
         "optimizer": f"AdamW ({args.optimizer})",
         "ours_loss_chunk_tokens": args.loss_chunk_tokens,
+        "ours_experts_strategy": args.strategy,
         "olmoe_notes": "q/k RMSNorm (OLMoE only); sdpa attention",
         "olmoe_experts_implementation": args.olmoe_experts,
     }

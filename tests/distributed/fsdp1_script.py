@@ -24,16 +24,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe_lit.lit.optim import OptimConfig, param_groups  # noqa: E402
+from moe_lit.lit.optim import OptimConfig, build_optimizer  # noqa: E402
 from moe_lit.lit.strategies import FSDPStrategy, load_full_optimizer_states  # noqa: E402
 from moe_lit.model import Transformer  # noqa: E402
 from moe_lit.model.transformer import Block  # noqa: E402
-from tests.distributed.train_script import CONFIG as MOE_CONFIG  # noqa: E402
-from tests.distributed.train_script import tokens  # noqa: E402
+from tests.distributed.train_script import CONFIG, tokens  # noqa: E402,F401 - CONFIG is the test's too
 
-# NOTE: dense FFNs: the conversion concerns parameter names and groups only, and the grouped SwiGLU
-# experts' backward fails under FSDP1's use_orig_params views (reported; not this test's subject).
-CONFIG = MOE_CONFIG.replace(moe=None)
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
 
 
@@ -42,14 +38,13 @@ def fsdp1_model_and_optimizer():
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
-    model = Transformer(CONFIG)
-    # NOTE: the groups are chosen before wrapping: FSDP1 flattens each parameter it shards to 1-D,
-    # which param_groups' ndim test would take for a norm or a bias (reported).
-    groups = param_groups(model, OPTIM.weight_decay)
+    wrap = ModuleWrapPolicy({Block})
     model = FullyShardedDataParallel(
-        model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True
+        Transformer(CONFIG), device_id=torch.device("cpu"), auto_wrap_policy=wrap, use_orig_params=True
     )
-    return model, torch.optim.AdamW(groups, lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps)
+    # NOTE: built after wrapping, as Lightning does: FSDP1 shows the optimizer 1-D shards.
+    optimizer, _ = build_optimizer(model, OPTIM, 0)
+    return model, optimizer
 
 
 def train_step(model, optimizer, tokens_BL1: torch.Tensor) -> None:
