@@ -39,8 +39,8 @@ from moe_lit.model.experts.layout import ExpertLayout
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
 # expert's weights and the reduction of their gradients, plus the per-matrix overhead of a batched
-# gemm with few rows. Fitted on this project's 2-core CPU (forced chunk sizes on skewed routing,
-# README "Performance"): 30-80 rows. It keeps the chooser from splitting into many small chunks.
+# gemm with few rows. Fitted on this project's 2-core CPU with forced chunk sizes on skewed routing:
+# 30-80 rows. It keeps the chooser from splitting into many small chunks.
 CHUNK_OVERHEAD_ROWS = 64
 
 Geometry = Literal["grouped", "batched", "looped"]
