@@ -25,6 +25,7 @@ from torch import nn
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.lit.optim import ADAMW_KERNELS
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
 
@@ -79,7 +80,6 @@ def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module
     return model
 
 
-OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 
 
 def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callable[[], None]:
@@ -91,7 +91,7 @@ def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callab
     gen = torch.Generator().manual_seed(0)
     idx_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     targets_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **OPTIMIZERS[optimizer_kind])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW_KERNELS[optimizer_kind])
     model.train()
 
     def step() -> None:
@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
-    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="fused", help="AdamW implementation")
+    parser.add_argument("--optimizer", choices=tuple(ADAMW_KERNELS), default="fused", help="AdamW implementation")
     parser.add_argument(
         "--olmoe-experts",
         choices=("grouped_mm", "eager", "batched_mm"),

@@ -20,7 +20,13 @@ from moe_lit.config import ConfigError
 Schedule = Literal["cosine", "wsd", "constant"]
 SCHEDULES = ("cosine", "wsd", "constant")
 Implementation = Literal["fused", "foreach", "for_loop"]
-IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
+ADAMW_KERNELS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "for_loop": {"foreach": False},
+}
+"""``torch.optim.AdamW`` keyword arguments of each ``optim.implementation``."""
+IMPLEMENTATIONS = tuple(ADAMW_KERNELS)
 
 
 @dataclass
@@ -131,12 +137,23 @@ def build_optimizer(
         rank_zero_warn(
             f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup"
         )
-    kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
     optimizer = torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kernel[cfg.implementation]
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        **ADAMW_KERNELS[cfg.implementation],
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
     return optimizer, scheduler
 
 
-__all__ = ["IMPLEMENTATIONS", "OptimConfig", "SCHEDULES", "build_optimizer", "lr_multiplier", "param_groups"]
+__all__ = [
+    "ADAMW_KERNELS",
+    "IMPLEMENTATIONS",
+    "OptimConfig",
+    "SCHEDULES",
+    "build_optimizer",
+    "lr_multiplier",
+    "param_groups",
+]

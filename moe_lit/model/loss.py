@@ -23,7 +23,7 @@ IGNORE_INDEX = -100
 # NOTE: why compute the gradients in the forward. With V = 8192 the (N, V) fp32 logits of a
 # 2048-token batch are 67 MB: the plain path writes them, reads them for log-softmax, writes the
 # log-probabilities, and repeats in the backward — memory traffic that costs as much as the head's
-# matmuls on a CPU (measured in benchmarks/train_step.py: ``--loss plain`` vs ``chunked``). One
+# matmuls on a CPU (measured with benchmarks/train_step.py ``--loss-chunk-tokens 0`` vs the default). One
 # chunk's logits fit in cache; turning them into softmax - onehot right there needs a single exp
 # pass. The price is that the gradient matmuls run even if nothing calls backward, so the eager
 # path is used only when gradients are required (training); evaluation takes the loss-only path.
@@ -35,6 +35,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x_ND = torch.empty_like(x_ND) if need_x else None
         grad_w_VD = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_w else None
         total = x_ND.new_zeros((), dtype=torch.float32)
+        weight_for_x_VD = weight_VD.to(x_ND.dtype)  # once, not per chunk (a copy under bf16 autocast)
         for start in range(0, x_ND.shape[0], chunk_tokens):
             x_CD, t_C = x_ND[start : start + chunk_tokens], targets_N[start : start + chunk_tokens]
             probs_CV, losses_C, valid_C = _chunk_softmax(x_CD, weight_VD, t_C)
@@ -43,9 +44,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_C = torch.arange(t_C.shape[0], device=t_C.device)
             probs_CV[rows_C[valid_C], t_C[valid_C]] -= 1.0
             probs_CV.mul_((valid_C.to(probs_CV.dtype) / num_valid).unsqueeze(1))
-            g_CV = probs_CV.to(x_ND.dtype)
             if need_x:
-                grad_x_ND[start : start + chunk_tokens] = g_CV @ weight_VD.to(g_CV.dtype)
+                grad_x_ND[start : start + chunk_tokens] = probs_CV.to(x_ND.dtype) @ weight_for_x_VD
             if need_w:
                 grad_w_VD.addmm_(probs_CV.t(), x_CD.float())
         ctx.save_for_backward(grad_x_ND, grad_w_VD)

@@ -28,7 +28,7 @@ from moe_lit.lit.optim import OptimConfig, build_optimizer  # noqa: E402
 from moe_lit.lit.strategies import FSDPStrategy, load_full_optimizer_states  # noqa: E402
 from moe_lit.model import Transformer  # noqa: E402
 from moe_lit.model.transformer import Block  # noqa: E402
-from tests.distributed.train_script import CONFIG, tokens  # noqa: E402,F401 - CONFIG is the test's too
+from tests.distributed.train_script import CONFIG, tokens  # noqa: E402
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
 

@@ -117,6 +117,14 @@ class ExpertBlocks:
         self._block_rows = slots.rows if looped else (slots.num_slots,)
         self._block_sizes = layout.sizes if looped else (layout.sizes[0],)
         self._cells = [r * f for r, f in zip(self._block_rows, self._block_sizes)]
+        self._uniform = len(set(self._block_sizes)) == 1
+        # NOTE: the grouped GEMMs' group ends, made once per routing (not per matmul: on CUDA each
+        # would be a host-to-device copy).
+        self._offs_E = (
+            torch.tensor(list(itertools.accumulate(slots.rows)), dtype=torch.int32, device=slots.token_P.device)
+            if slots.geometry == "grouped"
+            else None
+        )
         self.hidden_cells = sum(self._cells)
         self._filled = [i for i, rows in enumerate(self._block_rows) if rows]
         self._empty = [i for i, rows in enumerate(self._block_rows) if not rows]
@@ -154,18 +162,14 @@ class ExpertBlocks:
 
     def _uniform_rows(self, h_H: torch.Tensor) -> Optional[torch.Tensor]:
         """The flat hidden buffer as ``(P, F)`` when every block has the same F, else None."""
-        return h_H.view(-1, self._block_sizes[0]) if len(set(self._block_sizes)) == 1 else None
-
-    def _offs(self, device: torch.device) -> torch.Tensor:
-        """End row of each expert's group (the ``offs`` of a grouped GEMM)."""
-        return torch.tensor(list(itertools.accumulate(self.slots.rows)), dtype=torch.int32, device=device)
+        return h_H.view(-1, self._block_sizes[0]) if self._uniform else None
 
     # ------------------------------------------------------------------ matmuls over all blocks
     def project_in(self, x_PD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
         """Flat hidden buffer of ``x_p @ w_e^T`` for every slot p (expert e)."""
         if self.slots.geometry == "grouped":
             x = x_PD[: self.slots.num_slots]
-            return grouped_mm_op()(x, self.layout.as_EFD(w_SD).mT, offs=self._offs(x.device)).view(-1)
+            return grouped_mm_op()(x, self.layout.as_EFD(w_SD).mT, offs=self._offs_E).view(-1)
         h_H = x_PD.new_empty(self.hidden_cells)
         xs, hs, ws = self._rows(x_PD), self._hidden(h_H), self._weights(w_SD)
         for i in self._filled:
@@ -178,7 +182,7 @@ class ExpertBlocks:
         num_slots = self.slots.num_slots
         if self.slots.geometry == "grouped":
             h_PF = h_H.view(num_slots, -1)
-            o_PD = grouped_mm_op()(h_PF, self.layout.as_EFD(w_SD), offs=self._offs(h_H.device))
+            o_PD = grouped_mm_op()(h_PF, self.layout.as_EFD(w_SD), offs=self._offs_E)
             if add_to is not None:
                 add_to[:num_slots] += o_PD
                 return add_to
@@ -200,7 +204,7 @@ class ExpertBlocks:
         if self.slots.geometry == "grouped":
             num_slots = self.slots.num_slots
             h_PF = h_H.view(num_slots, -1)
-            g_EFD = grouped_mm_op()(h_PF.mT, y_PD[:num_slots], offs=self._offs(h_H.device))
+            g_EFD = grouped_mm_op()(h_PF.mT, y_PD[:num_slots], offs=self._offs_E)
             return g_EFD.view_as(like_SD)
         repeated = self.slots.batched and self.slots.chunk_expert is not None
         if repeated:

@@ -52,8 +52,7 @@ def grouped_gemm_fits(layout: ExpertLayout, d_model: int, dtype: torch.dtype, de
     and bf16 on CUDA (the only dtype its CUDA kernels take)."""
     if not layout.uniform or grouped_mm_op() is None or (device.type == "cuda" and dtype != torch.bfloat16):
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return all(n * itemsize % ALIGN_BYTES == 0 for n in (d_model, layout.sizes[0]))
+    return all(n * dtype.itemsize % ALIGN_BYTES == 0 for n in (d_model, layout.sizes[0]))
 
 
 def choose_geometry(
