@@ -83,7 +83,20 @@ def data_loader_table(result: dict) -> str:
     return markdown_table(rows)
 
 
-TABLES = {"train_step": train_step_table, "moe_layer": moe_layer_table, "data_loader": data_loader_table}
+def head_loss_table(result: dict) -> str:
+    rows = [
+        {"case": name, "ms": f"{ms:.1f}", "time / plain": f"{result['time_over_plain'][name]:.3f}"}
+        for name, ms in result["median_ms"].items()
+    ]
+    return markdown_table(rows)
+
+
+TABLES = {
+    "train_step": train_step_table,
+    "moe_layer": moe_layer_table,
+    "head_loss": head_loss_table,
+    "data_loader": data_loader_table,
+}
 
 
 def newest(name: str) -> Path | None:
