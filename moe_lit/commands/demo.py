@@ -29,6 +29,7 @@ from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 
 if TYPE_CHECKING:
     from moe_lit.lit.runner import RunResult
@@ -63,13 +64,16 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, path in MODELS.items():
         model_cfg, optim = load_module_config(path)
+        run_cfg = RunConfig(
+            data=DataConfig(
+                data_dir=str(data_dir), seq_len=args.seq_len, batch_size=args.batch_size, val_batches=args.val_batches
+            ),
+            optim=optim,
+            train=TrainConfig(max_tokens=args.tokens, val_every=max(1, steps // args.evals), seed=args.seed),
+        )
         print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
         shutil.rmtree(args.work_dir / name, ignore_errors=True)  # a previous demo's logs and checkpoints
-        results[name] = train_run(
-            model_cfg, data_dir, args.work_dir / name, max_tokens=args.tokens, seq_len=args.seq_len,
-            batch_size=args.batch_size, optim=optim, seed=args.seed, val_batches=args.val_batches,
-            eval_every=max(1, steps // args.evals),
-        )
+        results[name] = train_run(model_cfg, run_cfg, args.work_dir / name)
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir")}
     write_results(results, settings, tokenizer_file(data_dir), args.out)
     print((args.out / RESULTS_MD).read_text())
@@ -113,13 +117,9 @@ def results_rows(results: dict[str, RunResult]) -> list[dict[str, object]]:
 
 
 def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
-    """(training tokens, validation loss) at each validation; a repeated step keeps its last value."""
-    from moe_lit.lit.runner import read_metrics
-
-    by_step = {int(row["step"]): row["val/loss"] for row in read_metrics(result.metrics_csv) if "val/loss" in row}
+    """(training tokens, validation loss) at each validation."""
     tokens_per_step = result.tokens // max(1, result.steps)
-    steps = sorted(by_step)
-    return [step * tokens_per_step for step in steps], [by_step[step] for step in steps]
+    return [p["step"] * tokens_per_step for p in result.curve], [p["val_loss"] for p in result.curve]
 
 
 def plot_curves(results: dict[str, RunResult], path: Path) -> None:

@@ -1,10 +1,10 @@
 """``train_run``: one training run built in code (no CLI), as ``make demo`` and the studies use it.
 
-It trains ``model_cfg`` on a prepared data directory for a token budget, validates every
-``eval_every`` steps and at the end, and returns a :class:`RunResult`. Everything it writes lies
-under ``out_dir``: ``metrics.csv`` (CSVLogger, one row per logged step) and
-``checkpoints/last.ckpt`` (overwritten every ``checkpoint_every`` steps and at the end; resume
-with ``ckpt_path``).
+It trains a model as a :class:`~moe_lit.lit.run_config.RunConfig` says (data, optim, budget,
+validation cadence, seed, Trainer arguments), validates every ``run.eval_every`` steps and at the
+end, and returns a :class:`RunResult`. Everything it writes lies under ``out_dir``:
+``metrics.csv`` (CSVLogger, one row per logged step) and ``checkpoints/last.ckpt`` (rewritten every
+``train.checkpoint_every`` steps and at the end; continue with ``resume_from``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ from moe_lit.callbacks.routing_monitor import load_imbalance
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
-from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.run_config import RunConfig
 
 METRICS_FILE = "metrics.csv"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 MEAN_IMBALANCE = "routing/mean/load_imbalance"
-EVALUATIONS_PER_RUN = 8
-"""Default number of validations during a run (the curve the demo plots)."""
 
 
 @dataclass
@@ -65,6 +63,9 @@ class RunResult:
     """Path of the checkpoint of the final weights."""
     metrics_csv: str
     """Path of the CSV log."""
+    curve: list[dict[str, float]]
+    """``{step, val_loss}`` at every validation of the run, in step order (a repeated step keeps
+    its last value)."""
 
 
 def tokens_in_batch(batch_BL1) -> int:
@@ -95,71 +96,76 @@ def last_value(rows: Sequence[dict[str, float]], key: str) -> float:
 
 def train_run(
     model_cfg: ModelConfig,
-    data_dir: Union[str, Path],
+    run: RunConfig,
     out_dir: Union[str, Path],
-    max_tokens: int,
-    seq_len: int,
-    batch_size: int,
-    optim: OptimConfig,
-    seed: int,
-    val_batches: int,
-    extra_callbacks: Iterable[Callback] = (),
-    trainer_overrides: Optional[dict[str, Any]] = None,
-    eval_every: Optional[int] = None,
-    checkpoint_every: Optional[int] = None,
-    ckpt_path: Optional[Union[str, Path]] = None,
+    callbacks: Iterable[Callback] = (),
+    resume_from: Optional[Union[str, Path]] = None,
+    init_from: Optional[Union[str, Path]] = None,
 ) -> RunResult:
-    """Train ``model_cfg`` (vocab size from the data, ``seq_len`` from here) for ``max_tokens``.
+    """Train ``model_cfg`` (vocab size from the data, seq_len from ``run.data``) as ``run`` says.
 
-    ``eval_every`` / ``checkpoint_every`` are in optimizer steps (default: 8 validations per run,
-    a checkpoint at each); ``trainer_overrides`` are Trainer arguments (precision, accelerator,
-    gradient_clip_val, ...) that replace the defaults; ``ckpt_path`` resumes a run.
+    The only place outside LightningCLI that builds a Trainer. ``resume_from`` continues a run from
+    its Lightning checkpoint (weights, optimizer, schedule, data position, step counter);
+    ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
+    or exported model directory, whose model replaces ``model_cfg`` when it differs.
     """
     from moe_lit.lit.datamodule import MoEDataModule
 
-    tokens_per_step = seq_len * batch_size
-    steps = max_tokens // tokens_per_step
-    if steps < 1:
-        raise MoeLitError(f"max_tokens: {max_tokens} is less than one batch (seq_len*batch_size={tokens_per_step})")
-    overrides = dict(trainer_overrides or {})
-    if "callbacks" in overrides:
-        raise MoeLitError("trainer_overrides: pass callbacks as extra_callbacks, not as trainer_overrides['callbacks']")
-    eval_every = eval_every or max(1, steps // EVALUATIONS_PER_RUN)
+    if resume_from is not None and init_from is not None:
+        raise MoeLitError("train_run: give resume_from (continue a run) or init_from (start from weights), not both")
     out_dir = Path(out_dir)
     start = time.perf_counter()
+    seed = run.train.seed
     pl.seed_everything(seed, verbose=False)
+    data = run.data
     datamodule = MoEDataModule(
-        str(data_dir), seq_len=seq_len, batch_size=batch_size, val_batches=val_batches, seed=seed
+        data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size, num_workers=data.num_workers,
+        language_weights=data.language_weights, languages=data.languages, val_batches=data.val_batches, seed=seed,
     )
-    cfg = model_cfg.replace(vocab_size=datamodule.vocab_size, seq_len=seq_len)
-    module = MoELitModule(cfg, optim)
-    trainer = pl.Trainer(**_trainer_kwargs(out_dir, steps, eval_every, checkpoint_every, extra_callbacks, overrides))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from)
+    trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, callbacks))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
     # is the final weights, so they are saved there too.
     trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
-    if "val_check_interval" in overrides or trainer.global_step % eval_every != 0:
+    if "val_check_interval" in run.trainer or trainer.global_step % run.eval_every != 0:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
-    return _result(module, trainer, datamodule.languages, tokens_per_step, out_dir, wall_s)
+    return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s)
 
 
-def _trainer_kwargs(
-    out_dir: Path, steps: int, eval_every: int, checkpoint_every: Optional[int],
-    extra_callbacks: Iterable[Callback], overrides: dict[str, Any],
-) -> dict[str, Any]:
+def _initial_module(
+    model_cfg: ModelConfig, run: RunConfig, vocab_size: int, init_from: Optional[Union[str, Path]]
+) -> MoELitModule:
+    cfg = model_cfg.replace(vocab_size=vocab_size, seq_len=run.data.seq_len)
+    if init_from is None:
+        return MoELitModule(cfg, run.optim)
+    from moe_lit.checkpoint import load_model
+
+    model = load_model(init_from)
+    if model.config.vocab_size != vocab_size:
+        raise MoeLitError(
+            f"init_from: {init_from} has vocab_size {model.config.vocab_size} but the data has {vocab_size}"
+        )
+    module = MoELitModule(model.config.replace(seq_len=run.data.seq_len), run.optim)
+    module.model.load_state_dict(model.state_dict())
+    return module
+
+
+def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Callback]) -> dict[str, Any]:
+    eval_every = run.eval_every
     checkpoint = ModelCheckpoint(
         dirpath=out_dir / CHECKPOINT_DIR,
         save_last=True,
         save_top_k=0,
-        every_n_train_steps=checkpoint_every or eval_every,
+        every_n_train_steps=run.train.checkpoint_every or eval_every,
     )
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
-    if overrides.get("enable_progress_bar", True):
+    if run.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     kwargs = {
-        "max_steps": steps,
+        "max_steps": run.steps,
         "val_check_interval": eval_every,
         "check_val_every_n_epoch": None,
         "num_sanity_val_steps": 0,
@@ -168,9 +174,15 @@ def _trainer_kwargs(
         "enable_model_summary": False,
         "default_root_dir": out_dir,
     }
-    kwargs.update(overrides)
+    kwargs.update(run.trainer)
     kwargs["callbacks"] = callbacks
     return kwargs
+
+
+def val_curve(rows: Sequence[dict[str, float]]) -> list[dict[str, float]]:
+    """``{step, val_loss}`` of every logged validation (metrics.csv rows), in step order."""
+    by_step = {int(row["step"]): row["val/loss"] for row in rows if "val/loss" in row}
+    return [{"step": step, "val_loss": by_step[step]} for step in sorted(by_step)]
 
 
 def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
@@ -207,6 +219,7 @@ def _result(
         wall_s=round(wall_s, 3),
         checkpoint=str(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT),
         metrics_csv=str(metrics_csv),
+        curve=val_curve(rows),
     )
 
 

@@ -9,6 +9,7 @@ from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from moe_lit.lit.runner import read_metrics, train_run
 from tests.conftest import tiny
 from tests.data.conftest import write_corpus
@@ -27,12 +28,17 @@ def prepared(tmp_path_factory):
     return out
 
 
-def _run(prepared, out_dir, **kwargs):
-    return train_run(
-        tiny(), prepared, out_dir, max_tokens=STEPS * SEQ_LEN * BATCH, seq_len=SEQ_LEN, batch_size=BATCH,
-        optim=OptimConfig(lr=1e-2, warmup_steps=2), seed=0, val_batches=2,
-        trainer_overrides={"log_every_n_steps": 1, "enable_progress_bar": False}, eval_every=4, **kwargs,
+def _run_config(prepared) -> RunConfig:
+    return RunConfig(
+        data=DataConfig(data_dir=str(prepared), seq_len=SEQ_LEN, batch_size=BATCH, val_batches=2),
+        optim=OptimConfig(lr=1e-2, warmup_steps=2),
+        train=TrainConfig(max_tokens=STEPS * SEQ_LEN * BATCH, val_every=4, seed=0),
+        trainer={"log_every_n_steps": 1, "enable_progress_bar": False},
     )
+
+
+def _run(prepared, out_dir, **kwargs):
+    return train_run(tiny(), _run_config(prepared), out_dir, **kwargs)
 
 
 def _losses(result) -> dict[int, float]:
@@ -42,13 +48,13 @@ def _losses(result) -> dict[int, float]:
 @pytest.mark.slow
 def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(prepared, tmp_path, capsys):
     every = ModelCheckpoint(dirpath=tmp_path / "every", every_n_train_steps=KILLED_AT, save_top_k=-1)
-    full = _run(prepared, tmp_path / "full", extra_callbacks=[every])
+    full = _run(prepared, tmp_path / "full", callbacks=[every])
     assert (full.steps, full.tokens) == (STEPS, STEPS * SEQ_LEN * BATCH)
     assert set(full.val_loss_per_language) == {"de", "en", "ru"}
     assert math.isfinite(full.val_loss) and full.tokens_per_s > 0 and full.load_imbalance >= 1.0
 
     # the "killed" run: only its checkpoint at step 3 (mid-epoch) survives; resume it to the end
-    resumed = _run(prepared, tmp_path / "resumed", ckpt_path=tmp_path / "every" / f"epoch=0-step={KILLED_AT}.ckpt")
+    resumed = _run(prepared, tmp_path / "resumed", resume_from=tmp_path / "every" / f"epoch=0-step={KILLED_AT}.ckpt")
     full_losses, resumed_losses = _losses(full), _losses(resumed)
     assert sorted(full_losses) == list(range(STEPS))
     assert sorted(resumed_losses) == list(range(KILLED_AT, STEPS))
@@ -79,3 +85,28 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
     exported = load_model(tmp_path / "demo" / MODELS_DIR / "moe")
     assert exported.config == load_model(full.checkpoint).config
     assert (tmp_path / "demo" / MODELS_DIR / "moe" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepared, tmp_path, capsys):
+    """The data / model.optim / trainer / seed sections of one YAML feed both entry points."""
+    import yaml
+
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "model": {"model": tiny().to_dict() | {"vocab_size": 300, "seq_len": SEQ_LEN},
+                  "optim": {"lr": 1e-2, "warmup_steps": 2}},
+        "data": {"data_dir": str(prepared), "seq_len": SEQ_LEN, "batch_size": BATCH, "val_batches": 2, "seed": 0},
+        "trainer": {"max_steps": STEPS, "val_check_interval": 4, "check_val_every_n_epoch": None,
+                    "num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
+                    "accelerator": "cpu", "devices": 1},
+    }))
+    model_cfg, run_cfg = RunConfig.from_experiment(experiment)
+    assert (run_cfg.steps, run_cfg.train.seed, run_cfg.optim.lr, run_cfg.data.val_batches) == (STEPS, 0, 1e-2, 2)
+    direct = train_run(model_cfg, run_cfg, tmp_path / "direct")
+    code = main(["fit", "--config", str(experiment), f"--trainer.logger.init_args.save_dir={tmp_path / 'cli'}"])
+    assert code == 0, capsys.readouterr().err
+    (metrics,) = list((tmp_path / "cli").rglob("metrics.csv"))
+    cli_losses = {int(r["step"]): r["train/loss"] for r in read_metrics(metrics) if "train/loss" in r}
+    assert cli_losses == pytest.approx(_losses(direct), rel=1e-6)

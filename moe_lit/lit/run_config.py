@@ -1,0 +1,268 @@
+"""``RunConfig``: every setting of one training run except the model, in four sections.
+
+* ``data``: the :class:`~moe_lit.lit.datamodule.MoEDataModule` arguments (same names);
+* ``optim``: :class:`~moe_lit.lit.optim.OptimConfig` (AdamW + LR schedule);
+* ``train``: the budget (tokens or steps), validation and checkpoint cadence, seed;
+* ``trainer``: extra Lightning ``Trainer`` arguments (precision, accelerator, gradient_clip_val, ...).
+
+The LightningCLI experiment YAMLs use the same sections and names (``data:``, ``train:``,
+``trainer:``; ``optim`` sits at ``model.optim`` there because it is an argument of the module), so
+one YAML feeds ``moe-lit fit`` and :func:`moe_lit.lit.runner.train_run`
+(:meth:`RunConfig.from_experiment`). The demo and every study kind build a ``RunConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from moe_lit.config import ConfigError
+from moe_lit.lit.optim import OptimConfig
+
+DEFAULT_EVALUATIONS = 8
+"""Validations per run when ``train.val_every`` is not set."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(value: Any, name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _build(cls, data: Any, section: str):
+    """``cls(**data)`` with unknown keys and non-mappings reported under ``section``."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{section}: unknown key(s) {unknown}, allowed keys: {known}")
+    try:
+        return cls(**data)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(f"{section}.") else f"{section}.{message}") from None
+
+
+@dataclass
+class DataConfig:
+    """Which prepared tokens a run reads, and how (the ``MoEDataModule`` arguments)."""
+
+    data_dir: Optional[str] = None
+    """Directory written by ``moe-lit data prepare``; relative paths are relative to the working
+    directory; null = the data pipeline's default (``$MOE_LIT_DATA`` or data_cache/default)."""
+    seq_len: int = 256
+    """Tokens per training sequence (also the model's seq_len)."""
+    batch_size: int = 8
+    """Sequences per optimizer step (per device)."""
+    val_batches: Optional[int] = None
+    """Validation batches per language in each validation (null = the whole split)."""
+    languages: Optional[list[str]] = None
+    """Languages to train and validate on, a subset of the prepared ones (null = all)."""
+    language_weights: Optional[dict[str, float]] = None
+    """Relative sampling weight of each language in training (null = proportional to its tokens;
+    a language left out gets weight 0: validated on, not trained on)."""
+    num_workers: int = 0
+    """Worker processes of each validation loader (the training stream is read in the main process)."""
+
+    def __post_init__(self) -> None:
+        _positive(self.seq_len, "seq_len")
+        _positive(self.batch_size, "batch_size")
+        _positive(self.val_batches, "val_batches", allow_none=True)
+        if not _is_int(self.num_workers) or self.num_workers < 0:
+            raise ConfigError(f"num_workers: must be an integer >= 0, got {self.num_workers!r}")
+        if self.languages is not None:
+            if not isinstance(self.languages, list) or not self.languages or not all(
+                isinstance(lang, str) for lang in self.languages
+            ):
+                raise ConfigError(f"languages: must be a non-empty list of language codes, got {self.languages!r}")
+        if self.language_weights is not None and not isinstance(self.language_weights, dict):
+            raise ConfigError(f"language_weights: must be a mapping language -> weight, got {self.language_weights!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+    def resolved_dir(self) -> str:
+        """``data_dir``, else the data pipeline's default directory."""
+        if self.data_dir:
+            return str(self.data_dir)
+        from moe_lit.data.layout import default_data_dir
+
+        return str(default_data_dir())
+
+
+@dataclass
+class TrainConfig:
+    """How long a run trains, how often it validates and checkpoints, and its seed."""
+
+    max_tokens: Optional[int] = None
+    """Token budget (rounded down to whole optimizer steps of seq_len x batch_size tokens); set
+    exactly one of max_tokens and max_steps."""
+    max_steps: Optional[int] = None
+    """Step budget (optimizer steps); set exactly one of max_tokens and max_steps."""
+    val_every: Optional[int] = None
+    """Optimizer steps between validations (and a validation at the end); null = 8 per run."""
+    checkpoint_every: Optional[int] = None
+    """Optimizer steps between rewrites of checkpoints/last.ckpt (null = val_every)."""
+    seed: int = 0
+    """Seed of the model initialisation, the data order and the language sampling."""
+
+    def __post_init__(self) -> None:
+        if (self.max_tokens is None) == (self.max_steps is None):
+            raise ConfigError(
+                f"max_tokens: set exactly one of max_tokens and max_steps, got max_tokens={self.max_tokens!r}, "
+                f"max_steps={self.max_steps!r}"
+            )
+        _positive(self.max_tokens, "max_tokens", allow_none=True)
+        _positive(self.max_steps, "max_steps", allow_none=True)
+        _positive(self.val_every, "val_every", allow_none=True)
+        _positive(self.checkpoint_every, "checkpoint_every", allow_none=True)
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+
+    def steps(self, tokens_per_step: int) -> int:
+        """Optimizer steps of the run."""
+        return self.max_steps if self.max_steps is not None else self.max_tokens // tokens_per_step
+
+    def eval_every(self, tokens_per_step: int) -> int:
+        return self.val_every or max(1, self.steps(tokens_per_step) // DEFAULT_EVALUATIONS)
+
+
+@dataclass
+class RunConfig:
+    """One training run's settings besides the model (see the module docstring)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data module's settings."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule (the schedule spans the whole run)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=100))
+    """Budget, validation and checkpoint cadence, seed."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning Trainer arguments (replace train_run's defaults; callbacks are not allowed here)."""
+
+    def __post_init__(self) -> None:
+        self.data = _build(DataConfig, self.data, "data")
+        self.optim = _build(OptimConfig, self.optim, "optim")
+        self.train = _build(TrainConfig, self.train, "train")
+        if not isinstance(self.trainer, dict):
+            raise ConfigError(f"trainer: must be a mapping of Trainer arguments, got {self.trainer!r}")
+        if "callbacks" in self.trainer:
+            raise ConfigError("trainer.callbacks: pass callbacks to train_run(callbacks=...), not in the run config")
+        if self.steps < 1:
+            raise ConfigError(
+                f"train.max_tokens: {self.train.max_tokens} is less than one batch "
+                f"(seq_len*batch_size={self.data.tokens_per_step})"
+            )
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the run."""
+        return self.train.steps(self.data.tokens_per_step)
+
+    @property
+    def eval_every(self) -> int:
+        """Optimizer steps between validations."""
+        return self.train.eval_every(self.data.tokens_per_step)
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens of the run (whole steps)."""
+        return self.steps * self.data.tokens_per_step
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["optim"]["betas"] = list(data["optim"]["betas"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "RunConfig":
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"run: expected a mapping with data, optim, train, trainer; got {type(data).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"run: unknown key(s) {unknown}, allowed keys: {known}")
+        return cls(**data)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path]) -> "RunConfig":
+        return cls.from_dict(_read_yaml(path, "run"))
+
+    def replace(self, **sections: Any) -> "RunConfig":
+        """A copy with fields of whole sections changed: ``replace(train={"seed": 1})`` changes
+        train.seed only; a new budget (max_tokens or max_steps) replaces the old one."""
+        data = self.to_dict()
+        for name, changes in sections.items():
+            if name not in data or not isinstance(changes, dict):
+                raise ConfigError(f"run: replace takes mappings of the sections {list(data)}, got {name}={changes!r}")
+            if name == "train" and {"max_tokens", "max_steps"} & set(changes):
+                data["train"].update(max_tokens=None, max_steps=None)
+            data[name] = {**data[name], **changes}
+        return RunConfig.from_dict(data)
+
+    @classmethod
+    def from_experiment(cls, path: Union[str, Path]) -> tuple[Any, "RunConfig"]:
+        """(ModelConfig, RunConfig) of a LightningCLI experiment YAML (``moe-lit fit --config``):
+        its ``data``, ``model.optim``, ``train`` and ``trainer`` sections, ``seed_everything`` as
+        train.seed; ``model.model`` (inline or a path relative to the YAML) is the model."""
+        from moe_lit.config import ModelConfig
+
+        path = Path(path)
+        config = _read_yaml(path, "experiment")
+        module = _section_file(config.get("model") or {}, path, "model")
+        model = _section_file(module.get("model") or {}, path, "model.model")
+        data = {k: v for k, v in (_section_file(config.get("data") or {}, path, "data")).items() if k != "seed"}
+        trainer = _section_file(config.get("trainer") or {}, path, "trainer")
+        train = dict(config.get("train") or {})
+        if "seed_everything" in config:
+            train.setdefault("seed", config["seed_everything"])
+        if "max_steps" in trainer and "max_tokens" not in train:
+            train.setdefault("max_steps", trainer["max_steps"])
+        trainer = {k: v for k, v in trainer.items() if k not in ("max_steps", "callbacks", "logger")}
+        run = cls(data=data, optim=module.get("optim") or {}, train=train, trainer=trainer)
+        return ModelConfig.from_dict(model), run
+
+
+def _read_yaml(path: Union[str, Path], what: str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what}: no such file {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what}: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _section_file(value: Any, owner: Path, name: str) -> dict[str, Any]:
+    """A YAML section given inline or as a path relative to the file that names it."""
+    if isinstance(value, str):
+        return _read_yaml(owner.parent / value, name)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected a mapping or a YAML path, got {type(value).__name__}")
+    return value
+
+
+__all__ = ["DataConfig", "RunConfig", "TrainConfig"]
