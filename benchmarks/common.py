@@ -11,14 +11,12 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from moe_lit.io import atomic_write_json
+from moe_lit.timing import CLOCKS, interleaved_times, median, paired_ratio  # noqa: F401 - the benchmarks' API
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -31,38 +29,6 @@ def set_threads(threads: int) -> None:
         torch.set_num_interop_threads(threads)
     except RuntimeError:
         pass
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-"""``wall``: elapsed time (what the goals are stated in); ``cpu``: this process's CPU time, which
-other processes' load barely changes (meaningful with one thread: no spinning workers)."""
-
-
-def interleaved_times(
-    cases: dict[str, Callable[[], object]], rounds: int, warmup: int, clock: str = "wall"
-) -> dict[str, list[float]]:
-    """Seconds per call of each case, ``rounds`` samples each, the case order rotating per round."""
-    timer = CLOCKS[clock]
-    names = list(cases)
-    for _ in range(warmup):
-        for name in names:
-            cases[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = timer()
-            cases[name]()
-            times[name].append(timer() - start)
-    return times
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
-    """Median over rounds of ``time[num] / time[den]`` (same round, same machine load)."""
-    return statistics.median(a / b for a, b in zip(times[num], times[den]))
 
 
 def environment() -> dict[str, object]:

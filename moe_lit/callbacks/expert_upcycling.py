@@ -49,6 +49,8 @@ class ExpertUpcycling(ModelSwapCallback):
         noise: float = 1e-3,
         balancing: Optional[str] = "bias",
         seed: int = 0,
+        router_noise: float = 0.0,
+        drop_fraction: float = 0.0,
     ) -> None:
         """
         Args:
@@ -63,6 +65,8 @@ class ExpertUpcycling(ModelSwapCallback):
             balancing: Balancing of the expanded model: bias (default, see moe_lit.convert.expand) |
                 aux_loss | none | null to keep the source's.
             seed: Seed of the bias noise.
+            router_noise: Relative N(0, sigma^2) noise on the copies' router rows (symmetry breaking).
+            drop_fraction: Fraction of each copy's neurons re-initialised (drop-upcycling the copies).
         """
         super().__init__(at_steps, optimizer_state)
         if not (isinstance(factor, int) and factor >= 2):
@@ -81,6 +85,7 @@ class ExpertUpcycling(ModelSwapCallback):
         self.factor, self.selection, self.utility_batches = factor, selection, utility_batches
         self.utility_metric, self.max_copies = utility_metric, max_copies
         self.noise, self.balancing, self.seed = noise, balancing, seed
+        self.router_noise, self.drop_fraction = router_noise, drop_fraction
         self._utility = UtilityAccumulator()
 
     @override
@@ -115,10 +120,13 @@ class ExpertUpcycling(ModelSwapCallback):
         plan = plan_expansion(
             model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies
         )
-        new = apply_expansion(model, plan, self.noise, self.balancing, self.seed + step)
+        new = apply_expansion(
+            model, plan, self.noise, self.balancing, self.seed + step, self.router_noise, self.drop_fraction
+        )
         details = {
             "selection": self.selection,
             "copies": {str(block): plan.copies(block) for block in plan.sources},
+            "sources": {str(block): list(src) for block, src in plan.sources.items()},
             "utility": utility.to_dict() if utility is not None else None,
         }
         return new, plan.row_sources(model), details

@@ -97,6 +97,10 @@ class ModelSwapCallback(pl.Callback):
             return
         self.swap(trainer, pl_module, batch, step)
 
+    def study_record(self) -> dict[str, Any]:
+        """The expansion events (without the per-row sources) for a study record."""
+        return {"events": [{k: v for k, v in e.items() if k != "row_sources"} for e in self.events]}
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"events": self.events}

@@ -1,13 +1,12 @@
-"""``moe-lit study ACTION``: declarative sweeps.
+"""``moe-lit study ACTION SPEC``: every study kind through the one engine (moe_lit.studies).
 
-* ``moe-lit study run configs/studies/<name>.yaml [--parallel N] [--out DIR] [--data DIR] [--dry-run]``
-  runs every unfinished point, then writes the report;
-* ``moe-lit study report configs/studies/<name>.yaml | --out DIR`` rebuilds runs.csv, summary.md
-  and the plots from the records (also while a sweep runs).
+* ``run SPEC [--parallel N] [--out DIR] [--data DIR] [--retry-failed] [--dry-run]`` runs every
+  unfinished point (parents first), then writes the report;
+* ``report SPEC | --out DIR`` rebuilds runs.csv, summary.md and the plots from the records (also
+  while a study runs); refuses to replace a report built from more finished points unless ``--force``;
+* ``list SPEC`` prints the points with their parameters, FLOPs and status (= ``run --dry-run``).
 
-Both take ``--readme README.md`` to fill the study's ``<!-- study:NAME -->`` block of a README.
-
-Actions live in ``ACTIONS`` (name -> (configure, run, help)); a new study kind adds one entry.
+``run`` and ``report`` take ``--readme README.md`` to fill the study's ``<!-- study:NAME -->`` block.
 """
 
 from __future__ import annotations
@@ -17,91 +16,97 @@ import shlex
 from pathlib import Path
 from typing import Callable
 
-from moe_lit.commands import study_upcycling
 from moe_lit.errors import MoeLitError
 
 RESULTS_ROOT = Path("results")
 
 
-def _load_spec(path: Path):
-    from moe_lit.studies.spec import StudySpec
-
-    return StudySpec.from_yaml(path)
+def _out_dir(args: argparse.Namespace, study) -> Path:
+    return Path(args.out) if args.out else RESULTS_ROOT / study.name
 
 
-def _out_dir(args: argparse.Namespace, spec) -> Path:
-    return Path(args.out) if args.out else RESULTS_ROOT / spec.name
+def _load(args: argparse.Namespace):
+    from moe_lit.studies.study import load_study
+
+    return load_study(args.spec, getattr(args, "data", None))
 
 
-def _configure_run(parser: argparse.ArgumentParser) -> None:
+def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, help="study YAML (configs/studies/<name>.yaml)")
-    parser.add_argument("--parallel", type=int, default=1, help="points trained at the same time (processes)")
     parser.add_argument("--out", type=Path, help="results directory (default results/<study name>)")
-    parser.add_argument(
-        "--data", help="prepared data directory (default: the study's data_dir, else data_cache/default)"
-    )
-    parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
-    parser.add_argument("--dry-run", action="store_true", help="list the points with their status and exit")
-    _add_readme(parser)
+    parser.add_argument("--data", help="prepared data directory (default: the study's run.data.data_dir)")
 
 
-def _add_readme(parser: argparse.ArgumentParser) -> None:
+def _add_report_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--readme", type=Path, help="also fill the block <!-- study:NAME --> ... <!-- /study:NAME --> of this file"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace a report built from more finished points than are here"
+    )
+
+
+def _configure_run(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+    parser.add_argument("--parallel", type=int, default=1, help="points trained at the same time (processes)")
+    parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
+    parser.add_argument("--dry-run", action="store_true", help="list the points with their status and exit")
+    _add_report_flags(parser)
 
 
 def _run_run(args: argparse.Namespace) -> int:
     from moe_lit.studies.report import write_report
-    from moe_lit.studies.runner import run_study
+    from moe_lit.studies.study import run_study
 
-    spec = _load_spec(args.spec)
-    out_dir = _out_dir(args, spec)
+    study = _load(args)
+    out_dir = _out_dir(args, study)
     if args.dry_run:
-        print(_points_table(spec, out_dir))
+        print(_points_table(study, out_dir))
         return 0
-    run_study(
-        spec,
-        out_dir,
-        data_dir=args.data,
-        parallel=args.parallel,
-        retry_failed=args.retry_failed,
-        command=_command_line(args),
-    )
-    _print_report(write_report(out_dir, readme=args.readme))
+    run_study(study, out_dir, parallel=args.parallel, retry_failed=args.retry_failed, command=_command_line(args))
+    _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
 
 
-def _points_table(spec, out_dir: Path) -> str:
-    from moe_lit.accounting import markdown_table
-    from moe_lit.studies.runner import point_record, point_status
-    from moe_lit.studies.spec import expand
+def _points_table(study, out_dir: Path) -> str:
+    from moe_lit.accounting import markdown_table, training_flops_per_token
+    from moe_lit.studies.engine import point_record, point_status
 
-    rows = []
-    for point in expand(spec):
+    rows, flops = [], 0
+    for point in study.points:
         info = point_record(point)
-        rows.append(
-            {
-                "point": point.name,
-                "hash": point.hash,
-                "groups": ",".join(point.groups),
-                "E": point.num_experts,
-                "k": point.top_k,
-                "expert F": round(point.expert_size, 1),
-                "total": info["total_params"],
-                "active": info["active_params"],
-                "fwd FLOPs/tok": info["flops_per_token"],
-                "status": point_status(out_dir, point),
-            }
-        )
-    tokens = spec.training.max_tokens * len(rows)
-    return f"{markdown_table(rows)}\n\n{len(rows)} points, {tokens:,} training tokens in all -> {out_dir}"
+        resumed = point.start is not None and point.start.mode == "resume"
+        steps = point.run.steps - ((point.start.step or 0) if resumed else 0)
+        flops += training_flops_per_token(point.model) * steps * point.run.data.tokens_per_step
+        rows.append({
+            "point": point.name,
+            "hash": point.hash,
+            "from": f"{point.start.parent}@{point.start.step or 'final'}" if point.start else "",
+            "E": info["num_experts"],
+            "k": info["top_k"],
+            "total": info["total_params"],
+            "active": info["active_params"],
+            "fwd FLOPs/tok": info["flops_per_token"],
+            "steps": steps,
+            "status": point_status(out_dir, point),
+        })
+    return f"{markdown_table(rows)}\n\n{len(rows)} points, {flops:.3g} training FLOPs in all -> {out_dir}"
+
+
+def _configure_list(parser: argparse.ArgumentParser) -> None:
+    _add_common(parser)
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    study = _load(args)
+    print(_points_table(study, _out_dir(args, study)))
+    return 0
 
 
 def _configure_report(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", type=Path, nargs="?", help="study YAML (to find results/<study name>)")
     parser.add_argument("--out", type=Path, help="results directory (default results/<study name>)")
-    _add_readme(parser)
+    _add_report_flags(parser)
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -109,8 +114,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
-    out_dir = Path(args.out) if args.out else _out_dir(args, _load_spec(args.spec))
-    _print_report(write_report(out_dir, readme=args.readme))
+    out_dir = Path(args.out) if args.out else _out_dir(args, _load(args))
+    _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
 
 
@@ -134,9 +139,9 @@ def _command_line(args: argparse.Namespace) -> str:
 
 Action = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int], str]
 ACTIONS: dict[str, Action] = {
-    "run": (_configure_run, _run_run, "run every unfinished point of a sweep, then write the report"),
+    "run": (_configure_run, _run_run, "run every unfinished point of a study, then write the report"),
     "report": (_configure_report, _run_report, "rebuild runs.csv, summary.md and plots from the records"),
-    "upcycling": (study_upcycling.configure, study_upcycling.run, study_upcycling.HELP),
+    "list": (_configure_list, _run_list, "list the points of a study: params, FLOPs, status"),
 }
 
 

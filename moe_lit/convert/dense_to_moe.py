@@ -31,7 +31,7 @@ Only the FFNs of the blocks that the new config makes MoE (``first_dense_layers`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -67,7 +67,7 @@ def dense_to_moe(
         layer = new.blocks[layer_id].ffn
         _upcycle_layer(model.blocks[layer_id].ffn, layer, granularity, cfg.init_std, generator)
         if recipe == "drop":
-            _drop_neurons(layer, drop_fraction, generator)
+            drop_neurons(layer, drop_fraction, generator)
     return new
 
 
@@ -130,11 +130,11 @@ def _upcycle_layer(dense: SwiGLU, layer: MoELayer, granularity: int, init_std: f
 
 
 @torch.no_grad()
-def _drop_neurons(layer: MoELayer, fraction: float, generator) -> None:
-    """Re-initialise ``round(fraction * f)`` random neurons of every expert from its own statistics."""
-    experts = layer.experts
-    layout, mlp = experts.layout, experts.mlp
-    for expert in range(layout.num_experts):
+def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Optional[Sequence[int]] = None) -> None:
+    """Re-initialise ``round(fraction * f)`` random neurons of each expert (default: every expert)
+    from that expert's own weight statistics (drop-upcycling)."""
+    layout, mlp = layer.experts.layout, layer.experts.mlp
+    for expert in range(layout.num_experts) if experts is None else experts:
         rows = layout.rows(expert)
         size = layout.sizes[expert]
         dropped = torch.randperm(size, generator=generator)[: round(fraction * size)] + rows.start

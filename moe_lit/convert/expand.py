@@ -41,6 +41,7 @@ import torch
 
 from moe_lit.config import ConfigError
 from moe_lit.convert.common import next_token_loss, rebuild
+from moe_lit.convert.dense_to_moe import drop_neurons
 from moe_lit.errors import MoeLitError
 from moe_lit.model import MoELayer, Transformer
 from moe_lit.model.experts.layout import ExpertLayout
@@ -264,13 +265,28 @@ def _sources(counts: Sequence[int]) -> tuple[int, ...]:
 
 
 def apply_expansion(
-    model: Transformer, plan: ExpertExpansion, noise: float = 1e-3, balancing: Optional[str] = "bias", seed: int = 0
+    model: Transformer,
+    plan: ExpertExpansion,
+    noise: float = 1e-3,
+    balancing: Optional[str] = "bias",
+    seed: int = 0,
+    router_noise: float = 0.0,
+    drop_fraction: float = 0.0,
 ) -> Transformer:
-    """The expanded model (``model`` untouched). ``balancing=None`` keeps the source's balancing."""
+    """The expanded model (``model`` untouched). ``balancing=None`` keeps the source's balancing.
+
+    Symmetry breaking beyond the selection-bias ``noise`` (each makes the expansion inexact):
+    ``router_noise`` adds N(0, (router_noise * std of the row)^2) to every copy's router row, so a
+    copy and its source get different gate weights; ``drop_fraction`` re-initialises that fraction
+    of every copy's neurons (drop-upcycling, :func:`moe_lit.convert.dense_to_moe.drop_neurons`).
+    """
     moe = model.config.moe
     balancing = balancing or moe.balancing
-    if noise < 0:
-        raise ConfigError(f"noise: must be >= 0, got {noise}")
+    for name, value in (("noise", noise), ("router_noise", router_noise)):
+        if value < 0:
+            raise ConfigError(f"{name}: must be >= 0, got {value}")
+    if not 0 <= drop_fraction < 1:
+        raise ConfigError(f"drop_fraction: must be in [0, 1), got {drop_fraction}")
     if noise > 0 and balancing != "bias":
         raise ConfigError(
             f"noise: goes on the copies' selection bias, which needs balancing='bias' (got {balancing!r}); "
@@ -284,8 +300,23 @@ def apply_expansion(
     new = rebuild(model, model.config.replace(moe=new_moe))
     generator = torch.Generator().manual_seed(seed)
     for block, src in plan.sources.items():
-        _expand_layer(model.blocks[block].ffn, new.blocks[block].ffn, src, noise, generator)
+        layer = new.blocks[block].ffn
+        _expand_layer(model.blocks[block].ffn, layer, src, noise, generator)
+        _break_symmetry(layer, moe.num_experts, router_noise, drop_fraction, generator)
     return new
+
+
+@torch.no_grad()
+def _break_symmetry(layer: MoELayer, num_sources: int, router_noise: float, drop_fraction: float, generator) -> None:
+    """Perturb the copies (experts ``num_sources..``) of an expanded layer; the sources stay."""
+    copies = range(num_sources, layer.router.num_experts)
+    if router_noise > 0:
+        w_ED = layer.router.layer.weight
+        for e in copies:
+            fresh_D = torch.randn(w_ED.shape[1], generator=generator).to(w_ED)
+            w_ED[e] += fresh_D * router_noise * w_ED[e].std()
+    if drop_fraction > 0:
+        drop_neurons(layer, drop_fraction, generator, experts=copies)
 
 
 @torch.no_grad()
@@ -323,10 +354,12 @@ def expand_experts(
     noise: float = 1e-3,
     balancing: Optional[str] = "bias",
     seed: int = 0,
+    router_noise: float = 0.0,
+    drop_fraction: float = 0.0,
 ) -> Transformer:
     """Grow every MoE layer of ``model`` from E to M experts (see the module docstring)."""
     plan = plan_expansion(model, factor, counts, selection, utility, metric, max_copies)
-    return apply_expansion(model, plan, noise, balancing, seed)
+    return apply_expansion(model, plan, noise, balancing, seed, router_noise, drop_fraction)
 
 
 __all__ = [

@@ -139,3 +139,19 @@ def test_bad_arguments_name_the_field(kwargs, error, message):
 def test_dense_input_is_refused():
     with pytest.raises(MoeLitError, match="the model is dense"):
         expand_experts(Transformer(tiny(dense=True)), factor=2)
+
+
+def test_symmetry_breaking_perturbs_only_the_copies():
+    model = _model(top_k=2, balancing="bias")
+    plain = expand_experts(model, factor=2, noise=0.0)
+    broken = expand_experts(model, factor=2, noise=0.0, router_noise=0.1, drop_fraction=0.5)
+    for block_plain, block_broken in zip(plain.blocks, broken.blocks):
+        old, new = block_plain.ffn, block_broken.ffn
+        w_old, w_new = old.router.layer.weight, new.router.layer.weight
+        assert torch.equal(w_old[:4], w_new[:4]) and not torch.allclose(w_old[4:], w_new[4:])
+        layout = new.experts.layout
+        for e in range(8):
+            same = torch.equal(old.experts.mlp.w1[layout.rows(e)], new.experts.mlp.w1[layout.rows(e)])
+            assert same == (e < 4)  # sources untouched, half of every copy's neurons re-initialised
+    with pytest.raises(ConfigError, match="drop_fraction"):
+        expand_experts(model, factor=2, drop_fraction=1.0)

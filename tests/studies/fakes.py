@@ -1,4 +1,4 @@
-"""Fake training functions for the study runner: same keyword interface as ``train_run``.
+"""Fake training functions for the study engine: same interface as ``train_run``.
 
 Module-level so that spawned worker processes can import them (``--parallel``).
 """
@@ -15,11 +15,12 @@ from moe_lit.accounting import count_config_params
 CALLS_FILE = "fake_calls.jsonl"
 
 
-def _log_call(out_dir: Path, model_cfg) -> None:
+def _log_call(out_dir: Path, model_cfg, start=None) -> None:
     # NOTE: calls are appended to a file beside runs/ (not a global list) so that calls made in
     # spawned workers are counted too.
+    call = {"out_dir": Path(out_dir).name, "num_experts": _experts(model_cfg), "start": start and str(start)}
     with open(Path(out_dir).parents[1] / CALLS_FILE, "a") as handle:
-        handle.write(json.dumps({"out_dir": Path(out_dir).name, "num_experts": _experts(model_cfg)}) + "\n")
+        handle.write(json.dumps(call) + "\n")
 
 
 def _experts(model_cfg) -> int:
@@ -31,27 +32,13 @@ def fake_loss(model_cfg, seed: int) -> float:
     return round(6.0 - 0.1 * math.log(count_config_params(model_cfg).total) + 0.001 * seed, 6)
 
 
-def fake_train(
-    *,
-    model_cfg,
-    data_dir,
-    out_dir,
-    max_tokens,
-    seq_len,
-    batch_size,
-    optim,
-    seed,
-    val_batches,
-    extra_callbacks=(),
-    trainer_overrides=None,
-    eval_every=None,
-):
+def fake_train(model_cfg, run, out_dir, callbacks=(), resume_from=None, init_from=None):
     """A successful run: a RunResult-like dict."""
-    _log_call(out_dir, model_cfg)
-    loss = fake_loss(model_cfg, seed)
+    _log_call(out_dir, model_cfg, resume_from or init_from)
+    loss = fake_loss(model_cfg, run.train.seed)
     return {
-        "tokens": max_tokens,
-        "steps": max_tokens // (seq_len * batch_size),
+        "tokens": run.tokens,
+        "steps": run.steps,
         "val_loss": loss,
         "val_loss_per_language": {"en": loss - 0.1, "de": loss + 0.1},
         "tokens_per_s": 1000.0,
@@ -60,19 +47,19 @@ def fake_train(
     }
 
 
-def fail_on_16_experts(**kwargs):
+def fail_on_16_experts(model_cfg, run, out_dir, **kwargs):
     """Raises for every 16-expert model, trains the others."""
-    if _experts(kwargs["model_cfg"]) == 16:
-        _log_call(kwargs["out_dir"], kwargs["model_cfg"])
+    if _experts(model_cfg) == 16:
+        _log_call(out_dir, model_cfg)
         raise RuntimeError("out of memory (fake)")
-    return fake_train(**kwargs)
+    return fake_train(model_cfg, run, out_dir, **kwargs)
 
 
-def crash_on_16_experts(**kwargs):
+def crash_on_16_experts(model_cfg, run, out_dir, **kwargs):
     """Kills its whole process for every 16-expert model (a segfault / OOM kill)."""
-    if _experts(kwargs["model_cfg"]) == 16:
+    if _experts(model_cfg) == 16:
         os._exit(3)
-    return fake_train(**kwargs)
+    return fake_train(model_cfg, run, out_dir, **kwargs)
 
 
 def read_calls(out_dir: Path) -> list[dict]:
@@ -80,6 +67,6 @@ def read_calls(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def interrupt(**kwargs):
+def interrupt(*args, **kwargs):
     """Ctrl-C while training."""
     raise KeyboardInterrupt

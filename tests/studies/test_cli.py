@@ -1,8 +1,7 @@
 from moe_lit.cli import main
-from moe_lit.studies.runner import run_study
-from moe_lit.studies.spec import StudySpec
+from moe_lit.studies.study import parse_study, run_study
 from tests.studies import fakes
-from tests.studies.test_spec import CONFIGS, small_spec
+from tests.studies.test_dense_vs_sparse import CONFIGS, small_spec
 
 
 def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
@@ -12,20 +11,22 @@ def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| point")]
     assert len(rows) == 27 and all(row.endswith("| pending |") for row in rows)
     assert rows[0].startswith("| S/dense | ")
-    assert f"27 points, 54,000,000 training tokens in all -> {tmp_path}" in out
+    assert f"27 points, " in out and f" training FLOPs in all -> {tmp_path}" in out
 
 
 def test_report_action_rebuilds_the_report(tmp_path, capsys):
-    spec = StudySpec.from_dict(small_spec(ablations=None))
-    run_study(spec, tmp_path, data_dir="unused", train_fn=fakes.fake_train, prepare_data=False, log=lambda _: None)
+    spec = parse_study(small_spec(ablations=None))
+    run_study(spec, tmp_path, train_fn=fakes.fake_train, prepare_data=False, log=lambda _: None)
     assert main(["study", "report", "--out", str(tmp_path)]) == 0
-    assert "6 points: 6 ok, 0 failed, 0 pending." in capsys.readouterr().out
+    assert "6 points: 6 ok, 0 failed, 0 pending" in capsys.readouterr().out
     assert (tmp_path / "runs.csv").is_file() and (tmp_path / "plots" / "loss_vs_total_params.png").is_file()
 
 
 def test_bad_study_file_is_a_one_line_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\nbase: {d_model: 32, n_heads: 4}\nbudgets: [{name: S}]\ngrid: {match: [params]}\n")
+    bad.write_text(
+        "name: x\nkind: dense_vs_sparse\nbase: {d_model: 32, n_heads: 4}\nbudgets: [{name: S}]\ngrid: {match: [params]}\n"
+    )
     assert main(["study", "run", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err == "moe-lit study: error: grid.match: got 'params', allowed values: active, total\n"

@@ -3,19 +3,19 @@ import csv
 import pytest
 
 from moe_lit.errors import MoeLitError
-from moe_lit.studies.report import aggregate, findings, load_study, write_report
-from moe_lit.studies.runner import run_study
-from moe_lit.studies.spec import StudySpec
+from moe_lit.studies.kinds.dense_vs_sparse import findings
+from moe_lit.studies.report import aggregate, load_study, write_report
+from moe_lit.studies.study import parse_study, run_study
 from tests.studies import fakes
-from tests.studies.test_spec import small_spec
+from tests.studies.test_dense_vs_sparse import small_spec
 
 
-def capacity_hurts(**kwargs):
+def capacity_hurts(model_cfg, run, out_dir, **kwargs):
     """fake_train, with dropping costing 0.02/cf nats and the 8-expert S model failing."""
-    moe = kwargs["model_cfg"].moe
-    if moe and moe.num_experts == 8 and kwargs["model_cfg"].d_ff == 64:
+    moe = model_cfg.moe
+    if moe and moe.num_experts == 8 and model_cfg.d_ff == 64:
         raise ValueError("diverged (fake)")
-    result = fakes.fake_train(**kwargs)
+    result = fakes.fake_train(model_cfg, run, out_dir, **kwargs)
     if moe and moe.capacity_factor:
         result["val_loss"] = round(result["val_loss"] + 0.02 / moe.capacity_factor, 6)
     return result
@@ -24,11 +24,9 @@ def capacity_hurts(**kwargs):
 @pytest.fixture(scope="module")
 def study_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
-    spec = StudySpec.from_dict(small_spec())
     run_study(
-        spec,
+        parse_study(small_spec()),
         out,
-        data_dir="unused",
         train_fn=capacity_hurts,
         prepare_data=False,
         command="moe-lit study run t.yaml",
@@ -61,7 +59,7 @@ def test_summary_and_plots(study_dir):
     paths = write_report(study_dir)
     text = paths["summary"].read_text()
     assert "Command: `moe-lit study run t.yaml`" in text
-    assert "15 points: 14 ok, 1 failed, 0 pending." in text
+    assert "15 points: 14 ok, 1 failed, 0 pending; seeds [0]" in text
     assert "| S/E8k2 | " in text and "ValueError: diverged (fake)" in text  # the failed-runs table
     assert {p.name for p in (study_dir / "plots").iterdir()} == {
         "loss_vs_total_params.png",
@@ -86,13 +84,15 @@ def test_findings_check_the_seed_claims_with_numbers(study_dir):
         return next(text for text in lines if text.startswith(prefix))
 
     total_m = line("- **Loss vs total params at fixed active** (M")
-    assert "loss falls at 2 of 2 steps up in total params" in total_m and total_m.endswith("**reproduced**.")
+    assert "loss falls at 2 of 2 steps up in total params" in total_m and "dense -0.1037: **reproduced**" in total_m
+    assert total_m.endswith("seed noise: diff -0.1037 (n=1 vs n=1): not testable (n < 2).")
     total_s = line("- **Loss vs total params at fixed active** (S")
     assert "E8" not in total_s and "1 of 1 steps" in total_s  # the failed point is left out
     best = line("- **Best expert size at fixed active** (M)")
     assert "E4: F=126 (k=1, " in best and "**reproduced: the same expert size at every E**" in best
     capacity = line("- **capacity**")
     assert "loss minus dropless: cf=1 +0.0200, cf=2 +0.0100 (positive = dropless better): **reproduced**" in capacity
+    assert "seed noise: cf=1 diff 0.0200 (n=1 vs n=1): not testable (n < 2)" in capacity  # one seed: no test
     balancing = line("- **balancing**")
     assert "spread 0.0000 vs the expert-count effect" in balancing and "**reproduced: small**" in balancing
     shared = line("- **shared**")  # fewer total params with a shared expert: the fake loss rises a bit
@@ -105,7 +105,7 @@ def test_readme_block_is_filled_and_the_rest_kept(study_dir, tmp_path):
     readme.write_text("# Top\n\n## Study: t\n\nIntro.\n\n<!-- study:t -->\nold\n<!-- /study:t -->\n\n## Next\n")
     write_report(study_dir, readme=readme)
     text = readme.read_text()
-    assert text.startswith("# Top\n\n## Study: t\n\nIntro.\n\n<!-- study:t -->\n### Study: t\n")
+    assert text.startswith("# Top\n\n## Study: t\n\nIntro.\n\n<!-- study:t -->\n### Study: t (kind dense_vs_sparse)\n")
     assert text.endswith("<!-- /study:t -->\n\n## Next\n") and "old" not in text
     assert "#### Findings (computed from the runs below)" in text and "Command: `moe-lit study run t.yaml`" in text
     rel = f"../../{study_dir.name}/plots/loss_vs_total_params.png"
@@ -121,3 +121,18 @@ def test_readme_block_is_filled_and_the_rest_kept(study_dir, tmp_path):
 def test_report_without_a_study_is_a_clear_error(tmp_path):
     with pytest.raises(MoeLitError, match="holds no study.json; run `moe-lit study run` first"):
         write_report(tmp_path)
+
+
+def test_a_report_from_fewer_finished_points_is_refused_without_force(study_dir, tmp_path):
+    import shutil
+
+    write_report(study_dir)
+    clone = tmp_path / "clone"
+    shutil.copytree(study_dir, clone)
+    for record in sorted((clone / "runs").glob("*.json"))[:3]:  # a fresh clone that lacks some records
+        record.unlink()
+    summary = (clone / "summary.md").read_text()
+    with pytest.raises(MoeLitError, match="has a report of 14 finished points but only 1[12] records are here"):
+        write_report(clone)
+    assert (clone / "summary.md").read_text() == summary  # nothing was replaced
+    assert "pending" in write_report(clone, force=True)["summary"].read_text()

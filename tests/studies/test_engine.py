@@ -3,19 +3,23 @@ import json
 import pytest
 
 from moe_lit.errors import MoeLitError
-from moe_lit.studies.runner import record_path, run_study
-from moe_lit.studies.spec import StudySpec, expand
+from moe_lit.studies.engine import record_path
+from moe_lit.studies.study import parse_study, run_study
 from tests.studies import fakes
-from tests.studies.test_spec import small_spec
+from tests.studies.test_dense_vs_sparse import small_spec
 
 
 @pytest.fixture
 def spec():
-    return StudySpec.from_dict(small_spec())
+    return parse_study(small_spec())
+
+
+def expand(study):
+    return study.points
 
 
 def _run(spec, out, train_fn, **kwargs):
-    return run_study(spec, out, data_dir="unused", train_fn=train_fn, prepare_data=False, log=lambda _: None, **kwargs)
+    return run_study(spec, out, train_fn=train_fn, prepare_data=False, log=lambda _: None, **kwargs)
 
 
 def test_every_point_is_recorded_with_params_losses_and_throughput(spec, tmp_path):
@@ -36,11 +40,11 @@ def test_every_point_is_recorded_with_params_losses_and_throughput(spec, tmp_pat
 def test_a_killed_sweep_resumes_without_rerunning_finished_points(spec, tmp_path):
     calls = []
 
-    def killed_at_third(**kwargs):
-        calls.append(kwargs["model_cfg"])
+    def killed_at_third(model_cfg, *args, **kwargs):
+        calls.append(model_cfg)
         if len(calls) == 3:
             raise KeyboardInterrupt  # the sweep is killed while the third point trains
-        return fakes.fake_train(**kwargs)
+        return fakes.fake_train(model_cfg, *args, **kwargs)
 
     with pytest.raises(KeyboardInterrupt):
         _run(spec, tmp_path, killed_at_third)
@@ -57,7 +61,7 @@ def test_a_killed_sweep_resumes_without_rerunning_finished_points(spec, tmp_path
 
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
-    spec16 = StudySpec.from_dict(small_spec(grid={"num_experts": ["dense", 4, 16]}, ablations=None))
+    spec16 = parse_study(small_spec(grid={"num_experts": ["dense", 4, 16]}, ablations=None))
     records = _run(spec16, tmp_path / "b", fakes.fail_on_16_experts)
     by_name = {r["name"]: r for r in records}
     assert by_name["S/E16k2"]["status"] == by_name["M/E16k2"]["status"] == "failed"
@@ -75,7 +79,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(tmp_path):
-    spec = StudySpec.from_dict(small_spec(grid={"num_experts": [4, 16]}, ablations=None, budgets=[{"name": "S"}]))
+    spec = parse_study(small_spec(grid={"num_experts": [4, 16]}, ablations=None, budgets=[{"name": "S"}]))
     records = _run(spec, tmp_path, fakes.crash_on_16_experts, parallel=2)
     by_name = {r["name"]: r for r in records}
     assert set(by_name) == {"S/E4k2", "S/E16k2"}
@@ -87,7 +91,7 @@ def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(
 
 
 def test_an_interrupted_worker_stops_the_sweep_and_leaves_no_record(tmp_path):
-    spec = StudySpec.from_dict(small_spec(grid={"num_experts": [4]}, ablations=None, budgets=[{"name": "S"}]))
+    spec = parse_study(small_spec(grid={"num_experts": [4]}, ablations=None, budgets=[{"name": "S"}]))
     with pytest.raises(KeyboardInterrupt):
         _run(spec, tmp_path, fakes.interrupt, parallel=2)
     assert not record_path(tmp_path, expand(spec)[0]).exists()  # it runs again on resume
@@ -99,9 +103,8 @@ def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"format": 1, "vocab_size": 8192}))
-    with pytest.raises(MoeLitError, match="base.vocab_size: the study says 97 but data_dir .* has a tokenizer of 8192"):
-        run_study(spec, tmp_path / "out", data_dir=str(data), train_fn=fakes.fake_train, log=lambda _: None)
+    with pytest.raises(MoeLitError, match=r"vocab_size: the study's models have \[97\] but data_dir .* has a tokenizer of 8192"):
+        run_study(parse_study(small_spec(), str(data)), tmp_path / "out", train_fn=fakes.fake_train, log=lambda _: None)
     with pytest.raises(MoeLitError, match="holds no prepared data"):
-        run_study(
-            spec, tmp_path / "out", data_dir=str(tmp_path / "none"), train_fn=fakes.fake_train, log=lambda _: None
-        )
+        study = parse_study(small_spec(), str(tmp_path / "none"))
+        run_study(study, tmp_path / "out", train_fn=fakes.fake_train, log=lambda _: None)

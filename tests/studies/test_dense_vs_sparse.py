@@ -4,7 +4,7 @@ import pytest
 
 from moe_lit.accounting import count_config_params
 from moe_lit.config import ConfigError
-from moe_lit.studies.spec import StudySpec, config_hash, expand
+from moe_lit.studies.study import load_study, parse_study
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "studies"
 
@@ -12,6 +12,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "studies"
 def small_spec(**changes) -> dict:
     spec = {
         "name": "t",
+        "kind": "dense_vs_sparse",
         "base": {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64},
         "budgets": [{"name": "S", "d_ff": 64}, {"name": "M", "d_ff": 128}],
         "grid": {"num_experts": ["dense", 4, 8], "top_k": [2], "match": ["active"]},
@@ -26,7 +27,7 @@ def small_spec(**changes) -> dict:
             "capacity_factor": [1.0, 2.0],
             "match": ["total"],
         },
-        "training": {"max_tokens": 4096, "seq_len": 16, "batch_size": 4, "val_batches": 1},
+        "run": {"data": {"seq_len": 16, "batch_size": 4, "val_batches": 1}, "train": {"max_tokens": 4096}},
         "seeds": [0],
     }
     spec.update(changes)
@@ -34,8 +35,8 @@ def small_spec(**changes) -> dict:
 
 
 def test_expansion_is_the_grid_plus_ablations_deduplicated():
-    points = expand(StudySpec.from_dict(small_spec()))
-    groups = {p.name: p.groups for p in points}
+    points = parse_study(small_spec()).points
+    groups = {p.name: p.info["groups"] for p in points}
     assert list(groups) == [
         "S/dense",
         "S/E4k2",
@@ -71,15 +72,16 @@ def test_expansion_is_the_grid_plus_ablations_deduplicated():
 
 
 def test_seeds_multiply_points_and_hashes_follow_what_determines_a_run():
-    spec = StudySpec.from_dict(small_spec(seeds=[0, 1], ablations=None))
-    points = expand(spec)
+    points = parse_study(small_spec(seeds=[0, 1], ablations=None)).points
     assert len(points) == 2 * 3 * 2
     assert [p.name for p in points[:2]] == ["S/dense/s0", "S/E4k2/s0"]
     assert {p.config_name for p in points if p.seed == 1} == {p.config_name for p in points if p.seed == 0}
-    first = points[0]
-    assert first.hash == config_hash(first.model, spec.training, 0)  # stable: no names, no order
-    longer = StudySpec.from_dict(small_spec(ablations=None, training={**small_spec()["training"], "max_tokens": 8192}))
-    assert not {p.hash for p in expand(longer)} & {p.hash for p in points}
+    assert points[0].run.train.seed == 0 and points[1 + len(points) // 2].run.train.seed == 1
+    renamed = parse_study(small_spec(name="other", seeds=[0, 1], ablations=None, description="x")).points
+    assert [p.hash for p in renamed] == [p.hash for p in points]  # stable: no names, no order
+    run = small_spec()["run"]
+    longer = parse_study(small_spec(ablations=None, run={**run, "train": {"max_tokens": 8192}})).points
+    assert not {p.hash for p in longer} & {p.hash for p in points}
 
 
 def _rounding_slack(point, mode):
@@ -90,14 +92,14 @@ def _rounding_slack(point, mode):
 
 
 def test_matched_configs_hit_their_budget():
-    spec = StudySpec.from_dict(small_spec())
-    for point in expand(spec):
-        dense = count_config_params(spec.dense_model(point.budget))
+    study = parse_study(small_spec())
+    for point in study.points:
+        dense = count_config_params(study.spec.dense_model(point.info["budget"]))
         counts = count_config_params(point.model)
         if point.model.moe is None:
             assert counts.total == counts.active == dense.total
             continue
-        mode = point.match
+        mode = point.info["match"]
         got, want = (counts.active, dense.active) if mode == "active" else (counts.total, dense.total)
         assert abs(got - want) <= _rounding_slack(point, mode), point.name
         if mode == "active":
@@ -107,11 +109,15 @@ def test_matched_configs_hit_their_budget():
 
 
 def test_shipped_studies_load_and_expand():
-    tiny = expand(StudySpec.from_yaml(CONFIGS / "dense_vs_sparse.yaml"))
+    tiny = load_study(CONFIGS / "dense_vs_sparse.yaml").points
     assert len(tiny) == 27
-    assert {p.num_experts for p in tiny if "grid" in p.groups} == {1, 4, 8, 16, 32}
-    gpu = expand(StudySpec.from_yaml(CONFIGS / "dense_vs_sparse_gpu.yaml"))
+    assert {p.model.moe.num_experts if p.model.moe else 1 for p in tiny if "grid" in p.info["groups"]} == {
+        1, 4, 8, 16, 32
+    }
+    gpu = load_study(CONFIGS / "dense_vs_sparse_gpu.yaml").points
     assert len(gpu) > len(tiny)
+    for other in ("upcycling", "language_expansion"):
+        assert load_study(CONFIGS / f"{other}.yaml").points
 
 
 @pytest.mark.parametrize(
@@ -130,19 +136,21 @@ def test_shipped_studies_load_and_expand():
         ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: the base model must be dense"),
         (
             {"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}},
-            "base.seq_len: set the sequence length in training.seq_len",
+            "base.seq_len: set the sequence length in run.data.seq_len",
         ),
         ({"budgets": [{"name": "S", "d_fff": 1}]}, "budgets[S].overrides: unknown model field(s) ['d_fff']"),
         ({"budgets": [{"name": "S", "d_ff": 0}]}, "budgets[S]: model.d_ff: must be a positive integer"),
-        ({"training": {"optim": {"lr": -1}}}, "optim.lr: must be > 0"),
-        ({"training": {"batch_size": 0}}, "training.batch_size: must be a positive integer"),
+        ({"run": {"optim": {"lr": -1}}}, "optim.lr: must be > 0"),
+        ({"run": {"data": {"batch_size": 0}}}, "data.batch_size: must be a positive integer"),
+        ({"run": {"train": {"max_tokens": 10, "max_steps": 3}}}, "train.max_tokens: set exactly one"),
+        ({"run": {"colour": 1}}, "run: unknown key(s) ['colour']"),
+        ({"kind": "magic"}, "kind: got 'magic', allowed values: dense_vs_sparse"),
         ({"seeds": [0, 0]}, "seeds: must be a non-empty list of distinct integers"),
-        ({"data": {"vocab_size": 2048}}, "base.vocab_size: must equal data.vocab_size=2048, got 97"),
         ({"data": {"vocab_sise": 2048}}, "data: unknown key(s) ['vocab_sise']"),
         ({"colour": "red"}, "study: unknown key(s) ['colour']"),
     ],
 )
 def test_bad_specs_name_the_field(changes, message):
     with pytest.raises(ConfigError) as info:
-        expand(StudySpec.from_dict(small_spec(**changes)))
+        parse_study(small_spec(**changes))
     assert message in str(info.value)

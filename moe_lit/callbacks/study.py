@@ -1,0 +1,135 @@
+"""Callbacks the study engine and its kinds put into runs: fork checkpoints, validation probes,
+expert-copy separation.
+
+Each callback with a ``study_record() -> dict`` method adds that dict to its point's record
+(:func:`moe_lit.studies.engine.run_point`).
+
+Shape legend: E experts, S stacked expert rows, D d_model (see ``model/experts/layout.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from moe_lit.config import ConfigError
+from moe_lit.convert.common import next_token_loss
+
+
+def _steps(steps: Any, owner: str) -> list[int]:
+    values = sorted(int(s) for s in steps)
+    if not values or any(s < 0 for s in values):
+        raise ConfigError(f"{owner}: steps must be integers >= 0, got {steps!r}")
+    return values
+
+
+class SaveAtSteps(pl.Callback):
+    """Save a full checkpoint (weights, optimizer, schedule, data position) right after given
+    optimizer steps: the checkpoints child points fork from."""
+
+    def __init__(self, paths: Mapping[int, Path]) -> None:
+        super().__init__()
+        _steps(paths, "SaveAtSteps")
+        self.paths = {int(step): Path(path) for step, path in paths.items()}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        path = self.paths.get(trainer.global_step)
+        if path is not None and not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(path)
+
+
+class ValidationProbe(pl.Callback):
+    """Validation loss (all languages) of the current network at the start of optimizer step
+    ``step``, measured before the callbacks listed after it act: put one before and one after a
+    model-swap callback to see the loss jump of the swap itself (same weights, no step between)."""
+
+    def __init__(self, step: int, key: str) -> None:
+        super().__init__()
+        self.step = _steps([step], "ValidationProbe")[0]
+        self.key = key
+        self.value: Optional[float] = None
+
+    @override
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or self.value is not None:
+            return
+        model = pl_module.model
+        model.eval()
+        total = tokens = 0.0
+        for loader in trainer.datamodule.val_dataloader():
+            for batch_BL1 in loader:
+                n = batch_BL1[:, 1:].numel()
+                total += next_token_loss(model, batch_BL1.to(pl_module.device)).item() * n
+                tokens += n
+        model.train()
+        self.value = total / tokens
+
+    def study_record(self) -> dict[str, Any]:
+        return {f"probe_{self.key}": self.value}
+
+
+class CopySeparation(pl.Callback):
+    """How far expert copies move from their sources after an expansion.
+
+    Every ``every`` optimizer steps after the first model swap of the run (an
+    :class:`~moe_lit.callbacks.expert_upcycling.ExpertUpcycling` event), per MoE layer and copy: the
+    cosine similarity of the copy's stacked expert rows (w1, v1, w2 concatenated) to its source's,
+    and the tokens each expert received in the last step. With top-k >= 2 a copy and its source
+    are often selected together with equal weights and then get equal gradients: this measures
+    whether they separate at all.
+    """
+
+    def __init__(self, every: int = 10) -> None:
+        super().__init__()
+        if not isinstance(every, int) or every < 1:
+            raise ConfigError(f"CopySeparation.every: must be an integer >= 1, got {every!r}")
+        self.every = every
+        self.series: list[dict[str, Any]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        event = _first_swap(trainer)
+        if event is None or (trainer.global_step - event["step"]) % self.every:
+            return
+        self.series.append({"step": trainer.global_step, "layers": _separation(pl_module.model, event["sources"])})
+
+    def study_record(self) -> dict[str, Any]:
+        return {"copy_separation": self.series}
+
+
+def _first_swap(trainer: pl.Trainer) -> Optional[dict[str, Any]]:
+    from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ExpertUpcycling) and callback.events:
+            return callback.events[0]
+    return None
+
+
+@torch.no_grad()
+def _separation(model, sources: Mapping[str, list[int]]) -> dict[str, Any]:
+    """block -> {cosine: [per copy], tokens: [per expert]}; ``sources[block][m]`` is the source of
+    new expert m, the first E entries being the sources themselves."""
+    out = {}
+    for block, src in sources.items():
+        ffn = model.blocks[int(block)].ffn
+        layout = ffn.experts.layout
+        rows = [torch.cat([w[layout.rows(e)].flatten() for w in (ffn.experts.w1, ffn.experts.v1, ffn.experts.w2)])
+                for e in range(layout.num_experts)]
+        num_sources = len(set(src))
+        cosine = [
+            float(torch.nn.functional.cosine_similarity(rows[m], rows[src[m]], dim=0))
+            for m in range(num_sources, len(src))
+        ]
+        out[block] = {"cosine": cosine, "tokens": ffn.router.tokens_per_expert.tolist()}
+    return out
+
+
+__all__ = ["CopySeparation", "SaveAtSteps", "ValidationProbe"]

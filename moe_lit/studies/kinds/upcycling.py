@@ -1,0 +1,380 @@
+"""Study kind ``upcycling``: is growing E -> mE experts mid-run cheaper than training mE experts?
+
+Points per seed, all with the same step budget T, data stream and LR schedule:
+
+* ``fixed_E``: the E-expert model for T steps; it keeps a checkpoint at ``tau - utility_batches``;
+* ``fixed_mE``: m*E experts from scratch for T steps; it also measures the step times s_E, s_mE
+  (interleaved in one process, :mod:`moe_lit.timing`: runs minutes apart on a shared machine do
+  not see the same load);
+* ``up_<arm>``: a child of ``fixed_E`` that resumes its checkpoint (the shared prefix is never
+  retrained) and grows at step tau (:class:`~moe_lit.callbacks.expert_upcycling.ExpertUpcycling`:
+  selection, AdamW moments copied or reset, symmetry breaking by router-row noise or by
+  drop-upcycling the copies), with validation probes right before and after the swap and the
+  copies' cosine similarity to their sources over the steps after it
+  (:class:`~moe_lit.callbacks.study.CopySeparation`).
+
+Findings: the gap closure ``eta = (L_E - L_up) / (L_E - L_mE)`` per seed (mean ± std), the
+upcycled arm against fixed_E with Welch's test, and the compute saving both ways: measured
+(``C_up = tau s_E + (T - tau) s_mE`` vs ``C_fixed = T s_mE`` from the measured step times) and from
+a cost model where ``r = s_mE / s_E`` is a stated parameter (``saving = tau/T (1 - 1/r)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
+
+FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
+OPTIMIZER_STATES = ("copy", "reset")
+
+
+@dataclass
+class ArmSpec:
+    """One way to grow: an upcycled arm."""
+
+    name: str
+    """Label of the arm (the point is up_<name>)."""
+    selection: str = "uniform"
+    """uniform | utility (see moe_lit.convert.expand)."""
+    optimizer_state: str = "copy"
+    """copy (copies inherit their source's AdamW moments) | reset."""
+    noise: float = 1e-3
+    """U(-noise, noise) on the copies' selection bias."""
+    router_noise: float = 0.0
+    """Relative Gaussian noise on the copies' router rows (symmetry breaking)."""
+    drop_fraction: float = 0.0
+    """Fraction of each copy's neurons re-initialised (drop-upcycling the copies)."""
+
+    def __post_init__(self) -> None:
+        from moe_lit.convert.expand import SELECTIONS
+
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ConfigError(f"arms.name: must be a non-empty string without '/', got {self.name!r}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"arms[{self.name}].selection: got {self.selection!r}, allowed: {SELECTIONS}")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ConfigError(
+                f"arms[{self.name}].optimizer_state: got {self.optimizer_state!r}, allowed: {OPTIMIZER_STATES}"
+            )
+
+
+@dataclass
+class UpcyclingSpec:
+    """The kind's own fields."""
+
+    model: ModelConfig
+    """The E-expert MoE (balancing: bias, as after the expansion; seq_len from run.data.seq_len)."""
+    expand_at: int
+    """tau: the optimizer step at which the upcycled arms grow (a multiple of run.train.val_every)."""
+    arms: list[ArmSpec]
+    """The upcycled arms."""
+    factor: int = 2
+    """m: the grown model has m*E experts (top-k unchanged)."""
+    utility_batches: int = 10
+    """Steps before tau whose gradients make the expert utility (the arms fork there)."""
+    separation_every: int = 25
+    """Steps between measurements of the copies' cosine similarity to their sources."""
+    timing_rounds: int = 20
+    """Rounds of interleaved E / mE training steps that measure s_E and s_mE."""
+    cost_ratios: list[float] = field(default_factory=lambda: [1.9])
+    """Stated step-time ratios r = s_mE / s_E for the cost model (the paper's GPU ratio is about 1.9)."""
+
+    @property
+    def fork_step(self) -> int:
+        return self.expand_at - self.utility_batches
+
+    def grown_model(self) -> ModelConfig:
+        moe = self.model.moe
+        sizes = list(moe.expert_sizes) * self.factor
+        return self.model.replace(
+            moe={"num_experts": moe.num_experts * self.factor, "expert_size": sizes[0] if moe.uniform else sizes}
+        )
+
+
+def default_run() -> dict[str, Any]:
+    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 2}, "train": {"max_steps": 1500}}
+
+
+def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
+    known = [f.name for f in dataclasses.fields(UpcyclingSpec)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
+    for required in ("model", "expand_at", "arms"):
+        if required not in fields:
+            raise ConfigError(f"{required}: is required")
+    arms = fields["arms"]
+    if not isinstance(arms, list) or not arms or not all(isinstance(a, dict) for a in arms):
+        raise ConfigError(f"arms: must be a non-empty list of mappings, got {arms!r}")
+    model = ModelConfig.from_dict(dict(fields["model"])).replace(seq_len=header.run.data.seq_len)
+    spec = UpcyclingSpec(**{**fields, "model": model, "arms": [ArmSpec(**a) for a in arms]})
+    _validate(spec, header)
+    return spec
+
+
+def _validate(spec: UpcyclingSpec, header) -> None:
+    run = header.run
+    if spec.model.moe is None or spec.model.moe.balancing != "bias":
+        raise ConfigError("model.moe: the study grows an MoE with balancing: bias (the expanded model's balancing)")
+    if not isinstance(spec.factor, int) or spec.factor < 2:
+        raise ConfigError(f"factor: must be an integer >= 2, got {spec.factor!r}")
+    if not spec.utility_batches < spec.expand_at < run.steps:
+        raise ConfigError(
+            f"expand_at: must lie between utility_batches={spec.utility_batches} and the run's {run.steps} steps "
+            f"(exclusive), got {spec.expand_at}"
+        )
+    if spec.expand_at % run.eval_every:
+        raise ConfigError(f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {spec.expand_at}")
+    names = [a.name for a in spec.arms]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"arms: names must be unique, got {names}")
+    if not spec.cost_ratios or not all(isinstance(r, (int, float)) and r > 0 for r in spec.cost_ratios):
+        raise ConfigError(f"cost_ratios: must be positive numbers, got {spec.cost_ratios!r}")
+
+
+def _grow_callbacks(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
+    probe = "moe_lit.callbacks.study:ValidationProbe"
+    grow = {
+        "at_steps": [spec.expand_at], "factor": spec.factor, "selection": arm.selection,
+        "optimizer_state": arm.optimizer_state, "utility_batches": spec.utility_batches, "noise": arm.noise,
+        "router_noise": arm.router_noise, "drop_fraction": arm.drop_fraction, "seed": seed,
+    }
+    return (
+        Call(probe, {"step": spec.expand_at, "key": "before"}),
+        Call("moe_lit.callbacks.expert_upcycling:ExpertUpcycling", grow),
+        Call(probe, {"step": spec.expand_at, "key": "after"}),
+        Call("moe_lit.callbacks.study:CopySeparation", {"every": spec.separation_every}),
+    )
+
+
+def expand(spec: UpcyclingSpec, header) -> list[Point]:
+    points = []
+    for seed in header.seeds:
+        run = header.seeded_run(seed)
+        parent = header.point_name(FIXED_E, seed)
+        common = {"seed": seed, "run": run}
+        info = {"expand_at": spec.expand_at, "total_steps": run.steps, "factor": spec.factor}
+        timing = Call(
+            "moe_lit.studies.kinds.upcycling:measure_step_times",
+            {"source": spec.model.to_dict(), "rounds": spec.timing_rounds},
+        )
+        points += [
+            Point(name=parent, config_name=FIXED_E, model=spec.model, info={"arm": FIXED_E, **info}, **common),
+            Point(
+                name=header.point_name(FIXED_ME, seed), config_name=FIXED_ME, model=spec.grown_model(),
+                info={"arm": FIXED_ME, **info}, measure=timing, **common,
+            ),
+        ]
+        for arm in spec.arms:
+            name = f"up_{arm.name}"
+            points.append(Point(
+                name=header.point_name(name, seed), config_name=name, model=spec.model,
+                info={"arm": name, **info, **dataclasses.asdict(arm)},
+                start=Start(parent=parent, step=spec.fork_step, mode="resume"),
+                callbacks=_grow_callbacks(spec, arm, seed), **common,
+            ))
+    return points
+
+
+def measure_step_times(point: Point, result: Any, run_dir: Path, source: dict[str, Any], rounds: int) -> dict:
+    """Median seconds of one training step (forward, backward, AdamW, bias update) of the source
+    (E) and the grown (mE) model, interleaved in this process on the same batch."""
+    import torch
+
+    from moe_lit.convert.common import next_token_loss
+    from moe_lit.model import Transformer
+    from moe_lit.timing import interleaved_times, median
+
+    torch.manual_seed(point.seed)
+    shape = (point.run.data.batch_size, point.run.data.seq_len + 1)
+    batch_BL1 = torch.randint(0, point.model.vocab_size, shape)
+    cases = {}
+    for key, cfg in (("E", ModelConfig.from_dict(source)), ("mE", point.model)):
+        model = Transformer(cfg).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=point.run.optim.lr)
+
+        def step(model=model, optimizer=optimizer) -> None:
+            next_token_loss(model, batch_BL1).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.update_router_biases()
+
+        cases[key] = step
+    times = interleaved_times(cases, rounds=rounds, warmup=2)
+    return {"step_times": {key: median(values) for key, values in times.items()}}
+
+
+# ----------------------------------------------------------------------------- analysis
+def _final(record: dict[str, Any]) -> float:
+    return record["val_loss"]
+
+
+def _by_arm(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """arm -> seed -> record (ok records only)."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for record in records:
+        if record["status"] == "ok":
+            out.setdefault(record["arm"], {})[record["seed"]] = record
+    return out
+
+
+def _eta(arms, arm: str) -> list[float]:
+    """Gap closure per seed (paired: the seed's own fixed_E and fixed_mE)."""
+    values = []
+    for seed, record in arms.get(arm, {}).items():
+        e, me = arms.get(FIXED_E, {}).get(seed), arms.get(FIXED_ME, {}).get(seed)
+        if e and me and _final(e) != _final(me):
+            values.append((_final(e) - _final(record)) / (_final(e) - _final(me)))
+    return values
+
+
+def _step_times(arms) -> Optional[tuple[float, float]]:
+    times = [r["step_times"] for r in arms.get(FIXED_ME, {}).values() if r.get("step_times")]
+    if not times:
+        return None
+    return summarize([t["E"] for t in times]).mean, summarize([t["mE"] for t in times]).mean
+
+
+def _separation(record: dict[str, Any]) -> tuple[float, float]:
+    """(mean cosine of the copies to their sources, fraction of copies still > 0.99) at the last measurement."""
+    series = record.get("copy_separation") or []
+    if not series:
+        return float("nan"), float("nan")
+    cosines = [c for layer in series[-1]["layers"].values() for c in layer["cosine"]]
+    return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines)
+
+
+def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
+    arms = _by_arm(records)
+    if FIXED_E not in arms or FIXED_ME not in arms:
+        return Analysis(findings=["(fixed_E and fixed_mE must finish first)"])
+    some = next(iter(arms[FIXED_E].values()))
+    tau, total = some["expand_at"], some["total_steps"]
+    times = _step_times(arms)
+    rows, findings = [], []
+    for arm, by_seed in arms.items():
+        losses = [_final(r) for r in by_seed.values()]
+        eta = _eta(arms, arm)
+        mean_cos, stuck = (
+            [_separation(r)[i] for r in by_seed.values()] for i in (0, 1)
+        ) if arm.startswith("up_") else ([], [])
+        jump = [r["probe_after"] - r["probe_before"] for r in by_seed.values() if r.get("probe_before") is not None]
+        rows.append({
+            "arm": arm,
+            "experts": by_seed[next(iter(by_seed))]["num_experts"] * (some["factor"] if arm.startswith("up_") else 1),
+            "final val loss": format_summary(summarize(losses)),
+            "eta": format_summary(summarize(eta)) if eta else "",
+            "vs fixed_E": format_comparison(compare(losses, [_final(r) for r in arms[FIXED_E].values()]))
+            if arm != FIXED_E else "",
+            "val jump at swap": format_summary(summarize(jump)) if jump else "",
+            "copy cosine (last)": format_summary(summarize(mean_cos)) if mean_cos else "",
+            "copies > 0.99": format_summary(summarize(stuck), 2) if stuck else "",
+        })
+        if eta:
+            findings.append(_eta_finding(arm, eta, losses, arms))
+    findings += _compute_findings(plan, tau, total, times)
+    plots = [p for p in (_plot_curves(arms, tau, plots_dir / "val_loss.png"),
+                         _plot_separation(arms, tau, plots_dir / "copy_separation.png")) if p]
+    return Analysis(findings=findings, tables={"Arms (mean ± std over seeds)": rows}, plots=plots)
+
+
+def _eta_finding(arm: str, eta: list[float], losses: list[float], arms) -> str:
+    e = summarize(eta)
+    verdict = compare(losses, [_final(r) for r in arms[FIXED_E].values()])
+    sign = "better than" if verdict.diff < 0 else "worse than"
+    return (
+        f"- **{arm}**: gap closure eta = {format_summary(e)}; final loss {sign} fixed_E: "
+        f"{format_comparison(verdict)}."
+    )
+
+
+def _compute_findings(plan, tau: int, total: int, times: Optional[tuple[float, float]]) -> list[str]:
+    lines = []
+    if times:
+        s_e, s_me = times
+        c_fixed, c_up = total * s_me, tau * s_e + (total - tau) * s_me
+        lines.append(
+            f"- **Compute, measured** (s_E={s_e:.4f} s, s_mE={s_me:.4f} s per step, r = {s_me / s_e:.2f}, "
+            f"interleaved in one process): C_up/C_fixed = {c_up / c_fixed:.3f}, saving {100 * (1 - c_up / c_fixed):.1f}%."
+        )
+    ratios = plan["spec"]["cost_ratios"]
+    lines.append(
+        "- **Compute, cost model** (r = s_mE/s_E stated, saving = tau/T (1 - 1/r), tau/T = "
+        f"{tau / total:.3f}): " + ", ".join(f"r={r:g}: {100 * tau / total * (1 - 1 / r):.1f}%" for r in ratios) + "."
+    )
+    return lines
+
+
+def _mean_curve(records: list[dict[str, Any]], prefix: Optional[list[dict[str, Any]]] = None):
+    """(steps, mean, std) of the validation curves of one arm's seeds."""
+    from moe_lit.studies.stats import summarize as summ
+
+    curves = []
+    for i, record in enumerate(records):
+        points = {p["step"]: p["val_loss"] for p in (prefix[i] if prefix else [])}
+        points.update({p["step"]: p["val_loss"] for p in record["curve"]})
+        curves.append(points)
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    stats = [summ([c[s] for c in curves]) for s in steps]
+    return steps, [s.mean for s in stats], [s.std for s in stats]
+
+
+def _plot_curves(arms, tau: int, path: Path) -> Optional[Path]:
+    from moe_lit.studies.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, (ax_all, ax_after) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, by_seed in arms.items():
+        seeds = sorted(by_seed)
+        prefix = [arms[FIXED_E][s]["curve"] for s in seeds if s in arms[FIXED_E]] if arm.startswith("up_") else None
+        if prefix is not None and len(prefix) != len(seeds):
+            continue
+        steps, mean, std = _mean_curve([by_seed[s] for s in seeds], prefix)
+        for ax, keep in ((ax_all, lambda s: True), (ax_after, lambda s: s >= tau)):
+            xs = [s for s in steps if keep(s)]
+            ms = [m for s, m in zip(steps, mean) if keep(s)]
+            ss = [d for s, d in zip(steps, std) if keep(s)]
+            (line,) = ax.plot(xs, ms, "--" if arm.startswith("up_") else "-", marker=".", label=f"{arm} (n={len(seeds)})")
+            ax.fill_between(xs, [m - d for m, d in zip(ms, ss)], [m + d for m, d in zip(ms, ss)],
+                            color=line.get_color(), alpha=0.2)
+    for ax, title in ((ax_all, "validation loss (band: ± std over seeds)"), (ax_after, f"after the expansion (step >= {tau})")):
+        ax.axvline(tau, color="grey", linestyle=":", label="expansion" if ax is ax_all else None)
+        ax.set(xlabel="optimizer step", ylabel="validation loss", title=title)
+        ax.grid(alpha=0.3)
+    ax_all.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def _plot_separation(arms, tau: int, path: Path) -> Optional[Path]:
+    series = {arm: [r.get("copy_separation") or [] for r in by_seed.values()]
+              for arm, by_seed in arms.items() if arm.startswith("up_")}
+    if not any(s for runs in series.values() for s in runs):
+        return None
+    from moe_lit.studies.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for arm, runs in series.items():
+        by_step: dict[int, list[float]] = {}
+        for run in runs:
+            for entry in run:
+                cosines = [c for layer in entry["layers"].values() for c in layer["cosine"]]
+                by_step.setdefault(entry["step"], []).append(sum(cosines) / len(cosines))
+        steps = sorted(by_step)
+        stats = [summarize(by_step[s]) for s in steps]
+        ax.errorbar(steps, [s.mean for s in stats], yerr=[s.std for s in stats], marker=".", capsize=2, label=arm)
+    ax.set(xlabel="optimizer step", ylabel="mean cosine(copy, source)",
+           title=f"do the copies separate? (expansion at {tau}; 1 = identical)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+__all__ = ["ArmSpec", "UpcyclingSpec", "analyse", "expand", "measure_step_times", "parse"]
