@@ -1,5 +1,5 @@
-"""Callbacks the study engine and its kinds put into runs: fork checkpoints, validation probes,
-expert-copy separation.
+"""Callbacks that record what a run measured: the validation curve (every train_run), fork
+checkpoints, validation probes and expert-copy separation (the study engine and its kinds).
 
 Each callback with a ``study_record() -> dict`` method adds that dict to its point's record
 (:func:`moe_lit.studies.engine.run_point`).
@@ -25,6 +25,26 @@ def _steps(steps: Any, owner: str) -> list[int]:
     if not values or any(s < 0 for s in values):
         raise ConfigError(f"{owner}: steps must be integers >= 0, got {steps!r}")
     return values
+
+
+class ValidationCurve(pl.Callback):
+    """``{step, val_loss}`` of every validation of a run, keyed by the optimizer step.
+
+    NOTE: the step column of Lightning's logs for validation rows is the count of batches that
+    stepped *before* the validation, one less than ``trainer.global_step``; this records the
+    step of the weights that were validated.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.curve: list[dict[str, float]] = []
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
+            return
+        point = {"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val/loss"])}
+        self.curve = [p for p in self.curve if p["step"] != point["step"]] + [point]
 
 
 class SaveAtSteps(pl.Callback):
@@ -121,7 +141,7 @@ def _separation(model, sources: Mapping[str, list[int]]) -> dict[str, Any]:
     for block, src in sources.items():
         ffn = model.blocks[int(block)].ffn
         layout = ffn.experts.layout
-        rows = [torch.cat([w[layout.rows(e)].flatten() for w in (ffn.experts.w1, ffn.experts.v1, ffn.experts.w2)])
+        rows = [torch.cat([w[layout.rows(e)].flatten() for w in (ffn.experts.mlp.w1, ffn.experts.mlp.v1, ffn.experts.mlp.w2)])
                 for e in range(layout.num_experts)]
         num_sources = len(set(src))
         cosine = [
@@ -132,4 +152,4 @@ def _separation(model, sources: Mapping[str, list[int]]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CopySeparation", "SaveAtSteps", "ValidationProbe"]
+__all__ = ["CopySeparation", "SaveAtSteps", "ValidationCurve", "ValidationProbe"]

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.callbacks import RoutingMonitor
 from moe_lit.callbacks.routing_monitor import load_imbalance
+from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
@@ -64,8 +65,7 @@ class RunResult:
     metrics_csv: str
     """Path of the CSV log."""
     curve: list[dict[str, float]]
-    """``{step, val_loss}`` at every validation of the run, in step order (a repeated step keeps
-    its last value)."""
+    """``{step, val_loss}`` at every validation of the run (step: of the validated weights)."""
 
 
 def tokens_in_batch(batch_BL1) -> int:
@@ -123,15 +123,19 @@ def train_run(
         language_weights=data.language_weights, languages=data.languages, val_batches=data.val_batches, seed=seed,
     )
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from)
-    trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, callbacks))
+    curve = ValidationCurve()
+    trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
     # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
     # is the final weights, so they are saved there too.
     trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
-    if "val_check_interval" in run.trainer or trainer.global_step % run.eval_every != 0:
+    # NOTE: the result is the validation of the final weights. Lightning counts the validation
+    # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
+    # last validation fell on the last step is read from the curve, not computed from the interval.
+    if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
-    return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s)
+    return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s, curve.curve)
 
 
 def _initial_module(
@@ -179,12 +183,6 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     return kwargs
 
 
-def val_curve(rows: Sequence[dict[str, float]]) -> list[dict[str, float]]:
-    """``{step, val_loss}`` of every logged validation (metrics.csv rows), in step order."""
-    by_step = {int(row["step"]): row["val/loss"] for row in rows if "val/loss" in row}
-    return [{"step": step, "val_loss": by_step[step]} for step in sorted(by_step)]
-
-
 def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
     """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the routers' last
     counts when nothing was logged there; 1.0 for a dense model."""
@@ -198,7 +196,7 @@ def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], step
 
 def _result(
     module: MoELitModule, trainer: pl.Trainer, languages: list[str], tokens_per_step: int, out_dir: Path,
-    wall_s: float,
+    wall_s: float, curve: list[dict[str, float]],
 ) -> RunResult:
     cfg = module.config
     counts = count_config_params(cfg)
@@ -219,7 +217,7 @@ def _result(
         wall_s=round(wall_s, 3),
         checkpoint=str(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT),
         metrics_csv=str(metrics_csv),
-        curve=val_curve(rows),
+        curve=curve,
     )
 
 

@@ -88,6 +88,7 @@ class UpcyclingSpec:
 
     @property
     def fork_step(self) -> int:
+        """The step the arms resume fixed_E at (the utility window is trained in the arm itself)."""
         return self.expand_at - self.utility_batches
 
     def grown_model(self) -> ModelConfig:
@@ -132,6 +133,7 @@ def _validate(spec: UpcyclingSpec, header) -> None:
         )
     if spec.expand_at % run.eval_every:
         raise ConfigError(f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {spec.expand_at}")
+
     names = [a.name for a in spec.arms]
     if len(set(names)) != len(names):
         raise ConfigError(f"arms: names must be unique, got {names}")
