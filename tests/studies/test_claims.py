@@ -1,0 +1,126 @@
+"""Point claims: exclusive, releasable, expiring, and race-free across processes."""
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from moe_lit.errors import MoeLitError
+from moe_lit.io import atomic_write_json
+from moe_lit.studies.claims import Heartbeat, _create, _read, claims_dir, current_generation, try_claim
+
+HASH = "abc123"
+
+
+def _write_claim(out_dir, generation: int, owner: str, heartbeat_age_s: float, released: bool = False) -> None:
+    """A claim left by another runner, whose last heartbeat was ``heartbeat_age_s`` ago."""
+    now = time.time()
+    content = {"owner": owner, "claimed_at": now - 1000, "heartbeat_at": now - heartbeat_age_s, "released": released}
+    atomic_write_json(claims_dir(out_dir, HASH) / f"{generation:06d}.json", content)
+
+
+def _owner_of_current(out_dir) -> str:
+    directory = claims_dir(out_dir, HASH)
+    return _read(directory / f"{current_generation(directory):06d}.json")["owner"]
+
+
+def test_second_claimer_gets_none_until_released(tmp_path):
+    first = try_claim(tmp_path, HASH, ttl_s=60)
+    assert first is not None and first.owned() and first.generation == 0
+    assert first.owner.split(":")[1] == str(os.getpid()) and _owner_of_current(tmp_path) == first.owner
+    assert try_claim(tmp_path, HASH, ttl_s=60) is None
+    assert try_claim(tmp_path, "other", ttl_s=60) is not None  # claims are per point
+    assert first.release() and not first.owned() and _read(first.path)["released"]
+    again = try_claim(tmp_path, HASH, ttl_s=60)
+    assert again is not None and again.generation == 1 and again.owner != first.owner
+    assert try_claim(tmp_path, HASH, ttl_s=60) is None
+
+
+def test_expired_claim_taken_over_live_one_not(tmp_path):
+    _write_claim(tmp_path, 0, "deadhost:1:x", heartbeat_age_s=30)  # claimed long ago, beat 30 s ago
+    assert try_claim(tmp_path, HASH, ttl_s=60) is None
+    _write_claim(tmp_path, 0, "deadhost:1:x", heartbeat_age_s=90)
+    taken = try_claim(tmp_path, HASH, ttl_s=60)
+    assert taken is not None and taken.generation == 1 and _owner_of_current(tmp_path) == taken.owner
+
+
+def test_lost_claim_neither_heartbeats_nor_releases(tmp_path):
+    old = try_claim(tmp_path, HASH, ttl_s=60)
+    _write_claim(tmp_path, 0, old.owner, heartbeat_age_s=90)  # as if the owner had hung for 90 s
+    new = try_claim(tmp_path, HASH, ttl_s=60)
+    assert new is not None
+    assert not old.owned() and not old.heartbeat() and not old.release()
+    assert new.owned() and _owner_of_current(tmp_path) == new.owner
+
+
+def test_runner_with_an_old_view_cannot_claim(tmp_path):
+    # Saw generation 0 stale, then generation 1 was created by a faster runner: its create fails.
+    _write_claim(tmp_path, 0, "deadhost:1:x", heartbeat_age_s=90)
+    _write_claim(tmp_path, 1, "fast:2:y", heartbeat_age_s=0)
+    assert _create(claims_dir(tmp_path, HASH), 1, ttl_s=60) is None
+    assert _owner_of_current(tmp_path) == "fast:2:y"
+
+
+def test_unparseable_claim_judged_by_mtime(tmp_path):
+    path = claims_dir(tmp_path, HASH) / "000000.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("")  # a writer that died between the exclusive create and the write
+    assert try_claim(tmp_path, HASH, ttl_s=60) is None
+    old = time.time() - 120
+    os.utime(path, (old, old))
+    assert try_claim(tmp_path, HASH, ttl_s=60) is not None
+
+
+def test_heartbeat_keeps_claim_alive_past_ttl(tmp_path):
+    ttl = 1.0
+    claim = try_claim(tmp_path, HASH, ttl_s=ttl)
+    with claim:
+        first_beat = _read(claim.path)["heartbeat_at"]
+        time.sleep(2.5 * ttl)
+        assert try_claim(tmp_path, HASH, ttl_s=ttl) is None
+        assert _read(claim.path)["heartbeat_at"] > first_beat + ttl
+    assert _read(claim.path)["released"] and claim._heartbeat is None  # released on exit, thread stopped
+
+
+def test_heartbeat_thread_notices_a_lost_claim(tmp_path):
+    claim = try_claim(tmp_path, HASH, ttl_s=60)
+    beat = Heartbeat(claim, interval_s=0.05).start()
+    _write_claim(tmp_path, 1, "thief:3:z", heartbeat_age_s=0)
+    beat._thread.join(timeout=5)
+    assert beat.lost and not beat._thread.is_alive()
+
+
+def test_bad_ttl_refused(tmp_path):
+    with pytest.raises(MoeLitError, match="ttl_s"):
+        try_claim(tmp_path, HASH, ttl_s=0)
+
+
+ROUNDS = 20
+
+
+def _race(out_dir, barrier, results) -> None:
+    """Every process claims the same ROUNDS points in the same order, so they contend at each one."""
+    hashes = [f"{HASH}-{i}" for i in range(ROUNDS)]
+    barrier.wait()
+    results.put([h for h in hashes if try_claim(out_dir, h, ttl_s=60) is not None])
+
+
+@pytest.mark.parametrize("stale_claim", [False, True], ids=["fresh", "takeover"])
+def test_race_of_processes_has_exactly_one_winner(tmp_path, stale_claim):
+    if stale_claim:
+        for i in range(ROUNDS):
+            atomic_write_json(
+                claims_dir(tmp_path, f"{HASH}-{i}") / "000000.json",
+                {"owner": "deadhost:1:x", "claimed_at": 0.0, "heartbeat_at": 0.0, "released": False},
+            )
+    ctx = multiprocessing.get_context("spawn")
+    n = 6
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(str(tmp_path), barrier, results)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    won = [h for _ in procs for h in results.get(timeout=60)]
+    for proc in procs:
+        proc.join(timeout=10)
+    assert sorted(won) == sorted(f"{HASH}-{i}" for i in range(ROUNDS))  # each point exactly once
