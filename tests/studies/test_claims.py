@@ -45,6 +45,12 @@ def test_expired_claim_taken_over_live_one_not(tmp_path):
     assert taken is not None and taken.generation == 1 and _owner_of_current(tmp_path) == taken.owner
 
 
+def test_released_claim_is_free_at_once(tmp_path):
+    _write_claim(tmp_path, 0, "donehost:1:x", heartbeat_age_s=0, released=True)
+    claim = try_claim(tmp_path, HASH, ttl_s=60)
+    assert claim is not None and claim.generation == 1
+
+
 def test_lost_claim_neither_heartbeats_nor_releases(tmp_path):
     old = try_claim(tmp_path, HASH, ttl_s=60)
     _write_claim(tmp_path, 0, old.owner, heartbeat_age_s=90)  # as if the owner had hung for 90 s
