@@ -1,10 +1,12 @@
 """Executors: submitit's local executor runs point jobs; SLURM settings reach the sbatch script."""
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import submitit
+import yaml
 
 from moe_lit.config import ConfigError
 from moe_lit.studies.executors import ExecutorConfig, make_executor, submit_points, wait_all
@@ -114,3 +116,23 @@ def test_local_kind_is_not_a_submitit_executor(tmp_path):
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"^executor\.{field}: "):
         ExecutorConfig(**{field: value})
+
+
+def test_yaml_section_round_trip():
+    text = """
+    kind: slurm
+    partition: gpu
+    gpus_per_node: 1
+    mem_gb: 64
+    additional: {constraint: a100}
+    """
+    cfg = ExecutorConfig(**yaml.safe_load(text))
+    assert ExecutorConfig(**yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg)))) == cfg
+    assert cfg.submitit_parameters() == {
+        "timeout_min": 240,
+        "gpus_per_node": 1,
+        "mem_gb": 64,
+        "slurm_partition": "gpu",
+        "slurm_array_parallelism": 256,
+        "slurm_additional_parameters": {"constraint": "a100"},
+    }
