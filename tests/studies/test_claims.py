@@ -121,7 +121,7 @@ def test_race_of_processes_has_exactly_one_winner(tmp_path, stale_claim):
                 {"owner": "deadhost:1:x", "claimed_at": 0.0, "heartbeat_at": 0.0, "released": False},
             )
     ctx = multiprocessing.get_context("spawn")
-    n = 6
+    n = 4
     barrier, results = ctx.Barrier(n), ctx.Queue()
     procs = [ctx.Process(target=_race, args=(str(tmp_path), barrier, results)) for _ in range(n)]
     for proc in procs:
