@@ -48,7 +48,9 @@ def _add_report_flags(parser: argparse.ArgumentParser) -> None:
 
 def _configure_run(parser: argparse.ArgumentParser) -> None:
     _add_common(parser)
-    parser.add_argument("--parallel", type=int, default=1, help="points trained at the same time (processes)")
+    parser.add_argument(
+        "--parallel", type=int, help="points trained at the same time, local processes (default: executor.parallel, 1)"
+    )
     parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
     parser.add_argument("--dry-run", action="store_true", help="list the points with their status and exit")
     _add_report_flags(parser)
@@ -128,7 +130,7 @@ def _command_line(args: argparse.Namespace) -> str:
     """The run command (kept in study.json, shown in summary.md)."""
     words = ["moe-lit", "study", "run", str(args.spec)]
     for flag, value in (
-        ("--parallel", args.parallel if args.parallel != 1 else None),
+        ("--parallel", args.parallel),
         ("--out", args.out),
         ("--data", args.data),
     ):

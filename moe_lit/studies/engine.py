@@ -50,6 +50,8 @@ from moe_lit.lit.run_config import RunConfig
 RUNS_DIR = "runs"
 STUDY_FILE = "study.json"
 STATUS_OK, STATUS_FAILED, STATUS_PENDING = "ok", "failed", "pending"
+CLAIM_TTL_S = 600.0
+"""Seconds without a heartbeat after which a point's claim counts as abandoned (its runner died)."""
 START_MODES = ("resume", "init")
 Log = Callable[[str], None]
 TrainFn = Callable[..., Any]
@@ -346,8 +348,37 @@ def run_point(
     return record
 
 
+def run_claimed(
+    point: Point,
+    out_dir: Path,
+    parents: dict[str, Point],
+    save_at: Sequence[int] = (),
+    train_fn: Optional[TrainFn] = None,
+    ttl_s: float = CLAIM_TTL_S,
+) -> Optional[dict[str, Any]]:
+    """:func:`run_point` under an exclusive claim (:mod:`moe_lit.studies.claims`); None when another
+    runner holds the point or finished it meanwhile. The claim is taken in the process that trains,
+    so a dead submitter leaves no point claimed and a point submitted twice costs an empty job."""
+    from moe_lit.studies.claims import try_claim
+
+    if point_status(out_dir, point) == STATUS_OK:
+        return None
+    claim = try_claim(out_dir, point.hash, ttl_s)
+    if claim is None:
+        return None
+    with claim:
+        if point_status(out_dir, point) == STATUS_OK:
+            return None
+        return run_point(point, out_dir, parents, save_at, train_fn)
+
+
+def run_claimed_item(item: tuple) -> Optional[dict[str, Any]]:
+    """:func:`run_claimed` on one packed item: the job function the submitit executors run."""
+    return run_claimed(*item)
+
+
 def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
-    """Body of one spawned process: its own log file and thread count, then :func:`run_point`."""
+    """Body of one spawned process: its own log file and thread count, then :func:`run_claimed`."""
     log_file = run_dir(out_dir, point).with_suffix(".log")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -359,15 +390,15 @@ def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
 
     torch.set_num_threads(threads)
     try:
-        run_point(point, out_dir, parents, save_at, train_fn)
+        run_claimed(point, out_dir, parents, save_at, train_fn)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT_CODES[0])
 
 
-def _crash_record(point: Point, exitcode: Optional[int], out_dir: Path) -> dict[str, Any]:
+def _crash_record(point: Point, error: str, out_dir: Path) -> dict[str, Any]:
     record = point_record(point)
     log = run_dir(out_dir, point).with_suffix(".log")
-    record.update(status=STATUS_FAILED, error=f"worker process died with exit code {exitcode} (see {log})")
+    record.update(status=STATUS_FAILED, error=f"{error} (see {log})")
     atomic_write_json(record_path(out_dir, point), record)
     return record
 
@@ -417,13 +448,18 @@ def run_points(
     parallel: int = 1,
     retry_failed: bool = False,
     train_fn: Optional[TrainFn] = None,
+    executor: Optional[Any] = None,
     log: Log = print,
     label: str = "study",
 ) -> list[dict[str, Any]]:
     """Run every unfinished point (parents first); returns the records of all finished points.
 
-    ``train_fn`` defaults to ``train_run``; with ``parallel > 1`` it must be picklable (a
-    module-level function). Failed points are skipped like finished ones unless ``retry_failed``.
+    Points run in this process (``parallel == 1``), in ``parallel`` spawned worker processes, or
+    as submitit jobs (``executor``: an :class:`~moe_lit.studies.executors.ExecutorConfig` of kind
+    slurm | submitit_local; a job array per wave of points whose parents are done). Each point is
+    claimed where it trains; one claimed by another runner is left to it. ``train_fn`` defaults to
+    ``train_run`` and must be a module-level function beyond one process. Failed points are
+    skipped like finished ones unless ``retry_failed``.
     """
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise MoeLitError(f"--parallel: must be an integer >= 1, got {parallel!r}")
@@ -434,12 +470,16 @@ def run_points(
     todo = [p for p in points if point_status(out_dir, p) not in skip]
     log(f"{label}: {len(points)} points, {len(points) - len(todo)} finished, {len(todo)} to run -> {out_dir}")
     schedule = _Schedule(points, todo, out_dir)
-    done = 0
+    done, elsewhere = 0, []
 
-    def on_done(point: Point, record: dict[str, Any]) -> None:
+    def on_done(point: Point, record: Optional[dict[str, Any]]) -> None:
         nonlocal done
-        done += 1
         schedule.running.discard(point.name)
+        if record is None:
+            elsewhere.append(point.name)
+            log(f"{point.name} ({point.hash}) is claimed by another runner: left to it")
+            return
+        done += 1
         outcome = (
             f"val_loss {record.get('val_loss', float('nan')):.4f}"
             if record["status"] == STATUS_OK
@@ -450,19 +490,47 @@ def run_points(
     def blocked(point: Point) -> None:
         on_done(point, _parent_failed_record(point, out_dir))
 
-    if parallel == 1:
+    def args(point: Point) -> tuple:
+        return point, out_dir, parents, sorted(save_at.get(point.name, ())), train_fn
+
+    if executor is not None and executor.kind != "local":
+        _run_submitit(schedule, executor, out_dir, args, on_done, blocked, label)
+    elif parallel == 1:
         while (point := schedule.take_ready(blocked)) is not None:
             log(f"running {point.name} ({point.hash})")
-            on_done(point, run_point(point, out_dir, parents, sorted(save_at.get(point.name, ())), train_fn))
+            on_done(point, run_claimed(*args(point)))
     else:
-        _run_parallel(schedule, out_dir, parents, save_at, train_fn or default_train_fn(), parallel, on_done, blocked)
+        _run_parallel(schedule, out_dir, args, train_fn or default_train_fn(), parallel, on_done, blocked)
     records = [r for r in (read_record(record_path(out_dir, p)) for p in points) if r is not None]
     failed = sum(r["status"] == STATUS_FAILED for r in records)
-    log(f"{label}: {len(records)}/{len(points)} points finished, {failed} failed")
+    waiting = len(points) - len(records)
+    log(f"{label}: {len(records)}/{len(points)} points finished, {failed} failed, {waiting} not finished"
+        + (f" ({len(elsewhere)} claimed by other runners: run again once they are done)" if elsewhere else ""))
     return records
 
 
-def _run_parallel(schedule, out_dir, parents, save_at, train_fn, parallel, on_done, blocked) -> None:
+def _run_submitit(schedule, executor, out_dir: Path, args, on_done, blocked, label: str) -> None:
+    """Waves of submitit jobs: every point whose parent is done, one job each, then the next wave."""
+    from moe_lit.studies.executors import submit_points, wait_all
+
+    folder = executor.resolve_folder(out_dir)
+    while True:
+        wave = []
+        while (point := schedule.take_ready(blocked)) is not None:
+            wave.append(point)
+        if not wave:
+            return
+        jobs = submit_points(executor, run_claimed_item, [args(p) for p in wave], folder, name=label.split()[-1])
+
+        def finished(outcome, wave=wave) -> None:
+            point = wave[outcome.index]
+            record = outcome.result if outcome.ok else _crash_record(point, outcome.error, out_dir)
+            on_done(point, record)
+
+        wait_all(jobs, on_done=finished)
+
+
+def _run_parallel(schedule, out_dir, args, train_fn, parallel, on_done, blocked) -> None:
     """At most ``parallel`` spawned processes, one per point (a crash takes down one point only)."""
     ctx = multiprocessing.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // parallel)
@@ -470,8 +538,7 @@ def _run_parallel(schedule, out_dir, parents, save_at, train_fn, parallel, on_do
     try:
         while True:
             while len(running) < parallel and (point := schedule.take_ready(blocked)) is not None:
-                args = (point, out_dir, parents, sorted(save_at.get(point.name, ())), train_fn, threads)
-                proc = ctx.Process(target=_worker, args=args)
+                proc = ctx.Process(target=_worker, args=(*args(point)[:4], train_fn, threads))
                 proc.start()
                 running[proc.sentinel] = (proc, point)
             if not running:
@@ -481,8 +548,10 @@ def _run_parallel(schedule, out_dir, parents, save_at, train_fn, parallel, on_do
                 proc.join()
                 if proc.exitcode in INTERRUPTED_EXIT_CODES:
                     raise KeyboardInterrupt(f"worker of {point.name} was interrupted")
-                record = read_record(record_path(out_dir, point)) if proc.exitcode == 0 else None
-                on_done(point, record or _crash_record(point, proc.exitcode, out_dir))
+                if proc.exitcode == 0:  # no record: the point was claimed by another runner
+                    on_done(point, read_record(record_path(out_dir, point)))
+                else:
+                    on_done(point, _crash_record(point, f"worker process died with exit code {proc.exitcode}", out_dir))
     finally:
         for proc, _ in running.values():
             proc.terminate()
@@ -498,6 +567,7 @@ __all__ = [
     "point_record",
     "point_status",
     "read_record",
+    "run_claimed",
     "run_point",
     "run_points",
     "stable_dict",

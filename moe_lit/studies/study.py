@@ -47,8 +47,9 @@ class StudyHeader:
     data: Optional[dict[str, Any]] = None
     """How to prepare run.data.data_dir before the first run when it is missing or prepared
     otherwise: moe-lit data prepare settings (vocab_size, languages, ...); null = use it as it is."""
-    executor: dict[str, Any] = field(default_factory=dict)
-    """Where points run (see moe_lit.studies.executors.ExecutorConfig); empty = local processes."""
+    executor: Any = None
+    """Where points run: moe_lit.studies.executors.ExecutorConfig fields (kind local | slurm |
+    submitit_local, parallel, partition, gpus_per_node, ...); null = local processes."""
     description: str = ""
     """Free text shown at the top of the summary."""
 
@@ -62,8 +63,7 @@ class StudyHeader:
             raise ConfigError(f"seeds: must be a non-empty list of distinct integers, got {self.seeds!r}")
         if self.data is not None:
             self.prepare_config()  # validates the data settings now
-        if not isinstance(self.executor, dict):
-            raise ConfigError(f"executor: expected a mapping, got {self.executor!r}")
+        self.executor = _executor(self.executor)
 
     def prepare_config(self):
         """The :class:`~moe_lit.data.prepare.PrepareConfig` that builds run.data.data_dir from ``data``."""
@@ -86,6 +86,20 @@ class StudyHeader:
 
     def point_name(self, config_name: str, seed: int) -> str:
         return config_name + (f"/s{seed}" if len(self.seeds) > 1 else "")
+
+
+def _executor(value: Any):
+    from moe_lit.studies.executors import ExecutorConfig
+
+    if isinstance(value, ExecutorConfig):
+        return value
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"executor: expected a mapping of ExecutorConfig fields, got {value!r}")
+    known = [f.name for f in dataclasses.fields(ExecutorConfig)]
+    unknown = sorted(set(value or {}) - set(known))
+    if unknown:
+        raise ConfigError(f"executor: unknown key(s) {unknown}, allowed keys: {known}")
+    return ExecutorConfig(**(value or {}))
 
 
 @dataclass
@@ -170,7 +184,7 @@ def run_study(
     study: Study,
     out_dir: Path,
     *,
-    parallel: int = 1,
+    parallel: Optional[int] = None,
     retry_failed: bool = False,
     train_fn: Optional[engine.TrainFn] = None,
     prepare_data: bool = True,
@@ -179,14 +193,17 @@ def run_study(
 ) -> list[dict[str, Any]]:
     """Run every unfinished point of ``study``; returns the records of all finished points.
 
+    ``parallel`` (default: the study's executor.parallel) is the number of local worker processes;
+    an executor of kind slurm or submitit_local submits the points as jobs instead.
     ``prepare_data=False`` skips preparing / checking the data (tests with a fake ``train_fn``).
     """
     if prepare_data:
         ensure_data(study)
     write_plan(study, out_dir, command)
+    executor = study.header.executor
     return engine.run_points(
-        study.points, out_dir, parallel=parallel, retry_failed=retry_failed, train_fn=train_fn, log=log,
-        label=f"study {study.name}",
+        study.points, out_dir, parallel=parallel or executor.parallel, retry_failed=retry_failed, train_fn=train_fn,
+        executor=executor, log=log, label=f"study {study.name}",
     )
 
 

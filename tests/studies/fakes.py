@@ -33,8 +33,12 @@ def fake_loss(model_cfg, seed: int) -> float:
 
 
 def fake_train(model_cfg, run, out_dir, callbacks=(), resume_from=None, init_from=None):
-    """A successful run: a RunResult-like dict."""
+    """A successful run: a RunResult-like dict; writes the fork checkpoints its SaveAtSteps asks for."""
     _log_call(out_dir, model_cfg, resume_from or init_from)
+    for callback in callbacks:
+        for path in getattr(callback, "paths", {}).values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("fake checkpoint")
     loss = fake_loss(model_cfg, run.train.seed)
     return {
         "tokens": run.tokens,

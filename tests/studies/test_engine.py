@@ -108,3 +108,92 @@ def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
     with pytest.raises(MoeLitError, match="holds no prepared data"):
         study = parse_study(small_spec(), str(tmp_path / "none"))
         run_study(study, tmp_path / "out", train_fn=fakes.fake_train, log=lambda _: None)
+
+
+def _family(seed_points=1):
+    """A parent and two children forking from its step-2 checkpoint, hashed."""
+    from moe_lit.lit.run_config import RunConfig
+    from moe_lit.studies.engine import Point, Start, finalize
+    from tests.conftest import tiny
+
+    run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
+    parent = Point("parent", "parent", 0, tiny(), run)
+    kids = [
+        Point(f"kid{i}", f"kid{i}", 0, tiny(), run, start=Start("parent", step=2 * i)) for i in (1, 2)
+    ]
+    return finalize([*kids, parent])  # any order: parents are scheduled first
+
+
+def test_children_start_from_their_parents_checkpoint_which_trains_once(tmp_path):
+    from moe_lit.studies.engine import fork_checkpoint, run_points
+
+    points = _family()
+    by_name = {p.name: p for p in points}
+    records = run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)
+    assert [r["status"] for r in records] == ["ok"] * 3
+    calls = fakes.read_calls(tmp_path)
+    assert [c["out_dir"] for c in calls] == [by_name[n].hash for n in ("parent", "kid1", "kid2")]
+    assert calls[1]["start"] == str(fork_checkpoint(tmp_path, by_name["parent"], 2))
+    assert calls[2]["start"] == str(fork_checkpoint(tmp_path, by_name["parent"], 4))
+    # a kid's record lost: it runs again from the parent's kept checkpoint, the parent does not
+    record_path(tmp_path, by_name["kid2"]).unlink()
+    run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)
+    assert [c["out_dir"] for c in fakes.read_calls(tmp_path)[3:]] == [by_name["kid2"].hash]
+
+
+def test_a_failed_parent_fails_its_children_without_running_them(tmp_path):
+    from moe_lit.studies.engine import run_points
+
+    def parent_fails(model_cfg, run, out_dir, **kwargs):
+        if kwargs.get("resume_from") is None:
+            raise RuntimeError("diverged (fake)")
+        return fakes.fake_train(model_cfg, run, out_dir, **kwargs)
+
+    records = {r["name"]: r for r in run_points(_family(), tmp_path, train_fn=parent_fails, log=lambda _: None)}
+    assert records["parent"]["error"] == "RuntimeError: diverged (fake)"
+    assert records["kid1"]["status"] == records["kid2"]["status"] == "failed"
+    assert records["kid1"]["error"] == "parent point 'parent' failed"
+
+
+def test_a_point_claimed_by_another_runner_is_left_to_it(tmp_path):
+    from moe_lit.studies.claims import try_claim
+    from moe_lit.studies.engine import run_points
+
+    points = _family()
+    parent = next(p for p in points if p.name == "parent")
+    held = try_claim(tmp_path, parent.hash, ttl_s=600)
+    log = []
+    records = run_points(points, tmp_path, train_fn=fakes.fake_train, log=log.append)
+    assert records == [] and fakes.read_calls(tmp_path) == []  # the children wait for the parent
+    assert any(line.startswith("parent (") and "claimed by another runner" in line for line in log)
+    held.release()
+    assert len(run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)) == 3
+
+
+def test_submitit_local_executor_runs_the_waves(tmp_path):
+    from moe_lit.studies.engine import run_points
+    from moe_lit.studies.executors import ExecutorConfig
+
+    executor = ExecutorConfig(kind="submitit_local", timeout_min=5)
+    records = run_points(_family(), tmp_path, train_fn=fakes.fake_train, executor=executor, log=lambda _: None)
+    assert sorted(r["name"] for r in records if r["status"] == "ok") == ["kid1", "kid2", "parent"]
+    assert (tmp_path / "submitit").is_dir()
+
+
+def test_identity_ignores_fields_left_at_their_defaults():
+    import dataclasses
+
+    from moe_lit.studies.engine import digest, stable_dict
+
+    @dataclasses.dataclass
+    class Before:
+        d_model: int = 64
+
+    @dataclasses.dataclass
+    class After:  # the same config after gaining a field with a default
+        d_model: int = 64
+        loss_chunk_tokens: int = 4096
+
+    assert digest(stable_dict(Before(d_model=32))) == digest(stable_dict(After(d_model=32)))
+    assert digest(stable_dict(After(d_model=32, loss_chunk_tokens=1))) != digest(stable_dict(Before(d_model=32)))
+    assert stable_dict(After()) == {}
