@@ -74,6 +74,7 @@ def test_tiny_study_end_to_end(tmp_path):
                                                log=lambda _: None)}
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     grown, moe = records["moe_grown/continued"], records["moe/continued"]
-    assert grown["total_params"] > moe["total_params"] and grown["active_params"] == moe["active_params"]  # 8 experts
+    assert grown["total_params"] > moe["total_params"]  # 8 experts after the growth, top-k unchanged:
+    assert grown["active_params"] - moe["active_params"] == 4 * 32  # only the 4 new router rows are active
     js = records["moe_grown/continued"]["routing_js_new_vs_base"]["ru"]
     assert 0.0 <= js <= 1.0 and "routing_js_new_vs_base" not in records["dense/continued"]
