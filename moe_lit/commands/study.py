@@ -116,7 +116,14 @@ def _run_report(args: argparse.Namespace) -> int:
 
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
-    out_dir = Path(args.out) if args.out else _out_dir(args, _load(args))
+    if args.spec is not None:  # the plan follows the study file (its points may have new hashes)
+        from moe_lit.studies.study import write_plan
+
+        study = _load(args)
+        out_dir = _out_dir(args, study)
+        write_plan(study, out_dir, _command_line(args, "run"))
+    else:
+        out_dir = Path(args.out)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
 
@@ -126,13 +133,13 @@ def _print_report(paths: dict[str, Path]) -> None:
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
-def _command_line(args: argparse.Namespace) -> str:
+def _command_line(args: argparse.Namespace, action: str = "run") -> str:
     """The run command (kept in study.json, shown in summary.md)."""
-    words = ["moe-lit", "study", "run", str(args.spec)]
+    words = ["moe-lit", "study", action, str(args.spec)]
     for flag, value in (
-        ("--parallel", args.parallel),
+        ("--parallel", getattr(args, "parallel", None)),
         ("--out", args.out),
-        ("--data", args.data),
+        ("--data", getattr(args, "data", None)),
     ):
         if value is not None:
             words += [flag, str(value)]

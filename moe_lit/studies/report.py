@@ -192,11 +192,23 @@ def update_readme(readme: Path, out_dir: Path, plan: dict[str, Any], records, an
     return atomic_write_text(readme, f"{head}{begin}\n{body}{end}{tail}")
 
 
+def previous_finished(out_dir: Path) -> int:
+    """Finished points of the report in ``out_dir`` (report.json, else the ok rows of runs.csv)."""
+    previous = read_record(out_dir / REPORT_FILE)
+    if previous is not None:
+        return previous.get("finished", 0)
+    try:
+        with open(out_dir / "runs.csv", newline="") as handle:
+            return sum(row.get("status") == STATUS_OK for row in csv.DictReader(handle))
+    except OSError:
+        return 0
+
+
 def _refuse_fewer(out_dir: Path, finished: int, force: bool) -> None:
-    previous = read_record(out_dir / REPORT_FILE) or {}
-    if not force and finished < previous.get("finished", 0):
+    previous = previous_finished(out_dir)
+    if not force and finished < previous:
         raise MoeLitError(
-            f"study report: {out_dir} has a report of {previous['finished']} finished points but only {finished} "
+            f"study report: {out_dir} has a report of {previous} finished points but only {finished} "
             "records are here (are runs/*.json missing?); pass --force to replace it anyway"
         )
 

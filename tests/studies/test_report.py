@@ -135,4 +135,7 @@ def test_a_report_from_fewer_finished_points_is_refused_without_force(study_dir,
     with pytest.raises(MoeLitError, match="has a report of 14 finished points but only 1[12] records are here"):
         write_report(clone)
     assert (clone / "summary.md").read_text() == summary  # nothing was replaced
+    (clone / "report.json").unlink()  # a report shipped before report.json existed: runs.csv counts
+    with pytest.raises(MoeLitError, match="has a report of 14 finished points"):
+        write_report(clone)
     assert "pending" in write_report(clone, force=True)["summary"].read_text()
