@@ -113,7 +113,7 @@ class DistillModule(MoELitModule):
         return module
 
     def set_teacher(self, teacher: nn.Module) -> None:
-        """Freeze ``teacher`` (no gradient, eval mode) and use it; the vocabularies must match."""
+        """Use ``teacher``, frozen in place (requires_grad off, eval mode); the vocabularies must match."""
         vocab = getattr(getattr(teacher, "config", None), "vocab_size", None)
         if vocab != self.config.vocab_size:
             raise MoeLitError(f"teacher: vocabulary {vocab} differs from the student's {self.config.vocab_size}")

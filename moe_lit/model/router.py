@@ -86,9 +86,15 @@ class Router(nn.Module):
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load_E.mean() - load_E))
 
 
+def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """Exactly ``hard`` in the forward, the gradient of ``soft`` in the backward: ``hard + soft - sg(soft)``."""
+    # NOTE: soft - sg(soft) is exactly 0, so the forward value is hard bit for bit.
+    return hard + (soft - soft.detach())
+
+
 def straight_through_ones(scores: torch.Tensor) -> torch.Tensor:
     """Exactly 1 in the forward, the gradient of ``scores`` in the backward: ``1 + s - sg(s)``."""
-    return (scores - scores.detach()) + 1.0
+    return straight_through(torch.ones_like(scores), scores)
 
 
 def load_balancing_loss(
@@ -123,6 +129,7 @@ __all__ = [
     "balancing_scores",
     "load_balancing_loss",
     "routed_counts",
+    "straight_through",
     "straight_through_ones",
     "z_loss",
 ]
