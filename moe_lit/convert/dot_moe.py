@@ -39,12 +39,12 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from typing_extensions import override
 
 from moe_lit.config import ConfigError, MoEConfig
