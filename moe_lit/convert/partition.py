@@ -107,11 +107,13 @@ def _checked_assignment(experts_F: torch.Tensor, d_ff: int, num_experts: int, la
     experts_F = torch.as_tensor(experts_F).long().cpu()
     if experts_F.shape != (d_ff,):
         raise MoeLitError(f"assignment: block {layer_id} needs one expert id per neuron ({d_ff}), got {tuple(experts_F.shape)}")
-    counts_E = torch.bincount(experts_F.clamp(0, num_experts), minlength=num_experts + 1)
-    if experts_F.min() < 0 or experts_F.max() >= num_experts or (counts_E[:num_experts] != d_ff // num_experts).any():
+    in_range = bool(((experts_F >= 0) & (experts_F < num_experts)).all())
+    counts_E = torch.bincount(experts_F, minlength=num_experts) if in_range else None
+    if counts_E is None or (counts_E != d_ff // num_experts).any():
+        got = counts_E.tolist() if counts_E is not None else "ids outside [0, num_experts)"
         raise MoeLitError(
             f"assignment: block {layer_id} must give every one of {num_experts} experts exactly "
-            f"{d_ff // num_experts} neurons, got counts {counts_E[:num_experts].tolist()}"
+            f"{d_ff // num_experts} neurons, got {got}"
         )
     return experts_F
 
