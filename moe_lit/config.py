@@ -66,6 +66,11 @@ class MoEConfig:
     """Router score function: softmax (MegaBlocks) | sigmoid (DeepSeek-V3)."""
     renormalize: bool = True
     """Renormalise the k selected weights to sum to 1 (MegaBlocks moe_normalize_expert_weights=1)."""
+    unit_weights: bool = False
+    """Every selected expert weighs exactly 1 in the forward (MoEfication / DOT-MoE gating); the
+    gradient still reaches the router through a straight-through estimator ``1 + s - sg(s)`` of the
+    selected scores s. A dense FFN partitioned into experts is then recovered exactly at k = E.
+    Needs renormalize: false."""
     balancing: Balancing = "aux_loss"
     """Load balancing: aux_loss (MegaBlocks/Switch loss) | bias (aux-loss-free, DeepSeek-V3) | none."""
     aux_loss_coef: float = 0.01
@@ -108,6 +113,11 @@ class MoEConfig:
             f"must be an integer >= 0, got {self.shared_expert_size!r}",
         )
         _require_choice(self.score_func, "moe.score_func", SCORE_FUNCS)
+        _require(
+            not (self.unit_weights and self.renormalize),
+            "moe.unit_weights",
+            "unit weights replace the renormalised weights; set renormalize: false with unit_weights: true",
+        )
         _require_choice(self.balancing, "moe.balancing", BALANCING)
         _require_choice(self.backend, "moe.backend", BACKENDS)
         _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")

@@ -1,8 +1,9 @@
 """``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
 
-Actions: ``import-hf`` (HF Llama dir or GGUF -> moe_lit), ``upcycle`` (dense -> MoE) and ``expand``
-(E -> mE experts). Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer found
-beside the input travels with the output.
+Actions: ``import-hf`` (HF Llama dir or GGUF -> moe_lit), ``upcycle`` (dense -> MoE), ``expand``
+(E -> mE experts) and ``partition`` (dense -> MoE by neuron partitioning: random, k-means,
+co-activation, DOT-MoE). Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer
+found beside the input travels with the output.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import export_model, find_tokenizer, load_model
 from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
+from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
+
+PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe")
 
 
 def _counts(text: str) -> list[int]:
@@ -54,7 +58,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--out", required=True, type=Path)
 
 
+    pa = actions.add_parser("partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)")
+    pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
+    pa.add_argument("--method", choices=PARTITION_METHODS, required=True)
+    pa.add_argument("--experts", "--num-experts", dest="num_experts", type=int, default=8, help="E (divides d_ff)")
+    pa.add_argument("--top-k", type=int, default=2)
+    pa.add_argument("--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own")
+    pa.add_argument("--calibration", type=Path, help="prepared data dir (moe-lit data prepare): its training stream")
+    pa.add_argument("--calibration-tokens", type=int, default=16_384, help="tokens for coactivation / trained router")
+    pa.add_argument("--router-steps", type=int, default=100, help="full-batch Adam steps of a trained router")
+    pa.add_argument("--train-tokens", type=int, default=65_536, help="dot_moe: training tokens (after the calibration ones)")
+    pa.add_argument("--lr", type=float, default=1e-2, help="dot_moe: constant AdamW learning rate")
+    pa.add_argument("--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers")
+    pa.add_argument("--batch-size", type=int, default=8, help="sequences per calibration / training batch")
+    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss")
+    pa.add_argument("--seed", type=int, default=0)
+    pa.add_argument("--out", required=True, type=Path)
+    pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.action == "partition":
+        from moe_lit.commands.convert_partition import run_partition
+
+        return run_partition(args)
     if args.action == "import-hf":
         from moe_lit.convert.hf import from_hf_llama
 

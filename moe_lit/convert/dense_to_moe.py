@@ -111,20 +111,31 @@ def _validate(
 def _upcycle_layer(dense: SwiGLU, layer: MoELayer, granularity: int, init_std: float, generator) -> None:
     """Fill ``layer`` (E experts of f = F/G rows) from the dense FFN; router rows tied per group."""
     num_experts, d_model = layer.cfg.num_experts, dense.w1.weight.shape[1]
+    shard_size = dense.w1.weight.shape[0] // granularity
     shard_of_expert = torch.arange(num_experts) % granularity
-    mlp = layer.experts.mlp
-
-    def stacked(w_FD: torch.Tensor) -> torch.Tensor:
-        w_GfD = w_FD.reshape(granularity, -1, d_model)
-        return w_GfD[shard_of_expert.to(w_FD.device)].reshape(-1, d_model)
-
-    mlp.w1.copy_(stacked(dense.w1.weight))
-    mlp.v1.copy_(stacked(dense.v1.weight))
-    mlp.w2.copy_(stacked(dense.w2.weight.t()) * granularity)
-    layer.experts.bias.zero_()
+    neurons_S = (shard_of_expert[:, None] * shard_size + torch.arange(shard_size)).reshape(-1)
+    copy_neurons(dense, layer, neurons_S, w2_scale=granularity)
     rows_RD = torch.randn(num_experts // granularity, d_model, generator=generator) * init_std
+    set_router(layer, rows_RD.repeat_interleave(granularity, dim=0))
+
+
+@torch.no_grad()
+def copy_neurons(dense: SwiGLU, layer: MoELayer, neurons_S: torch.Tensor, w2_scale: float = 1.0) -> None:
+    """Stacked expert row ``s`` of ``layer`` becomes dense neuron ``neurons_S[s]``: its w1 and v1
+    rows and its w2 column (times ``w2_scale``); the expert output bias is zeroed."""
+    mlp = layer.experts.mlp
+    neurons_S = neurons_S.to(dense.w1.weight.device)
+    mlp.w1.copy_(dense.w1.weight[neurons_S])
+    mlp.v1.copy_(dense.v1.weight[neurons_S])
+    mlp.w2.copy_(dense.w2.weight[:, neurons_S].t() * w2_scale)
+    layer.experts.bias.zero_()
+
+
+@torch.no_grad()
+def set_router(layer: MoELayer, rows_ED: torch.Tensor) -> None:
+    """Router rows of ``layer`` set to ``rows_ED``; a balancing bias starts at zero."""
     router = layer.router
-    router.layer.weight.copy_(rows_RD.repeat_interleave(granularity, dim=0))
+    router.layer.weight.copy_(rows_ED)
     if router.expert_bias is not None:
         router.expert_bias.zero_()
 
@@ -144,4 +155,4 @@ def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Optional[
             w_SD[dropped.to(w_SD.device)] = (fresh.to(w_SD) * w_fD.std() + w_fD.mean())
 
 
-__all__ = ["RECIPES", "dense_to_moe", "upcycled_config"]
+__all__ = ["RECIPES", "copy_neurons", "dense_to_moe", "set_router", "upcycled_config"]

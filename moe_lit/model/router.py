@@ -7,7 +7,9 @@ The router matches MegaBlocks' ``LearnedRouter`` where the two overlap: one bias
 and the load-balancing loss ``w * E / (n_moe_layers * T * K) * sum_e count_e * mean_t(score_te)``.
 It extends it with sigmoid scores (DeepSeek-V3; for the balancing loss the sigmoid scores are
 normalised per token so the formula keeps its meaning) and aux-loss-free bias balancing, where a
-persistent ``expert_bias`` shifts only the *selection* of experts, never the weights.
+persistent ``expert_bias`` shifts only the *selection* of experts, never the weights. With
+``unit_weights`` every selected expert weighs exactly 1 (straight-through to the scores), the
+gating of FFNs partitioned into experts (``moe_lit.convert.partition``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Router(nn.Module):
         self.top_k = cfg.top_k
         self.score_func = cfg.score_func
         self.renormalize = cfg.renormalize
+        self.unit_weights = cfg.unit_weights
         self.bias_update_rate = cfg.bias_update_rate
         self.layer = nn.Linear(d_model, cfg.num_experts, bias=False)
         # NOTE: the balancing bias is routing state that must survive a checkpoint, so it is a
@@ -64,6 +67,8 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(-1, indices_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        elif self.unit_weights:
+            weights_TK = straight_through_ones(weights_TK)
         return RouterOutput(logits_TE, scores_TE, weights_TK.to(x_TD.dtype), indices_TK)
 
     @torch.no_grad()
@@ -79,6 +84,17 @@ class Router(nn.Module):
             return
         load_E = self.tokens_per_expert.float()
         self.expert_bias.add_(self.bias_update_rate * torch.sign(load_E.mean() - load_E))
+
+
+def straight_through(hard: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """Exactly ``hard`` in the forward, the gradient of ``soft`` in the backward: ``hard + soft - sg(soft)``."""
+    # NOTE: soft - sg(soft) is exactly 0, so the forward value is hard bit for bit.
+    return hard + (soft - soft.detach())
+
+
+def straight_through_ones(scores: torch.Tensor) -> torch.Tensor:
+    """Exactly 1 in the forward, the gradient of ``scores`` in the backward: ``1 + s - sg(s)``."""
+    return straight_through(torch.ones_like(scores), scores)
 
 
 def load_balancing_loss(
@@ -107,4 +123,13 @@ def routed_counts(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.bincount(indices_TK.reshape(-1), minlength=num_experts)
 
 
-__all__ = ["Router", "RouterOutput", "balancing_scores", "load_balancing_loss", "routed_counts", "z_loss"]
+__all__ = [
+    "Router",
+    "RouterOutput",
+    "balancing_scores",
+    "load_balancing_loss",
+    "routed_counts",
+    "straight_through",
+    "straight_through_ones",
+    "z_loss",
+]

@@ -1,0 +1,132 @@
+"""``moe-lit convert partition``: a dense checkpoint becomes an MoE by neuron partitioning.
+
+Registered as the ``partition`` action of ``moe-lit convert``. ``--method random|kmeans|
+coactivation`` split every dense FFN into E experts of d_ff/E neurons with a ``--router
+centroid|trained|random``; ``--method dot_moe`` learns the split and the routers (DOT-MoE) on
+``--train-tokens`` tokens of the ``--calibration`` data with the dense model as teacher. The output
+directory holds the exported MoE (config.json, model.safetensors, tokenizer.json) and
+``partition.json`` (what was done, with which token budget). A non-empty ``--out`` is refused
+unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from moe_lit.errors import MoeLitError
+
+PARTITION_FILE = "partition.json"
+
+
+def run_partition(args: argparse.Namespace) -> int:
+    from moe_lit.accounting import count_model_params
+    from moe_lit.checkpoint import export_model, find_tokenizer, load_model
+    from moe_lit.io import atomic_write_json
+
+    _check_out(args.out, args.force)
+    _check_arguments(args)
+    dense = load_model(args.checkpoint)
+    if dense.config.is_moe:
+        raise MoeLitError(f"--checkpoint: {args.checkpoint} is already an MoE; partition needs a dense model")
+    batches = _token_batches(args, dense.config) if args.calibration is not None else None
+    if args.method == "dot_moe":
+        model, record = _dot_moe(args, dense, batches)
+    else:
+        model, record = _heuristic(args, dense, batches)
+    export_model(model, args.out, find_tokenizer(args.checkpoint))
+    params = count_model_params(model)
+    record.update(
+        method=args.method, num_experts=args.num_experts, top_k=args.top_k, seed=args.seed,
+        checkpoint=str(args.checkpoint), total_params=params.total, active_params=params.active,
+        arguments={k: v for k, v in vars(args).items() if k != "action"},
+    )
+    atomic_write_json(args.out / PARTITION_FILE, record)
+    print(f"wrote {args.out} ({args.method}: {args.num_experts} experts, top-{args.top_k}, "
+          f"{params.active:,} of {params.total:,} parameters active)")
+    return 0
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise MoeLitError(f"--out: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise MoeLitError(f"--out: {out} is not empty; pass --force to replace it")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    from moe_lit.convert.partition import NEEDS_CALIBRATION
+
+    if args.method == "dot_moe" and args.router is not None:
+        raise MoeLitError("--router: dot_moe learns its routers (from the k-means centroids); leave --router out")
+    needs = args.method == "dot_moe" or args.method in NEEDS_CALIBRATION["assignment"] or (
+        args.router in NEEDS_CALIBRATION["router"]
+    )
+    if needs and args.calibration is None:
+        what = f"--method {args.method}" if args.router not in NEEDS_CALIBRATION["router"] else f"--router {args.router}"
+        raise MoeLitError(f"--calibration: {what} needs calibration tokens (a dir written by `moe-lit data prepare`)")
+    for name in ("calibration_tokens", "train_tokens", "batch_size", "router_steps"):
+        if getattr(args, name) < 1:
+            raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+
+
+def _token_batches(args: argparse.Namespace, cfg) -> Iterator[torch.Tensor]:
+    """The training stream of the prepared ``--calibration`` dir, at the model's sequence length."""
+    from moe_lit.lit.datamodule import MoEDataModule
+
+    datamodule = MoEDataModule(str(args.calibration), seq_len=cfg.seq_len, batch_size=args.batch_size, seed=args.seed)
+    if datamodule.vocab_size != cfg.vocab_size:
+        raise MoeLitError(
+            f"--calibration: its tokenizer has {datamodule.vocab_size} tokens, the model {cfg.vocab_size}; "
+            "prepare the data with the model's tokenizer"
+        )
+    return iter(datamodule.train_dataloader())
+
+
+def _take(batches: Iterator[torch.Tensor], tokens: int) -> list[torch.Tensor]:
+    """Whole batches from ``batches`` until ``tokens`` predicted tokens are covered."""
+    out, seen = [], 0
+    for batch_BL1 in batches:
+        out.append(batch_BL1)
+        seen += batch_BL1[:, 1:].numel()
+        if seen >= tokens:
+            return out
+    raise MoeLitError(f"--calibration: the training stream has only {seen} tokens, fewer than the {tokens} asked")
+
+
+def _heuristic(args: argparse.Namespace, dense, batches: Optional[Iterator[torch.Tensor]]):
+    from moe_lit.convert.calibration import ffn_inputs
+    from moe_lit.convert.partition import assign_neurons, build_routers, partition_ffn, partitioned_config
+
+    router = args.router or "centroid"
+    cfg = partitioned_config(dense.config, args.num_experts, args.top_k, balancing=args.balancing)
+    calibration, tokens = None, 0
+    if batches is not None and (args.method == "coactivation" or router == "trained"):
+        taken = _take(batches, args.calibration_tokens)
+        tokens = sum(b[:, 1:].numel() for b in taken)
+        calibration = ffn_inputs(dense, taken, args.calibration_tokens)
+    assignment = assign_neurons(dense, args.method, args.num_experts, calibration, args.seed, cfg.moe_layer_ids)
+    routers = build_routers(dense, assignment, router, args.num_experts, calibration, args.seed, args.router_steps)
+    model = partition_ffn(dense, assignment, args.num_experts, args.top_k, routers, args.seed, balancing=args.balancing)
+    return model, {"router": router, "calibration_tokens": tokens, "train_tokens": 0}
+
+
+def _dot_moe(args: argparse.Namespace, dense, batches: Iterator[torch.Tensor]):
+    from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe, fit_dot_moe
+    from moe_lit.lit.optim import OptimConfig
+
+    cfg = DotMoEConfig(train_dense=args.train_dense)
+    student = dot_moe_student(dense, args.num_experts, args.top_k, cfg, args.seed, balancing=args.balancing)
+    taken = _take(batches, args.train_tokens)
+    optim = OptimConfig(lr=args.lr, warmup_steps=0, schedule="constant")
+    fit_dot_moe(dense, student, taken, cfg, optim)
+    tokens = sum(b[:, 1:].numel() for b in taken)
+    record = {"router": "learned", "calibration_tokens": 0, "train_tokens": tokens, "steps": len(taken),
+              "train_dense": args.train_dense, "lr": args.lr}
+    return export_dot_moe(student), record
+
+
+__all__ = ["PARTITION_FILE", "run_partition"]
