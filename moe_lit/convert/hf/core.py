@@ -109,12 +109,13 @@ def base_fields(hf_config: Any, seq_len: Optional[int]) -> dict[str, Any]:
     check_fields(hf_config, {"hidden_act": "silu"})
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     return dict(
         vocab_size=hf_config.vocab_size,
         d_model=hf_config.hidden_size,
         n_layers=hf_config.num_hidden_layers,
         n_heads=heads,
-        n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        n_kv_heads=None if kv_heads == heads else kv_heads,
         attn_head_dim=None if head_dim * heads == hf_config.hidden_size else head_dim,
         seq_len=seq_len or hf_config.max_position_embeddings,
         rope_base=rope_theta(hf_config),
@@ -195,7 +196,7 @@ def check_exportable(model, family: Family, families: dict[str, Family]) -> None
         if feature in used and feature not in family.features:
             having = [name for name, fam in families.items() if feature in fam.features]
             where = f"formats that have it: {', '.join(having)}" if having else "no export format has it"
-            raise MoeLitError(f"export --format {family.name}: {FEATURES[feature]} is not in {family.name}; {where}")
+            raise MoeLitError(f"export --format {family.name}: {FEATURES[feature]}: unsupported by {family.name}; {where}")
     for feature in sorted(family.required - used):
         raise MoeLitError(f"export --format {family.name}: every {family.name} model has {FEATURES[feature]}; this one has not")
 
