@@ -18,7 +18,8 @@ from moe_lit.errors import MoeLitError
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", nargs="+", required=True, type=Path, help="model YAML file(s) or model dir(s) (ours or transformers')"
+        "--config", nargs="+", required=True, type=Path,
+        help="model YAML file(s) or model dir(s) (ours or transformers')",
     )
     parser.add_argument(
         "--match", choices=["active", "total"], help="also build an MoE matched to each (dense) config"

@@ -88,8 +88,11 @@ def rope_theta(hf_config: Any) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     scaling = getattr(hf_config, "rope_scaling", None)
-    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
-        raise MoeLitError(f"hf: rope_parameters.rope_type={rope_type!r} (scaled RoPE) is not supported; allowed: default")
+    scaled = scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")
+    if rope_type != "default" or scaled:
+        raise MoeLitError(
+            f"hf: rope_parameters.rope_type={rope_type!r} (scaled RoPE) is not supported; allowed: default"
+        )
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise MoeLitError("hf: the config has no rope_theta")
@@ -192,13 +195,15 @@ def model_features(model) -> set[str]:
 def check_exportable(model, family: Family, families: dict[str, Family]) -> None:
     """Refuse, in one line, a model that uses a feature ``family`` lacks (or lacks one it needs)."""
     used = model_features(model)
-    for feature in FEATURES:
+    prefix = f"export --format {family.name}:"
+    for feature, description in FEATURES.items():
         if feature in used and feature not in family.features:
             having = [name for name, fam in families.items() if feature in fam.features]
             where = f"formats that have it: {', '.join(having)}" if having else "no export format has it"
-            raise MoeLitError(f"export --format {family.name}: {FEATURES[feature]}: unsupported by {family.name}; {where}")
-    for feature in sorted(family.required - used):
-        raise MoeLitError(f"export --format {family.name}: every {family.name} model has {FEATURES[feature]}; this one has not")
+            raise MoeLitError(f"{prefix} {description}: unsupported by {family.name}; {where}")
+    missing = sorted(family.required - used)
+    if missing:
+        raise MoeLitError(f"{prefix} every {family.name} model has {FEATURES[missing[0]]}; this one has not")
 
 
 # ----------------------------------------------------------------------------- weights

@@ -59,7 +59,8 @@ def from_hf(
     with torch.random.fork_rng(devices=[]):
         model = Transformer(cfg)
     hf_state = hf_model.state_dict()
-    state = hf_state_to_ours(hf_state, [k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")])
+    keys = [k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    state = hf_state_to_ours(hf_state, keys)
     missing, unexpected = model.load_state_dict({k: v.detach().float().clone() for k, v in state.items()}, strict=False)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:  # pragma: no cover - the mapping covers every tensor

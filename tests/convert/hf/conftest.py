@@ -7,7 +7,8 @@ transformers = pytest.importorskip("transformers")
 
 COMMON = dict(
     vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=16, rms_norm_eps=1e-6, initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    max_position_embeddings=16, rms_norm_eps=1e-6, initializer_range=0.1,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
 )
 FAMILY_FIELDS = {
     "llama": dict(intermediate_size=48),

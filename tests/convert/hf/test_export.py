@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_lit.accounting import count_config_params
-from moe_lit.checkpoint import export_model, load_model
+from moe_lit.checkpoint import export_model
 from moe_lit.cli import main
 from moe_lit.convert.hf import from_hf, to_hf
 from moe_lit.errors import MoeLitError
@@ -59,7 +59,8 @@ def greedy(model: Transformer, idx_BL: torch.Tensor, new_tokens: int, eos_id: in
 
 def export(model, name, tmp_path, tokenizer, *extra) -> int:
     export_model(model, tmp_path / "ours", tokenizer)
-    return main(["export", "--checkpoint", str(tmp_path / "ours"), "--format", name, "--out", str(tmp_path / "hf"), *extra])
+    args = ["--checkpoint", str(tmp_path / "ours"), "--format", name, "--out", str(tmp_path / "hf"), *extra]
+    return main(["export", *args])
 
 
 @pytest.mark.parametrize("name", list(NATIVE))
@@ -136,7 +137,8 @@ def _nonzero(attribute):
         ("mixtral", "mixtral", {"moe": {"capacity_factor": 1.0}}, None, "capacity dropping"),
         ("qwen3_moe", "olmoe", {"attn_head_dim": None, "moe": {"first_dense_layers": 0, "layer_interval": 1}}, None,
          "per-head q/k RMSNorm .*unsupported by olmoe; formats that have it: qwen3_moe"),
-        ("mixtral", "llama", {}, None, "MoE layers: unsupported by llama; formats that have it: mixtral, olmoe, qwen2_moe, qwen3_moe"),
+        ("mixtral", "llama", {}, None,
+         "MoE layers: unsupported by llama; formats that have it: mixtral, olmoe, qwen2_moe, qwen3_moe"),
         ("llama", "mixtral", {}, None, "a dense model .*formats that have it: llama"),
         ("mixtral", "mixtral", {"moe": {"renormalize": False}}, None,
          "without renormalisation .*formats that have it: olmoe, qwen2_moe, qwen3_moe"),
@@ -145,7 +147,9 @@ def _nonzero(attribute):
          "dense FFN layers in an MoE model"),
     ],
 )
-def test_a_feature_the_format_lacks_is_refused_by_name(name, fmt, changes, change, message, tmp_path, word_tokenizer, capsys):
+def test_a_feature_the_format_lacks_is_refused_by_name(
+    name, fmt, changes, change, message, tmp_path, word_tokenizer, capsys
+):
     model = native(name, **changes)
     model = change(model) if change else model
     with pytest.raises(MoeLitError, match=message):
