@@ -12,6 +12,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import torch
+
 from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import export_model, find_tokenizer, load_model
 from moe_lit.config import BALANCING
@@ -35,6 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf accelerate`)")
     hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
+    hf.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
+    )
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         from moe_lit.convert.hf import from_hf
         from moe_lit.convert.hf.tokenizer import write_tokenizer_json
 
-        model = from_hf(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len)
+        model = from_hf(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len, dtype=getattr(torch, args.dtype))
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer = write_tokenizer_json(args.model, Path(tmp) / "tokenizer.json", args.gguf_file)
             export_model(model, args.out, tokenizer)

@@ -18,11 +18,13 @@ refuses a model that uses a feature its target lacks, naming the feature and the
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
+from torch import nn
 
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.errors import MoeLitError
@@ -324,8 +326,30 @@ def load_hf_model(source: Union[str, Path], gguf_file: Optional[str] = None, dty
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype, **kwargs)
 
 
-def empty_hf_model(hf_config):
-    """A transformers model of ``hf_config`` on the meta device (no init cost; weights come by assignment)."""
-    transformers = require_transformers()
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(hf_config)
+@contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real (accelerate's
+    ``init_empty_weights``): no memory and no init for weights that come by assignment, while the
+    buffers computed at construction (RoPE tables, counters) stay valid."""
+    try:
+        from accelerate import init_empty_weights
+    except ImportError as exc:  # pragma: no cover - accelerate is in the benchmarks extra
+        raise MoeLitError("hf: this needs accelerate (pip install 'moe_lit[benchmarks]')") from exc
+    with init_empty_weights(include_buffers=False):
+        yield
+
+
+def assign_state(module: nn.Module, state: dict[str, torch.Tensor], zero_if_absent: Callable[[str], bool]) -> None:
+    """Load ``state`` into a module built under :func:`empty_parameters` by assignment (no copy).
+
+    A parameter absent from ``state`` becomes zeros where ``zero_if_absent(name)``, else is an error.
+    """
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    if unexpected:  # pragma: no cover - the mapping covers every tensor
+        raise MoeLitError(f"hf: tensors with no place in the model: {unexpected[:5]}")
+    for name in missing:
+        if not zero_if_absent(name):  # pragma: no cover - the mapping covers every tensor
+            raise MoeLitError(f"hf: no tensor for {name}")
+        owner, _, leaf = name.rpartition(".")
+        empty = module.get_parameter(name)
+        module.get_submodule(owner).register_parameter(leaf, nn.Parameter(torch.zeros(empty.shape, dtype=empty.dtype)))

@@ -17,7 +17,9 @@ from moe_lit.config import ModelConfig
 from moe_lit.convert.hf import llama, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moe_lit.convert.hf.core import (
     Family,
+    assign_state,
     check_exportable,
+    empty_parameters,
     hf_state_to_ours,
     load_hf_model,
     ours_to_hf_state,
@@ -46,25 +48,28 @@ def config_from_hf(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig
 
 
 def from_hf(
-    hf_model_or_dir: Any, gguf_file: Optional[str] = None, seq_len: Optional[int] = None
+    hf_model_or_dir: Any, gguf_file: Optional[str] = None, seq_len: Optional[int] = None, dtype=torch.float32
 ) -> Transformer:
-    """A float32 Transformer with the weights of a transformers causal LM (object or local directory)."""
-    hf_model = hf_model_or_dir
-    if isinstance(hf_model_or_dir, (str, Path)):
-        hf_model = load_hf_model(hf_model_or_dir, gguf_file)
+    """A Transformer (weights in ``dtype``) computing what a transformers causal LM computes.
+
+    ``hf_model_or_dir``: a model object (its tensors are copied) or a local directory (loaded in
+    ``dtype`` and its tensors taken over, so the peak memory is about one model).
+    """
+    from_dir = isinstance(hf_model_or_dir, (str, Path))
+    hf_model = load_hf_model(hf_model_or_dir, gguf_file, dtype) if from_dir else hf_model_or_dir
     cfg = config_from_hf(hf_model.config, seq_len)
     if cfg.is_moe:
         require_transformers(moe=True)
-    # NOTE: the throw-away initialisation must not advance the caller's global RNG (pure transform).
-    with torch.random.fork_rng(devices=[]):
+    with empty_parameters():
         model = Transformer(cfg)
-    hf_state = hf_model.state_dict()
-    keys = [k for k in model.state_dict() if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    state = hf_state_to_ours(hf_state, keys)
-    missing, unexpected = model.load_state_dict({k: v.detach().float().clone() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:  # pragma: no cover - the mapping covers every tensor
-        raise MoeLitError(f"hf: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    if cfg.tie_embeddings:
+        del model.lm_head.weight  # re-tied below, once the embedding holds its weights
+    state = hf_state_to_ours(hf_model.state_dict(), list(model.state_dict()))
+    del hf_model
+    state = {k: v.detach().to(dtype=dtype, copy=not from_dir) for k, v in state.items()}
+    assign_state(model, state, lambda name: False)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
     return model.eval()
 
 
@@ -88,23 +93,13 @@ def to_hf(model: Transformer, fmt: str, special_ids: Optional[dict[str, int]] = 
         raise MoeLitError(f"--format: got {fmt!r}, allowed values: {', '.join(FAMILIES)}")
     check_exportable(model, target, FAMILIES)
     transformers = require_transformers(moe=target.is_moe)
-    from transformers.initialization import no_init_weights
-
     hf_config = target.hf_config(model.config, special_ids or {})
-    # NOTE: the weights arrive by assignment, so skip transformers' (costly, RNG-consuming) init.
-    with no_init_weights():
+    with empty_parameters():
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config)
     state = {k: v.detach().to("cpu", dtype, copy=True) for k, v in ours_to_hf_state(model).items()}
-    missing, unexpected = hf_model.load_state_dict(state, strict=False, assign=True)
-    for key in missing:
-        # NOTE: only Qwen2-MoE's shared expert may be absent from ours; zeros (an empty expert, a
-        # zero gate) contribute exactly nothing.
-        if ".mlp.shared_expert" not in key:  # pragma: no cover - the mapping covers every tensor
-            raise MoeLitError(f"hf: no tensor of ours for {key}")
-        param = hf_model.get_parameter(key)
-        param.data = torch.zeros_like(param, dtype=dtype)
-    if unexpected:  # pragma: no cover - the mapping covers every tensor
-        raise MoeLitError(f"hf: tensors with no place in {fmt}: {unexpected[:5]}")
+    # NOTE: only Qwen2-MoE's shared expert may be absent from ours: zeros (an empty expert, a zero
+    # gate) contribute exactly nothing.
+    assign_state(hf_model, state, lambda name: ".mlp.shared_expert" in name)
     if model.config.tie_embeddings:
         hf_model.tie_weights()
     return hf_model.to(dtype).eval()

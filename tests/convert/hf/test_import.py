@@ -80,3 +80,22 @@ def test_unsupported_variants_are_refused_by_name(name, overrides, message, tmp_
     hf.save_pretrained(tmp_path / "hf")
     assert main(["convert", "import-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 2
     assert not (tmp_path / "ours").exists()
+
+
+def test_import_is_pure_and_can_keep_bfloat16(tmp_path):
+    hf, idx = hf_model("qwen3_moe"), tokens()
+    before = {k: v.clone() for k, v in hf.state_dict().items()}
+    rng = torch.get_rng_state()
+    ours = from_hf(hf)
+    assert torch.equal(torch.get_rng_state(), rng)  # no throw-away initialisation
+    with torch.no_grad():
+        next(ours.parameters()).add_(1.0)  # ours owns its tensors
+    assert all(torch.equal(v, before[k]) for k, v in hf.state_dict().items())
+    hf.save_pretrained(tmp_path / "hf")
+    args = ["--model", str(tmp_path / "hf"), "--dtype", "bfloat16", "--out", str(tmp_path / "ours")]
+    assert main(["convert", "import-hf", *args]) == 0
+    from safetensors.torch import load_file
+
+    assert {v.dtype for v in load_file(tmp_path / "ours" / "model.safetensors").values()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert (load_model(tmp_path / "ours")(idx).logits_BLV - hf(idx).logits).abs().max().item() < 0.1
