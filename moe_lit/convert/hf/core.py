@@ -263,19 +263,23 @@ def experts_from_hf(gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor):
 
 
 def hf_state_to_ours(hf_state: dict[str, torch.Tensor], our_keys: list[str]) -> dict[str, torch.Tensor]:
-    """Our state dict (every key of ``our_keys`` but the unmapped ones) from a transformers one."""
+    """Our state dict (every key of ``our_keys`` but the unmapped ones) from a transformers one.
+
+    ``hf_state`` is consumed (entries popped as they are used): once the model that held them is
+    gone, each layer's transformers experts are freed as soon as ours are made.
+    """
     state: dict[str, torch.Tensor] = {}
     for key in our_keys:
         if key in ("tok_embeddings.weight", "norm.weight", "lm_head.weight"):
-            state[key] = hf_state[{"tok_embeddings.weight": "model.embed_tokens.weight",
-                                   "norm.weight": "model.norm.weight"}.get(key, key)]
+            state[key] = hf_state.pop({"tok_embeddings.weight": "model.embed_tokens.weight",
+                                       "norm.weight": "model.norm.weight"}.get(key, key))
             continue
         layer, rest = _split(key)
         prefix = f"model.layers.{layer}."
         if rest in OURS_TO_HF:
-            state[key] = hf_state[prefix + OURS_TO_HF[rest]]
+            state[key] = hf_state.pop(prefix + OURS_TO_HF[rest])
         elif rest == OUR_EXPERTS[0]:
-            tensors = experts_from_hf(*(hf_state[prefix + name] for name in HF_EXPERTS))
+            tensors = experts_from_hf(*(hf_state.pop(prefix + name) for name in HF_EXPERTS))
             state.update({f"blocks.{layer}.{name}": t for name, t in zip(OUR_EXPERTS, tensors)})
         elif rest not in OUR_EXPERTS and rest not in UNMAPPED:  # pragma: no cover - every tensor is mapped
             raise MoeLitError(f"hf: no transformers tensor for {key}")

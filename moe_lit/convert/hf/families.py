@@ -64,8 +64,9 @@ def from_hf(
         model = Transformer(cfg)
     if cfg.tie_embeddings:
         del model.lm_head.weight  # re-tied below, once the embedding holds its weights
-    state = hf_state_to_ours(hf_model.state_dict(), list(model.state_dict()))
-    del hf_model
+    hf_state = hf_model.state_dict()
+    del hf_model  # from a directory, hf_state now holds the only references (freed layer by layer)
+    state = hf_state_to_ours(hf_state, list(model.state_dict()))
     state = {k: v.detach().to(dtype=dtype, copy=not from_dir) for k, v in state.items()}
     assign_state(model, state, lambda name: False)
     if cfg.tie_embeddings:
