@@ -162,3 +162,14 @@ def test_a_feature_the_format_lacks_is_refused_by_name(
 
 def test_export_without_a_tokenizer_is_refused(tmp_path):
     assert export(native("llama"), "llama", tmp_path, None) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the empty shared expert
+def test_a_plain_moe_exports_to_qwen2_moe_with_an_empty_shared_expert():
+    model, idx = native("mixtral"), tokens()
+    hf = to_hf(model, "qwen2_moe")
+    assert hf.config.shared_expert_intermediate_size == 0
+    with torch.no_grad():
+        assert (hf(idx).logits - model(idx).logits_BLV).abs().max().item() < 1e-4
+    back = from_hf(hf)
+    assert back.config.moe.shared_expert_size == 0 and back.state_dict().keys() == model.state_dict().keys()
