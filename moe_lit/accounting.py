@@ -144,7 +144,8 @@ def matched_moe_config(
     if not 0.0 <= shared_fraction < 1.0:
         raise ConfigError(f"shared_fraction: must be in [0, 1), got {shared_fraction}")
     d, shared = dense.d_model, round(shared_fraction * dense.d_ff)
-    budget = 3 * d * dense.d_ff - num_experts * d - d - 3 * d * shared
+    bias = d if moe_fields.get("expert_output_bias", True) else 0
+    budget = 3 * d * dense.d_ff - num_experts * d - bias - 3 * d * shared
     divisor = 3 * d * (top_k if match == "active" else num_experts)
     mean_size = budget / divisor
     if mean_size < 1:
