@@ -5,8 +5,8 @@ All counts come from the config alone and are tested to equal the built model's.
 * ``embedding`` = input embedding + output head (the head only when it is not tied).
 * ``active`` = parameters touched by one token. A routed expert set contributes ``k/E`` of its
   parameters: exact for equal experts, the expectation under uniform routing for heterogeneous
-  ones (rounded to an integer). Router, expert output bias, shared expert, attention and norms
-  are always active.
+  ones (rounded to an integer). Router, expert output bias, shared expert (and its gate),
+  attention (q/k/v biases, q/k norms) and norms are always active.
 * forward FLOPs per token = 2 x (active matmul parameters, head included, embedding lookup
   excluded) + attention scores and values ``4 * n_layers * seq_len * n_heads * head_dim``
   (full context, as in the PaLM/Chinchilla convention); training is about 3x that.
@@ -41,14 +41,26 @@ class ParamCounts:
 def _attention_params(cfg: ModelConfig) -> int:
     q_and_o = 2 * cfg.d_model * cfg.n_heads * cfg.head_dim
     k_and_v = 2 * cfg.d_model * cfg.kv_heads * cfg.head_dim
-    return q_and_o + k_and_v
+    return q_and_o + k_and_v + _attention_vector_params(cfg)
+
+
+def _attention_vector_params(cfg: ModelConfig) -> int:
+    """q/k/v biases and q/k norm weights of one attention layer (no matmul FLOPs)."""
+    qkv_bias = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
+    qk_norm = {"none": 0, "head": 2 * cfg.head_dim, "full": (cfg.n_heads + cfg.kv_heads) * cfg.head_dim}
+    return qkv_bias + qk_norm[cfg.qk_norm]
 
 
 def _moe_params(d_model: int, moe: MoEConfig) -> tuple[int, int]:
     """(total, active) parameters of one MoE layer."""
-    always = moe.num_experts * d_model + d_model + 3 * d_model * moe.shared_expert_size
+    shared = 3 * d_model * moe.shared_expert_size + (d_model if moe.shared_expert_gate else 0)
+    always = moe.num_experts * d_model + _expert_bias_params(d_model, moe) + shared
     experts = 3 * d_model * moe.total_expert_size
     return always + experts, always + _active_share(experts, moe.top_k, moe.num_experts)
+
+
+def _expert_bias_params(d_model: int, moe: MoEConfig) -> int:
+    return d_model if moe.expert_output_bias else 0
 
 
 def _active_share(expert_params: int, top_k: int, num_experts: int) -> int:
@@ -90,8 +102,9 @@ def forward_flops_per_token(cfg: ModelConfig) -> int:
     """Forward FLOPs per token (see the module docstring for the convention)."""
     counts = count_config_params(cfg)
     norms = cfg.d_model * (2 * cfg.n_layers + 1)
-    expert_biases = cfg.d_model * len(cfg.moe_layer_ids)
-    matmul_params = counts.active - cfg.vocab_size * cfg.d_model - norms - expert_biases
+    expert_biases = _expert_bias_params(cfg.d_model, cfg.moe) * len(cfg.moe_layer_ids) if cfg.moe else 0
+    vectors = norms + expert_biases + cfg.n_layers * _attention_vector_params(cfg)
+    matmul_params = counts.active - cfg.vocab_size * cfg.d_model - vectors
     if cfg.tie_embeddings:
         matmul_params += cfg.vocab_size * cfg.d_model  # the tied head is still a matmul
     attention = 4 * cfg.n_layers * cfg.seq_len * cfg.n_heads * cfg.head_dim
@@ -131,7 +144,8 @@ def matched_moe_config(
     if not 0.0 <= shared_fraction < 1.0:
         raise ConfigError(f"shared_fraction: must be in [0, 1), got {shared_fraction}")
     d, shared = dense.d_model, round(shared_fraction * dense.d_ff)
-    budget = 3 * d * dense.d_ff - num_experts * d - d - 3 * d * shared
+    bias = d if moe_fields.get("expert_output_bias", True) else 0
+    budget = 3 * d * dense.d_ff - num_experts * d - bias - 3 * d * shared
     divisor = 3 * d * (top_k if match == "active" else num_experts)
     mean_size = budget / divisor
     if mean_size < 1:

@@ -22,10 +22,12 @@ from moe_lit.errors import MoeLitError
 ScoreFunc = Literal["softmax", "sigmoid"]
 Balancing = Literal["aux_loss", "bias", "none"]
 Backend = Literal["auto", "torch", "megablocks"]
+QKNorm = Literal["none", "head", "full"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 BALANCING = ("aux_loss", "bias", "none")
 BACKENDS = ("auto", "torch", "megablocks")
+QK_NORMS = ("none", "head", "full")
 
 
 class ConfigError(MoeLitError, ValueError):
@@ -62,6 +64,12 @@ class MoEConfig:
     """Experts chosen per token (k <= num_experts)."""
     shared_expert_size: int = 0
     """Hidden size of an always-active shared SwiGLU expert; 0 disables it."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . g) with a learned (1, D) gate (Qwen2-MoE);
+    needs shared_expert_size > 0."""
+    expert_output_bias: bool = True
+    """Learn MegaBlocks' (D,) bias on the routed experts' output. False keeps it a fixed zero that
+    is neither trained nor saved: the layout the transformers MoE families have (see export)."""
     score_func: ScoreFunc = "softmax"
     """Router score function: softmax (MegaBlocks) | sigmoid (DeepSeek-V3)."""
     renormalize: bool = True
@@ -111,6 +119,11 @@ class MoEConfig:
             isinstance(self.shared_expert_size, int) and self.shared_expert_size >= 0,
             "moe.shared_expert_size",
             f"must be an integer >= 0, got {self.shared_expert_size!r}",
+        )
+        _require(
+            not self.shared_expert_gate or self.shared_expert_size > 0,
+            "moe.shared_expert_gate",
+            "needs a shared expert (shared_expert_size > 0)",
         )
         _require_choice(self.score_func, "moe.score_func", SCORE_FUNCS)
         _require(
@@ -180,6 +193,14 @@ class ModelConfig:
     """Attention query heads; d_model must be divisible by it."""
     n_kv_heads: Optional[int] = None
     """Key/value heads for grouped-query attention; null = n_heads (multi-head attention)."""
+    attn_head_dim: Optional[int] = None
+    """Width Dh of one attention head; null = d_model / n_heads. Set it to decouple the two
+    (Qwen3-MoE: n_heads * Dh may differ from d_model)."""
+    qk_norm: QKNorm = "none"
+    """RMSNorm on queries and keys before RoPE: none | head (one (Dh,) weight shared by the heads,
+    Qwen3-MoE) | full (over all heads at once, (H*Dh,) and (G*Dh,), OLMoE)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2-MoE); the output projection never has one."""
     seq_len: int = 256
     """Maximum sequence length (RoPE table size)."""
     rope_base: float = 10000.0
@@ -203,11 +224,15 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "d_ff"):
             _require_positive_int(getattr(self, name), f"model.{name}")
-        _require(
-            self.d_model % self.n_heads == 0,
-            "model.n_heads",
-            f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}",
-        )
+        if self.attn_head_dim is None:
+            _require(
+                self.d_model % self.n_heads == 0,
+                "model.n_heads",
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} (or set attn_head_dim)",
+            )
+        else:
+            _require_positive_int(self.attn_head_dim, "model.attn_head_dim")
+        _require_choice(self.qk_norm, "model.qk_norm", QK_NORMS)
         if self.n_kv_heads is not None:
             _require_positive_int(self.n_kv_heads, "model.n_kv_heads")
             _require(
@@ -232,7 +257,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

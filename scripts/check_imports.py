@@ -6,7 +6,7 @@ import sys
 MODULES = [
     "torch", "lightning", "lightning.pytorch", "jsonargparse", "docstring_parser", "torchmetrics", "litdata",
     "tokenizers", "lxml.etree", "yaml", "safetensors.torch", "matplotlib", "rich", "tqdm",
-    "tensorboard", "lm_eval", "scipy", "transformers", "moe_lit",
+    "tensorboard", "lm_eval", "scipy", "transformers", "gguf", "accelerate", "moe_lit",
 ]
 
 failed = []

@@ -11,6 +11,15 @@ from moe_lit.config import ConfigError
 from moe_lit.model import Transformer
 from tests.conftest import tiny
 
+# The options the transformers MoE families need (moe_lit.convert.hf), alone and together.
+HF_FEATURES = [
+    tiny(qk_norm="head", n_kv_heads=2),
+    tiny(qk_norm="full", n_kv_heads=2, tie_embeddings=True),
+    tiny(qkv_bias=True, shared_expert_size=8, shared_expert_gate=True, expert_output_bias=False),
+    tiny(dense=True, attn_head_dim=16, qk_norm="head", qkv_bias=True),
+]
+HF_IDS = ["qk-norm-head", "qk-norm-full", "qkv-bias-gated-shared-no-bias", "dense-head-dim"]
+
 
 @pytest.mark.parametrize(
     "cfg",
@@ -22,11 +31,28 @@ from tests.conftest import tiny
         tiny(num_experts=4, expert_size=12, top_k=1, shared_expert_size=20),
         tiny(num_experts=3, expert_size=[5, 7, 9], top_k=2, n_layers=5, first_dense_layers=1, layer_interval=2),
         tiny(balancing="bias", tie_embeddings=True),
+        *HF_FEATURES,
     ],
-    ids=["dense", "dense-tied-gqa", "uniform", "hetero", "shared", "interleaved-hetero", "bias-tied"],
+    ids=["dense", "dense-tied-gqa", "uniform", "hetero", "shared", "interleaved-hetero", "bias-tied", *HF_IDS],
 )
 def test_analytic_counts_equal_built_model(cfg):
     assert count_config_params(cfg) == count_model_params(Transformer(cfg))
+
+
+@pytest.mark.parametrize(
+    "cfg", [tiny(dense=True), tiny(shared_expert_size=8), *HF_FEATURES], ids=["dense", "shared", *HF_IDS]
+)
+def test_flops_equal_twice_the_built_models_active_matmul_parameters(cfg):
+    model = Transformer(cfg)
+    matrices = [p for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name]
+    matmul = sum(p.numel() for p in matrices)
+    if cfg.tie_embeddings:
+        matmul += model.lm_head.weight.numel()
+    for layer in model.moe_layers():
+        experts = sum(p.numel() for p in layer.experts.mlp.parameters())
+        matmul -= experts - experts * cfg.moe.top_k // cfg.moe.num_experts
+    attention = 4 * cfg.n_layers * cfg.seq_len * cfg.n_heads * cfg.head_dim
+    assert forward_flops_per_token(cfg) == 2 * matmul + attention
 
 
 def test_active_counts_by_hand_for_uniform_moe():

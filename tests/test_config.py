@@ -17,6 +17,7 @@ from moe_lit.config import ConfigError, ModelConfig, MoEConfig
         (dict(shared_expert_size=-1), "moe.shared_expert_size", ">= 0"),
         (dict(num_experts=0), "moe.num_experts", "positive integer"),
         (dict(layer_interval=0), "moe.layer_interval", "positive integer"),
+        (dict(shared_expert_gate=True), "moe.shared_expert_gate", "shared_expert_size > 0"),
     ],
 )
 def test_bad_moe_config_names_the_field(fields, field_name, fragment):
@@ -34,6 +35,9 @@ def test_bad_moe_config_names_the_field(fields, field_name, fragment):
         (dict(d_ff=0), "model.d_ff", "positive integer"),
         (dict(vocab_size=-5), "model.vocab_size", "positive integer"),
         (dict(n_layers=2, moe=MoEConfig(first_dense_layers=2)), "moe.first_dense_layers", "< n_layers=2"),
+        (dict(qk_norm="layer"), "model.qk_norm", "allowed values: none, head, full"),
+        (dict(attn_head_dim=0), "model.attn_head_dim", "positive integer"),
+        (dict(d_model=30, n_heads=4), "model.n_heads", "or set attn_head_dim"),
     ],
 )
 def test_bad_model_config_names_the_field(fields, field_name, fragment):
@@ -72,3 +76,8 @@ def test_capacity_is_ceil_of_factor_times_share():
     moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25)
     assert moe.capacity(10) == 7  # ceil(1.25 * 10 * 2 / 4) = ceil(6.25)
     assert MoEConfig().capacity(10) is None
+
+
+def test_attn_head_dim_decouples_heads_from_d_model():
+    cfg = ModelConfig(d_model=30, n_heads=4, attn_head_dim=16)
+    assert cfg.head_dim == 16 and ModelConfig(d_model=32, n_heads=4).head_dim == 8

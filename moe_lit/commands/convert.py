@@ -1,15 +1,19 @@
 """``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
 
-Actions: ``import-hf`` (HF Llama dir or GGUF -> moe_lit), ``upcycle`` (dense -> MoE), ``expand``
-(E -> mE experts) and ``partition`` (dense -> MoE by neuron partitioning: random, k-means,
-co-activation, DOT-MoE). Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer
-found beside the input travels with the output.
+Actions: ``import-hf`` (a transformers Llama / Mixtral / OLMoE / Qwen2-MoE / Qwen3-MoE dir, or a
+GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`` (E -> mE experts)
+and ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE).
+Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer found beside the input
+travels with the output.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
+
+import torch
 
 from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import export_model, find_tokenizer, load_model
@@ -30,10 +34,17 @@ def _counts(text: str) -> list[int]:
 def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    hf = actions.add_parser("import-hf", help="import a local HF Llama checkpoint (dir, or dir + GGUF file)")
-    hf.add_argument("--model", required=True, type=Path, help="directory of a LlamaForCausalLM (or of a GGUF file)")
+    hf = actions.add_parser("import-hf", help="import a local transformers checkpoint (dir, or dir + GGUF file)")
+    hf.add_argument(
+        "--model", required=True, type=Path,
+        help="directory of a Llama, Mixtral, OLMoE, Qwen2-MoE or Qwen3-MoE causal LM (or of a GGUF file)",
+    )
     hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf accelerate`)")
     hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
+    hf.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
+    )
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
@@ -83,11 +94,15 @@ def run(args: argparse.Namespace) -> int:
 
         return run_partition(args)
     if args.action == "import-hf":
-        from moe_lit.convert.hf import from_hf_llama
+        from moe_lit.convert.hf import from_hf
+        from moe_lit.convert.hf.tokenizer import write_tokenizer_json
 
-        model = from_hf_llama(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len)
-        tokenizer = args.model / "tokenizer.json"
-        export_model(model, args.out, tokenizer if tokenizer.is_file() else None)
+        model = from_hf(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len, dtype=getattr(torch, args.dtype))
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = write_tokenizer_json(args.model, Path(tmp) / "tokenizer.json", args.gguf_file)
+            export_model(model, args.out, tokenizer)
+        if tokenizer is None:
+            print(f"note: {args.model} holds no tokenizer; {args.out} has none (eval needs --tokenizer)")
     elif args.action == "upcycle":
         from moe_lit.convert.dense_to_moe import dense_to_moe
 

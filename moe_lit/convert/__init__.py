@@ -1,8 +1,8 @@
 """Model transforms: pure functions (model in, new model out) with documented guarantees.
 
 ``dense_to_moe`` (copy / granular / drop upcycling), ``expand_experts`` (E -> mE expert
-duplication with uniform or utility-based selection) and ``from_hf_llama`` (HF Llama import).
-``moe_lit.convert.hf`` is imported on use: it needs transformers.
+duplication with uniform or utility-based selection); ``moe_lit.convert.hf`` (import from and
+export to the transformers families) is imported on use: it needs transformers.
 """
 
 from moe_lit.convert.dense_to_moe import RECIPES, dense_to_moe

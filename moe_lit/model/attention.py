@@ -27,14 +27,35 @@ def apply_rope(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class HeadRMSNorm(nn.RMSNorm):
+    """RMSNorm over each head of a ``(..., heads * Dh)`` projection, one ``(Dh,)`` weight for all heads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        head_dim = self.normalized_shape[0]
+        return super().forward(x.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+
+def qk_norms(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
+    """The query and key norms of ``cfg.qk_norm`` (identities for ``none``)."""
+    if cfg.qk_norm == "head":
+        return HeadRMSNorm(cfg.head_dim, eps=cfg.norm_eps), HeadRMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+    if cfg.qk_norm == "full":
+        return (
+            nn.RMSNorm(cfg.n_heads * cfg.head_dim, eps=cfg.norm_eps),
+            nn.RMSNorm(cfg.kv_heads * cfg.head_dim, eps=cfg.norm_eps),
+        )
+    return nn.Identity(), nn.Identity()
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm, self.k_norm = qk_norms(cfg)
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
         # NOTE: derived from the config, so not saved in checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -42,8 +63,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x_BLD.shape
-        q = self.q_proj(x_BLD).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BLD).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x_BLD)).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BLD)).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLD).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, self.rope_cos, self.rope_sin), apply_rope(k, self.rope_cos, self.rope_sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)

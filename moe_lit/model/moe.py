@@ -24,6 +24,7 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, cfg)
         self.experts = build_experts(d_model, cfg)
         self.shared_expert = SwiGLU(d_model, cfg.shared_expert_size) if cfg.shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if cfg.shared_expert_gate else None
 
     def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
@@ -31,10 +32,17 @@ class MoELayer(nn.Module):
         capacity = self.cfg.capacity(x_TD.shape[0])
         y_TD, plan = self.experts(x_TD, routing.weights_TK, routing.indices_TK, capacity)
         if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
+            y_TD = y_TD + self._shared(x_TD)
         if self.training:
             self.router.record(plan.routed_counts_E, plan.dropped)
         return y_TD.view_as(x_BLD), self._losses(routing, plan.routed_counts_E)
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, scaled by its sigmoid gate when it has one (Qwen2-MoE)."""
+        out_TD = self.shared_expert(x_TD)
+        if self.shared_expert_gate is None:
+            return out_TD
+        return torch.sigmoid(self.shared_expert_gate(x_TD)) * out_TD
 
     def _losses(self, routing, routed_counts_E: torch.Tensor) -> dict[str, torch.Tensor]:
         losses: dict[str, torch.Tensor] = {}

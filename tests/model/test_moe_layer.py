@@ -141,3 +141,22 @@ def test_bias_balancing_lowers_load_imbalance_on_a_skewed_router():
         layer.router.update_bias()
     assert start > 2.0
     assert imbalance() < 0.6 * start
+
+
+def test_shared_expert_gate_scales_the_shared_output_by_its_sigmoid():
+    cfg = MoEConfig(num_experts=4, expert_size=8, top_k=2, shared_expert_size=6, shared_expert_gate=True)
+    layer = _init(MoELayer(D, cfg, 1))
+    x_TD = torch.randn(5, D, generator=torch.Generator().manual_seed(3))
+    ungated = reference_moe(layer, x_TD) - layer.shared_expert(x_TD)
+    gate_T1 = torch.sigmoid(x_TD @ layer.shared_expert_gate.weight.t())
+    y_TD, _ = layer(x_TD)
+    assert torch.allclose(y_TD, ungated + gate_T1 * layer.shared_expert(x_TD), atol=1e-6)
+
+
+def test_without_expert_output_bias_the_bias_is_a_fixed_zero_outside_the_checkpoint():
+    layer = _init(MoELayer(D, MoEConfig(num_experts=4, expert_size=8, top_k=2, expert_output_bias=False), 1))
+    assert "experts.bias" not in layer.state_dict()
+    assert all(not name.endswith("bias") for name, _ in layer.named_parameters())
+    y_TD, _ = layer(torch.randn(5, D))
+    y_TD.sum().backward()
+    assert torch.equal(layer.experts.bias, torch.zeros(D)) and layer.experts.mlp.w1.grad is not None

@@ -48,7 +48,7 @@ def build_experts(d_model: int, cfg: MoEConfig) -> nn.Module:
     """Routed experts for one MoE layer, in the shared ``mlp.w1/v1/w2`` + ``bias`` layout."""
     if resolve_backend(cfg) == "megablocks":
         return MegaBlocksExperts(d_model, cfg)
-    return TorchExperts(d_model, ExpertLayout.of(cfg.expert_sizes))
+    return TorchExperts(d_model, ExpertLayout.of(cfg.expert_sizes), output_bias=cfg.expert_output_bias)
 
 
 __all__ = ["ExpertLayout", "TorchExperts", "build_experts", "resolve_backend"]

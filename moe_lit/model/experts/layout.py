@@ -20,6 +20,7 @@ from functools import cached_property
 from typing import Sequence
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,13 @@ class ExpertLayout:
     def expert_of_row(self) -> torch.Tensor:
         """``(S,)`` expert id of every stacked row."""
         return torch.repeat_interleave(torch.arange(self.num_experts), torch.tensor(self.sizes))
+
+
+def register_output_bias(module: nn.Module, d_model: int, learned: bool, device=None) -> None:
+    """``module.bias``: MegaBlocks' learned ``(D,)`` expert output bias, or (``learned=False``,
+    ``moe.expert_output_bias: false``) a fixed zero kept out of the parameters and the checkpoint."""
+    zeros_D = torch.zeros(d_model, device=device)
+    if learned:
+        module.bias = nn.Parameter(zeros_D)
+    else:
+        module.register_buffer("bias", zeros_D, persistent=False)

@@ -48,7 +48,7 @@ from torch.func import functional_call
 
 from moe_lit.config import MoEConfig
 from moe_lit.errors import MoeLitError
-from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
 
 INSTALL_HINT = "install the gpu extra as the README's 'GPUs, MegaBlocks and multi-node' section says"
 
@@ -165,7 +165,7 @@ class MegaBlocksExperts(nn.Module):
         # NOTE: radix-sort key width, as MegaBlocks' ParallelMLP computes it.
         self.sort_end_bit = max(math.ceil(math.log2(cfg.num_experts)), 1)
         self.mlp = megablocks.layers.dmlp_registry.get(args)
-        self.bias = nn.Parameter(torch.zeros(d_model, device=args.device))
+        register_output_bias(self, d_model, cfg.expert_output_bias, device=args.device)
 
     @property
     def num_experts(self) -> int:

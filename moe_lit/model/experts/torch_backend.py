@@ -27,7 +27,7 @@ from moe_lit.model.experts.grouped_swiglu import (
     grouped_mm_op,
     grouped_swiglu,
 )
-from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
 
 Strategy = Literal["auto", "grouped", "batched", "looped"]
 STRATEGIES = ("auto", "grouped", "batched", "looped")
@@ -120,14 +120,16 @@ class TorchExperts(nn.Module):
     ``looped``. All give the same results up to float rounding.
     """
 
-    def __init__(self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto") -> None:
+    def __init__(
+        self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto", output_bias: bool = True
+    ) -> None:
         super().__init__()
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: got {strategy!r}, allowed values: {', '.join(STRATEGIES)}")
         if strategy in ("grouped", "batched") and not layout.uniform:
             raise ValueError(f"strategy: {strategy!r} needs equal expert sizes; use 'auto' or 'looped'")
         self.mlp = ExpertWeights(d_model, layout)
-        self.bias = nn.Parameter(torch.zeros(d_model))
+        register_output_bias(self, d_model, output_bias)
         self.strategy: Strategy = strategy
 
     @property

@@ -1,0 +1,177 @@
+"""moe_lit -> transformers: from_pretrained loads the export offline, logits and greedy generations equal ours,
+import of the export is the identity, features a format lacks are refused by name with exit 2."""
+
+import json
+
+import pytest
+import torch
+
+from moe_lit.accounting import count_config_params
+from moe_lit.checkpoint import export_model
+from moe_lit.cli import main
+from moe_lit.convert.hf import from_hf, to_hf
+from moe_lit.errors import MoeLitError
+from moe_lit.model import Transformer
+from tests.conftest import tiny
+from tests.convert.hf.conftest import tokens
+
+transformers = pytest.importorskip("transformers")
+
+NO_BIAS = dict(expert_output_bias=False, init_std=0.1)
+# NOTE: d_ff is unused when every layer is MoE; mixtral / olmoe import it as the expert size.
+NATIVE = {  # our models that each format can hold, using what the format has
+    "llama": tiny(dense=True, n_kv_heads=2, init_std=0.1, tie_embeddings=True),
+    "mixtral": tiny(n_kv_heads=2, d_ff=16, **NO_BIAS),
+    "olmoe": tiny(qk_norm="full", renormalize=False, d_ff=16, **NO_BIAS),
+    "qwen2_moe": tiny(
+        n_layers=3, first_dense_layers=1, qkv_bias=True, shared_expert_size=24, shared_expert_gate=True,
+        renormalize=False, **NO_BIAS,
+    ),
+    "qwen3_moe": tiny(n_layers=3, first_dense_layers=1, layer_interval=2, qk_norm="head", attn_head_dim=16, **NO_BIAS),
+}
+
+
+def native(name: str, **changes) -> Transformer:
+    cfg = NATIVE[name].replace(**changes) if changes else NATIVE[name]
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # norms and biases off their init, so a wrong mapping shows
+        for key, param in model.named_parameters():
+            if "norm" in key:
+                param.uniform_(0.5, 1.5)
+            elif param.dim() == 1:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def greedy(model: Transformer, idx_BL: torch.Tensor, new_tokens: int, eos_id: int = 0) -> torch.Tensor:
+    """Greedy decoding by full forwards of our model (no cache); as transformers' ``generate``, a row
+    that emitted EOS goes on with pad (= EOS here) and decoding stops when every row has."""
+    done_B = torch.zeros(idx_BL.shape[0], dtype=torch.bool)
+    for _ in range(new_tokens):
+        next_B = model(idx_BL).logits_BLV[:, -1].argmax(dim=-1).masked_fill(done_B, eos_id)
+        done_B |= next_B == eos_id
+        idx_BL = torch.cat([idx_BL, next_B[:, None]], dim=1)
+        if done_B.all():
+            break
+    return idx_BL
+
+
+def export(model, name, tmp_path, tokenizer, *extra) -> int:
+    export_model(model, tmp_path / "ours", tokenizer)
+    args = ["--checkpoint", str(tmp_path / "ours"), "--format", name, "--out", str(tmp_path / "hf"), *extra]
+    return main(["export", *args])
+
+
+@pytest.mark.parametrize("name", list(NATIVE))
+def test_export_loads_in_transformers_and_computes_what_ours_does(name, tmp_path, word_tokenizer):
+    ours, idx = native(name), tokens()
+    assert export(ours, name, tmp_path, word_tokenizer) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    assert hf.config.model_type == name
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx).logits_BLV).abs().max().item() < 1e-4
+        prompt = idx[:, :6]
+        expected = greedy(ours, prompt, 8)
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    assert torch.equal(generated, expected)
+    # export then import: the identity on the config and the state dict
+    back = from_hf(tmp_path / "hf")
+    assert back.config == ours.config
+    back_state, state = back.state_dict(), ours.state_dict()
+    assert back_state.keys() == state.keys() and all(torch.equal(back_state[k], state[k]) for k in state)
+
+
+def test_export_writes_tokenizer_generation_config_and_shards(tmp_path, word_tokenizer):
+    assert export(native("mixtral"), "mixtral", tmp_path, word_tokenizer, "--max-shard-size", "20KB") == 0
+    files = {path.name for path in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors.index.json" in files and "model-00001-of-" in " ".join(files)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|endoftext|>",) * 3
+    assert tok("w3 w17 w95")["input_ids"] == [3, 17, 95]  # as our tokenizer: no added BOS
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["bos_token_id"], generation["pad_token_id"]) == (0, 0, 0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
+    # moe-lit accounting reads the exported directory, exactly
+    assert count_config_params(from_hf(tmp_path / "hf").config).total == sum(p.numel() for p in hf.parameters())
+    assert main(["accounting", "--config", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+
+
+def test_export_refuses_a_non_empty_out_unless_forced(tmp_path, word_tokenizer, capsys):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("x")
+    assert export(native("llama"), "llama", tmp_path, word_tokenizer) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "hf" / "keep.txt").exists()
+    assert export(native("llama"), "llama", tmp_path, word_tokenizer, "--force") == 0
+    assert not (tmp_path / "hf" / "keep.txt").exists() and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_default_moe_with_its_zero_expert_bias_exports(word_tokenizer):
+    model = native("mixtral", moe={"expert_output_bias": True})
+    for layer in model.moe_layers():
+        layer.experts.bias.data.zero_()
+    idx = tokens()
+    with torch.no_grad():
+        assert (to_hf(model, "mixtral")(idx).logits - model(idx).logits_BLV).abs().max().item() < 1e-4
+
+
+def _nonzero(attribute):
+    def change(model):
+        for layer in model.moe_layers():
+            getattr(layer, attribute[0]).__getattr__(attribute[1]).data.fill_(0.5)
+        return model
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "name, fmt, changes, change, message",
+    [
+        ("mixtral", "mixtral", {"moe": {"expert_size": [8, 16, 16, 24]}}, None,
+         "heterogeneous experts .*no export format has it"),
+        ("olmoe", "olmoe", {"moe": {"score_func": "sigmoid"}}, None, "sigmoid routing .*no export format has it"),
+        ("qwen3_moe", "qwen3_moe", {"moe": {"balancing": "bias"}}, _nonzero(("router", "expert_bias")),
+         "selection bias .*no export format has it"),
+        ("mixtral", "mixtral", {"moe": {"expert_output_bias": True}}, _nonzero(("experts", "bias")),
+         r"expert output bias \(experts.bias; train with moe.expert_output_bias=false\)"),
+        ("mixtral", "mixtral", {"moe": {"capacity_factor": 1.0}}, None, "capacity dropping"),
+        ("olmoe", "olmoe", {"moe": {"unit_weights": True, "renormalize": False}}, None,
+         "unit routing weights .*no export format has it"),
+        ("qwen3_moe", "olmoe", {"attn_head_dim": None, "moe": {"first_dense_layers": 0, "layer_interval": 1}}, None,
+         "per-head q/k RMSNorm .*unsupported by olmoe; formats that have it: qwen3_moe"),
+        ("mixtral", "llama", {}, None,
+         "MoE layers: unsupported by llama; formats that have it: mixtral, olmoe, qwen2_moe, qwen3_moe"),
+        ("llama", "mixtral", {}, None, "a dense model .*formats that have it: llama"),
+        ("mixtral", "mixtral", {"moe": {"renormalize": False}}, None,
+         "without renormalisation .*formats that have it: olmoe, qwen2_moe, qwen3_moe"),
+        ("mixtral", "olmoe", {}, None, "every olmoe model has full-width q/k RMSNorm"),
+        ("qwen2_moe", "olmoe", {"qkv_bias": False, "moe": {"shared_expert_gate": False}}, None,
+         "dense FFN layers in an MoE model"),
+    ],
+)
+def test_a_feature_the_format_lacks_is_refused_by_name(
+    name, fmt, changes, change, message, tmp_path, word_tokenizer, capsys
+):
+    model = native(name, **changes)
+    model = change(model) if change else model
+    with pytest.raises(MoeLitError, match=message):
+        to_hf(model, fmt)
+    assert export(model, fmt, tmp_path, word_tokenizer) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"export --format {fmt}:" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_without_a_tokenizer_is_refused(tmp_path):
+    assert export(native("llama"), "llama", tmp_path, None) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the empty shared expert
+def test_a_plain_moe_exports_to_qwen2_moe_with_an_empty_shared_expert():
+    model, idx = native("mixtral"), tokens()
+    hf = to_hf(model, "qwen2_moe")
+    assert hf.config.shared_expert_intermediate_size == 0
+    with torch.no_grad():
+        assert (hf(idx).logits - model(idx).logits_BLV).abs().max().item() < 1e-4
+    back = from_hf(hf)
+    assert back.config.moe.shared_expert_size == 0 and back.state_dict().keys() == model.state_dict().keys()
