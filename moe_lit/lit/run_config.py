@@ -206,7 +206,7 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path]) -> "RunConfig":
-        return cls.from_dict(_read_yaml(path, "run"))
+        return cls.from_dict(read_yaml(path, "run"))
 
     def replace(self, **sections: Any) -> "RunConfig":
         """A copy with fields of whole sections changed: ``replace(train={"seed": 1})`` changes
@@ -228,7 +228,7 @@ class RunConfig:
         from moe_lit.config import ModelConfig
 
         path = Path(path)
-        config = _read_yaml(path, "experiment")
+        config = read_yaml(path, "experiment")
         module = _section_file(config.get("model") or {}, path, "model")
         model = _section_file(module.get("model") or {}, path, "model.model")
         data = {k: v for k, v in (_section_file(config.get("data") or {}, path, "data")).items() if k != "seed"}
@@ -243,7 +243,8 @@ class RunConfig:
         return ModelConfig.from_dict(model), run
 
 
-def _read_yaml(path: Union[str, Path], what: str) -> dict[str, Any]:
+def read_yaml(path: Union[str, Path], what: str) -> dict[str, Any]:
+    """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what}: no such file {path}")
@@ -259,10 +260,10 @@ def _read_yaml(path: Union[str, Path], what: str) -> dict[str, Any]:
 def _section_file(value: Any, owner: Path, name: str) -> dict[str, Any]:
     """A YAML section given inline or as a path relative to the file that names it."""
     if isinstance(value, str):
-        return _read_yaml(owner.parent / value, name)
+        return read_yaml(owner.parent / value, name)
     if not isinstance(value, dict):
         raise ConfigError(f"{name}: expected a mapping or a YAML path, got {type(value).__name__}")
     return value
 
 
-__all__ = ["DataConfig", "RunConfig", "TrainConfig"]
+__all__ = ["DataConfig", "RunConfig", "TrainConfig", "read_yaml"]

@@ -20,12 +20,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Optional, Union
 
-import yaml
-
 from moe_lit.config import ConfigError
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json
-from moe_lit.lit.run_config import RunConfig
+from moe_lit.lit.run_config import RunConfig, read_yaml
 from moe_lit.studies import engine
 from moe_lit.studies.kinds import kind_module
 
@@ -136,14 +134,7 @@ def parse_study(data: Any, data_dir: Optional[str] = None) -> Study:
 
 
 def load_study(path: Union[str, Path], data_dir: Optional[str] = None) -> Study:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study: no such file {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"study: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
-    return parse_study(data, data_dir)
+    return parse_study(read_yaml(path, "study"), data_dir)
 
 
 def ensure_data(study: Study) -> None:
