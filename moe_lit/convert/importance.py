@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lit.config import ConfigError
-from moe_lit.convert.prune import copy_router_rows
+from moe_lit.convert.prune import copy_router_rows, kept_count, plan_pruning
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace
 from moe_lit.model import MoELayer, Transformer
@@ -360,6 +360,62 @@ def _greedy_elimination(error: _SubsetError, num_experts: int, keep: int) -> tup
     return tuple(subset)
 
 
+# ----------------------------------------------------------------------------- calibration + plan
+def calibration_trace(
+    model: Transformer,
+    data_dir,
+    tokenizer,
+    languages: Optional[Sequence[str]] = None,
+    split: str = "val",
+    max_tokens: int = 4096,
+    batch_size: int = 8,
+    record_inputs: bool = False,
+) -> RoutingTrace:
+    """Route calibration text: the parallel ``split`` of a prepared data dir, ``languages`` (None =
+    all of them, the mix), the same documents in every language up to ``max_tokens`` per language;
+    sequences are labelled ``language`` so per-language scores are ``trace.where(language=...)``."""
+    from moe_lit.analysis.routing import tokenize_documents, trace_languages
+    from moe_lit.evaluation.harness import resolve_eot_id
+    from moe_lit.evaluation.tasks import read_parallel
+
+    parallel = read_parallel(data_dir, split, languages)
+    token_docs = tokenize_documents(parallel, tokenizer, resolve_eot_id(tokenizer), max_tokens)
+    return trace_languages(model, token_docs, batch_size, record_inputs=record_inputs)
+
+
+def plan_keep(
+    method: str,
+    model: Transformer,
+    trace: RoutingTrace,
+    fraction: Optional[float] = None,
+    num: Optional[int] = None,
+    global_budget: bool = False,
+    clamp_top_k: bool = False,
+    seed: int = 0,
+    maestro: Optional[MaestroConfig] = None,
+    naee_cap: int = 2000,
+) -> tuple[dict[int, list[int]], dict[str, Any]]:
+    """Kept experts per block for ``method`` and a JSON-ready report (scores, MAESTRO chain, NAEE errors).
+
+    A global budget never takes a layer below top-k experts (below one with ``clamp_top_k``).
+    """
+    if method not in METHODS:
+        raise ConfigError(f"method: got {method!r}, allowed values: {', '.join(METHODS)}")
+    if method != "naee":
+        scores = expert_scores(method, trace, model, seed, maestro)
+        min_keep = 1 if clamp_top_k else model.config.moe.top_k
+        keep = plan_pruning(scores.by_block(model), fraction, num, global_budget, min_keep)
+        return keep, {"scores": scores.scores_ME.tolist(), **scores.info}
+    if global_budget:
+        raise ConfigError("global: naee searches each layer's subset on its own; use a per-layer budget")
+    counts = {
+        block: kept_count(model.config.moe_layer_config(block).num_experts, block, fraction, num)
+        for block in model.config.moe_layer_ids
+    }
+    result = naee_keep(model, trace, counts, exhaustive_cap=naee_cap)
+    return result.keep, {"errors": result.errors, "searches": result.searches, "exhaustive_cap": naee_cap}
+
+
 __all__ = [
     "ExpertScores",
     "METHODS",
@@ -367,12 +423,14 @@ __all__ = [
     "NaeeResult",
     "SCORE_METHODS",
     "Stationary",
+    "calibration_trace",
     "expert_output",
     "expert_scores",
     "maestro_scores",
     "maestro_transitions",
     "naee_keep",
     "next_token_index",
+    "plan_keep",
     "random_scores",
     "reap_scores",
     "router_weighted_frequency",

@@ -73,16 +73,21 @@ def plan_pruning(
         raise MoeLitError("prune: no MoE layer to prune (no scores)")
     if global_budget:
         return _plan_global(scores, fraction, num, min_keep)
-    keep = {}
-    for block, scores_E in scores.items():
-        remove = removal_counts(scores_E.numel(), fraction, num)
-        if remove >= scores_E.numel():
-            raise ConfigError(
-                f"num: removing {remove} of the {scores_E.numel()} experts of block {block} leaves none; "
-                f"remove at most {scores_E.numel() - 1}"
-            )
-        keep[block] = sorted(_ranking(scores_E)[: scores_E.numel() - remove])
-    return keep
+    return {
+        block: sorted(_ranking(scores_E)[: kept_count(scores_E.numel(), block, fraction, num)])
+        for block, scores_E in scores.items()
+    }
+
+
+def kept_count(num_experts: int, block: int, fraction: Optional[float] = None, num: Optional[int] = None) -> int:
+    """Experts a layer keeps under a per-layer budget (at least one)."""
+    remove = removal_counts(num_experts, fraction, num)
+    if remove >= num_experts:
+        raise ConfigError(
+            f"fraction/num: removing {remove} of the {num_experts} experts of block {block} leaves none; "
+            f"remove at most {num_experts - 1}"
+        )
+    return num_experts - remove
 
 
 def _ranking(scores_E: torch.Tensor) -> list[int]:
@@ -96,7 +101,7 @@ def _plan_global(scores, fraction, num, min_keep) -> dict[int, list[int]]:
     removable = sum(max(s.numel() - min_keep, 0) for s in scores.values())
     if remove > removable:
         raise ConfigError(
-            f"num: removing {remove} of {total} experts would leave a layer below {min_keep} experts "
+            f"fraction/num: removing {remove} of {total} experts would leave a layer below {min_keep} experts "
             f"(top-k); at most {removable} can go under the global budget"
         )
     candidates = sorted(
@@ -218,6 +223,7 @@ def memory_saved(original: Transformer, pruned: Transformer) -> dict[str, float]
 
 __all__ = [
     "copy_router_rows",
+    "kept_count",
     "memory_saved",
     "model_bytes",
     "plan_pruning",
