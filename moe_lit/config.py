@@ -135,17 +135,26 @@ class MoEConfig:
 
     def _validate_layer_expert_sizes(self) -> None:
         layers = self.layer_expert_sizes
-        _require(isinstance(layers, (list, tuple)) and len(layers) > 0, "moe.layer_expert_sizes",
-                 f"must be a non-empty list of per-layer size lists or null, got {layers!r}")
+        _require(
+            isinstance(layers, (list, tuple)) and len(layers) > 0,
+            "moe.layer_expert_sizes",
+            f"must be a non-empty list of per-layer size lists or null, got {layers!r}",
+        )
         self.layer_expert_sizes = [list(sizes) for sizes in layers]
         for m, sizes in enumerate(self.layer_expert_sizes):
-            _require(len(sizes) >= self.top_k, f"moe.layer_expert_sizes[{m}]",
-                     f"has {len(sizes)} experts, fewer than top_k={self.top_k}")
+            _require(
+                len(sizes) >= self.top_k,
+                f"moe.layer_expert_sizes[{m}]",
+                f"has {len(sizes)} experts, fewer than top_k={self.top_k}",
+            )
             for i, size in enumerate(sizes):
                 _require_positive_int(size, f"moe.layer_expert_sizes[{m}][{i}]")
         widest = max(len(sizes) for sizes in self.layer_expert_sizes)
-        _require(widest == self.num_experts, "moe.num_experts",
-                 f"must be the widest layer's count {widest} when layer_expert_sizes is set, got {self.num_experts}")
+        _require(
+            widest == self.num_experts,
+            "moe.num_experts",
+            f"must be the widest layer's count {widest} when layer_expert_sizes is set, got {self.num_experts}",
+        )
 
     def layer(self, slot: int) -> "MoEConfig":
         """The config of the ``slot``-th MoE layer: itself, or its entry of ``layer_expert_sizes``."""

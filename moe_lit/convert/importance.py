@@ -417,11 +417,11 @@ def plan_keep(
 
 
 __all__ = [
-    "ExpertScores",
     "METHODS",
+    "SCORE_METHODS",
+    "ExpertScores",
     "MaestroConfig",
     "NaeeResult",
-    "SCORE_METHODS",
     "Stationary",
     "calibration_trace",
     "expert_output",

@@ -134,8 +134,9 @@ def test_pruned_model_trains_validates_and_checkpoints_with_lightning(tmp_path, 
     module = MoELitModule(pruned.config, OptimConfig(lr=1e-2, warmup_steps=1))
     module.model.load_state_dict(pruned.state_dict())
     data = RandomTokenDataModule(vocab_size=64, seq_len=16, batch_size=4)
-    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                         num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
     assert 0 < val_loss < 10

@@ -1,4 +1,4 @@
-"""``moe-lit convert prune`` end to end on the tiny parallel corpus of tests/evaluation/conftest.py."""
+"""``moe-lit convert prune`` end to end on the tiny parallel corpus (fixtures: tests/convert/conftest.py)."""
 
 import json
 
@@ -8,7 +8,6 @@ import torch
 from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.evaluation.routing_trace import routing_trace
-from tests.evaluation.conftest import exported, prepared_dir, tiny_moe  # noqa: F401 - fixtures
 
 
 def _prune(exported, prepared_dir, out, *extra):
