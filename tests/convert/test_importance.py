@@ -170,7 +170,9 @@ def _pruned_layer_error(model, trace, block, m, keep) -> float:
 
 def test_naee_exhaustive_search_minimises_the_real_pruned_layer_error(traced):
     model, trace = traced
+    rng = torch.random.get_rng_state()
     result = naee_keep(model, trace, {0: 3, 1: 3}, exhaustive_cap=1000)
+    assert torch.equal(torch.random.get_rng_state(), rng)
     assert result.searches == {0: "exhaustive", 1: "exhaustive"}
     for m, block in enumerate((0, 1)):
         measured = _pruned_layer_error(model, trace, block, m, result.keep[block])

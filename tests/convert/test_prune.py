@@ -52,7 +52,9 @@ def _masked_reference(model: Transformer, keep: dict[int, list[int]]) -> Transfo
 
 def test_pruning_nothing_is_the_identity(idx):
     model = _model()
+    rng = torch.random.get_rng_state()
     pruned = prune_experts(model, {b: list(range(6)) for b in model.config.moe_layer_ids})
+    assert torch.equal(torch.random.get_rng_state(), rng)  # a pure function: the caller's RNG is untouched
     assert pruned.config == model.config
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), pruned.state_dict().values()))
     assert torch.equal(pruned(idx).logits_BLV, model(idx).logits_BLV)
