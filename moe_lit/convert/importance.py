@@ -307,8 +307,8 @@ def naee_keep(
         weight = layer.experts.mlp.w1
         x_PD = inputs_MND[m][tokens_P].to(weight)
         outputs_PED = torch.stack([expert_output(layer, e, x_PD) for e in range(layer.cfg.num_experts)], dim=1)
-        target_PD = _combine(outputs_PED, trace.indices_MNK[m][tokens_P], trace.weights_MNK[m][tokens_P])
-        error = _SubsetError(layer, x_PD, outputs_PED, target_PD)
+        error = _SubsetError(layer, x_PD, outputs_PED, trace.indices_MNK[m][tokens_P], trace.weights_MNK[m][tokens_P])
+        del outputs_PED
         if math.comb(layer.cfg.num_experts, keep) <= exhaustive_cap:
             subsets = itertools.combinations(range(layer.cfg.num_experts), keep)
             best = min(subsets, key=error)
@@ -328,10 +328,20 @@ def _combine(outputs_PED: torch.Tensor, indices_PK: torch.Tensor, weights_PK: to
 
 
 class _SubsetError:
-    """Reconstruction error of a kept subset, routed by that subset's pruned router."""
+    """Reconstruction error of a kept subset, routed by that subset's pruned router.
 
-    def __init__(self, layer: MoELayer, x_PD, outputs_PED, target_PD) -> None:
-        self.layer, self.x_PD, self.outputs_PED, self.target_PD = layer, x_PD, outputs_PED, target_PD
+    NOTE: ``||y - sum_k w_k o_k||^2 = ||y||^2 - 2 sum_k w_k <y, o_k> + sum_kl w_k w_l <o_k, o_l>``: with
+    the per-token inner products precomputed once (float64), a subset costs O(K^2) per token
+    instead of O(K * D), which is what makes the exhaustive search affordable.
+    """
+
+    def __init__(self, layer: MoELayer, x_PD, outputs_PED, indices_PK, weights_PK) -> None:
+        self.layer, self.x_PD = layer, x_PD
+        outputs_PED = outputs_PED.double()
+        target_PD = _combine(outputs_PED, indices_PK, weights_PK)
+        self.target_sq_P = target_PD.square().sum(-1)
+        self.cross_PE = torch.einsum("pd,ped->pe", target_PD, outputs_PED)
+        self.gram_PEE = torch.einsum("ped,pfd->pef", outputs_PED, outputs_PED)
         self._routers: dict[int, Router] = {}
 
     def _router(self, size: int) -> Router:
@@ -347,9 +357,13 @@ class _SubsetError:
         router = self._router(len(subset))
         copy_router_rows(self.layer.router, router, subset)
         routing = router(self.x_PD)
-        index = torch.tensor(list(subset), device=self.x_PD.device)
-        restricted_PD = _combine(self.outputs_PED, index[routing.indices_TK], routing.weights_TK)
-        return float((restricted_PD - self.target_PD).double().square().sum(-1).mean())
+        experts_PK = torch.tensor(list(subset), device=self.x_PD.device)[routing.indices_TK].to(self.cross_PE.device)
+        w_PK = routing.weights_TK.to(self.cross_PE)
+        cross_P = (w_PK * self.cross_PE.gather(1, experts_PK)).sum(-1)
+        tokens_P1 = torch.arange(experts_PK.shape[0], device=experts_PK.device)[:, None, None]
+        gram_PKK = self.gram_PEE[tokens_P1, experts_PK[:, :, None], experts_PK[:, None, :]]
+        error_P = self.target_sq_P - 2 * cross_P + torch.einsum("pk,pkl,pl->p", w_PK, gram_PKK, w_PK)
+        return float(error_P.mean())
 
 
 def _greedy_elimination(error: _SubsetError, num_experts: int, keep: int) -> tuple[int, ...]:
