@@ -74,7 +74,7 @@ def count_config_params(cfg: ModelConfig) -> ParamCounts:
     for layer in range(cfg.n_layers):
         shared = _attention_params(cfg) + 2 * cfg.d_model
         if layer in cfg.moe_layer_ids:
-            ffn_total, ffn_active = _moe_params(cfg.d_model, cfg.moe)
+            ffn_total, ffn_active = _moe_params(cfg.d_model, cfg.moe_layer_config(layer))
         else:
             ffn_total = ffn_active = 3 * cfg.d_model * cfg.d_ff
         total += shared + ffn_total

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
     "data": ("moe_lit.commands.data", "prepare the multilingual corpus, tokenizer and litdata token chunks"),
     "demo": ("moe_lit.commands.demo", "the README's main job on the bundled default data"),
-    "convert": ("moe_lit.commands.convert", "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE)"),
+    "convert": ("moe_lit.commands.convert", "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune"),
     "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
     "study": ("moe_lit.commands.study", "declarative sweeps: run (resumable, --parallel N) and report"),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),

@@ -95,6 +95,10 @@ class MoEConfig:
     """After the first dense layers, every n-th layer is MoE (1 = all of them)."""
     backend: Backend = "auto"
     """Expert implementation: auto (MegaBlocks on CUDA when supported, else torch) | torch | megablocks."""
+    layer_expert_sizes: Optional[list[list[int]]] = None
+    """Per MoE layer (model order), the hidden sizes of its experts, for models whose layers keep
+    different experts (pruning under one global budget); null = every MoE layer has num_experts
+    experts of expert_size. When set, num_experts and expert_size describe the widest layer."""
 
     def __post_init__(self) -> None:
         _require_positive_int(self.num_experts, "moe.num_experts")
@@ -149,6 +153,39 @@ class MoEConfig:
             f"must be an integer >= 0, got {self.first_dense_layers!r}",
         )
         _require_positive_int(self.layer_interval, "moe.layer_interval")
+        if self.layer_expert_sizes is not None:
+            self._validate_layer_expert_sizes()
+
+    def _validate_layer_expert_sizes(self) -> None:
+        layers = self.layer_expert_sizes
+        _require(
+            isinstance(layers, (list, tuple)) and len(layers) > 0,
+            "moe.layer_expert_sizes",
+            f"must be a non-empty list of per-layer size lists or null, got {layers!r}",
+        )
+        self.layer_expert_sizes = [list(sizes) for sizes in layers]
+        for m, sizes in enumerate(self.layer_expert_sizes):
+            _require(
+                len(sizes) >= self.top_k,
+                f"moe.layer_expert_sizes[{m}]",
+                f"has {len(sizes)} experts, fewer than top_k={self.top_k}",
+            )
+            for i, size in enumerate(sizes):
+                _require_positive_int(size, f"moe.layer_expert_sizes[{m}][{i}]")
+        widest = max(len(sizes) for sizes in self.layer_expert_sizes)
+        _require(
+            widest == self.num_experts,
+            "moe.num_experts",
+            f"must be the widest layer's count {widest} when layer_expert_sizes is set, got {self.num_experts}",
+        )
+
+    def layer(self, slot: int) -> "MoEConfig":
+        """The config of the ``slot``-th MoE layer: itself, or its entry of ``layer_expert_sizes``."""
+        if self.layer_expert_sizes is None:
+            return self
+        sizes = self.layer_expert_sizes[slot]
+        expert_size = sizes[0] if len(set(sizes)) == 1 else list(sizes)
+        return dataclasses.replace(self, num_experts=len(sizes), expert_size=expert_size, layer_expert_sizes=None)
 
     @property
     def expert_sizes(self) -> tuple[int, ...]:
@@ -254,6 +291,12 @@ class ModelConfig:
                 "moe.first_dense_layers",
                 f"must be < n_layers={self.n_layers} (otherwise no layer is MoE; set moe: null)",
             )
+            if self.moe.layer_expert_sizes is not None:
+                _require(
+                    len(self.moe.layer_expert_sizes) == len(self.moe_layer_ids),
+                    "moe.layer_expert_sizes",
+                    f"needs one list per MoE layer ({len(self.moe_layer_ids)}), got {len(self.moe.layer_expert_sizes)}",
+                )
 
     @property
     def head_dim(self) -> int:
@@ -274,6 +317,10 @@ class ModelConfig:
             return ()
         first, every = self.moe.first_dense_layers, self.moe.layer_interval
         return tuple(i for i in range(first, self.n_layers) if (i - first) % every == 0)
+
+    def moe_layer_config(self, layer_id: int) -> MoEConfig:
+        """The MoE config of block ``layer_id`` (per-layer expert sizes applied)."""
+        return self.moe.layer(self.moe_layer_ids.index(layer_id))
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:

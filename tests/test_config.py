@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
@@ -18,6 +21,11 @@ from moe_lit.config import ConfigError, ModelConfig, MoEConfig
         (dict(num_experts=0), "moe.num_experts", "positive integer"),
         (dict(layer_interval=0), "moe.layer_interval", "positive integer"),
         (dict(shared_expert_gate=True), "moe.shared_expert_gate", "shared_expert_size > 0"),
+        (dict(num_experts=3, top_k=2, layer_expert_sizes=[[8, 8, 8], [8]]), "moe.layer_expert_sizes[1]",
+         "fewer than top_k=2"),
+        (dict(num_experts=3, top_k=1, layer_expert_sizes=[[8, 0]]), "moe.layer_expert_sizes[0][1]", "positive integer"),
+        (dict(num_experts=4, top_k=1, layer_expert_sizes=[[8, 8, 8]]), "moe.num_experts", "widest layer's count 3"),
+        (dict(layer_expert_sizes=[]), "moe.layer_expert_sizes", "non-empty list"),
     ],
 )
 def test_bad_moe_config_names_the_field(fields, field_name, fragment):
@@ -38,6 +46,8 @@ def test_bad_moe_config_names_the_field(fields, field_name, fragment):
         (dict(qk_norm="layer"), "model.qk_norm", "allowed values: none, head, full"),
         (dict(attn_head_dim=0), "model.attn_head_dim", "positive integer"),
         (dict(d_model=30, n_heads=4), "model.n_heads", "or set attn_head_dim"),
+        (dict(n_layers=3, moe=MoEConfig(num_experts=2, top_k=1, layer_expert_sizes=[[4, 4], [4]])),
+         "moe.layer_expert_sizes", "one list per MoE layer (3), got 2"),
     ],
 )
 def test_bad_model_config_names_the_field(fields, field_name, fragment):
@@ -81,3 +91,13 @@ def test_capacity_is_ceil_of_factor_times_share():
 def test_attn_head_dim_decouples_heads_from_d_model():
     cfg = ModelConfig(d_model=30, n_heads=4, attn_head_dim=16)
     assert cfg.head_dim == 16 and ModelConfig(d_model=32, n_heads=4).head_dim == 8
+
+
+def test_per_layer_expert_sizes_round_trip_and_give_each_layer_its_config():
+    moe = MoEConfig(num_experts=3, expert_size=[8, 16, 24], top_k=1, layer_expert_sizes=[[8, 16, 24], [5], [7, 7]])
+    cfg = ModelConfig(n_layers=4, moe=dataclasses.replace(moe, first_dense_layers=1))
+    assert ModelConfig.from_yaml(cfg.to_yaml()) == cfg
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    layer_3 = cfg.moe_layer_config(3)
+    assert (layer_3.num_experts, layer_3.expert_size, layer_3.layer_expert_sizes) == (2, 7, None)
+    assert cfg.moe_layer_config(1).expert_sizes == (8, 16, 24)

@@ -106,8 +106,12 @@ def tokenize_documents(parallel: dict[str, list[dict]], tokenizer, eos_id: int, 
 
 
 @torch.no_grad()
-def trace_languages(model, token_docs: dict[str, dict[Any, list[int]]], batch_size: int) -> RoutingTrace:
-    """Route every document window of every language; labels ``language`` and ``doc`` per window."""
+def trace_languages(
+    model, token_docs: dict[str, dict[Any, list[int]]], batch_size: int, record_inputs: bool = False
+) -> RoutingTrace:
+    """Route every document window of every language; labels ``language`` and ``doc`` per window.
+
+    ``record_inputs`` also keeps each MoE layer's input (the pruning scores REAP and NAEE need it)."""
     seq_len = find_transformer(model).config.seq_len
     rows = [
         (lang, doc, window)
@@ -116,7 +120,7 @@ def trace_languages(model, token_docs: dict[str, dict[Any, list[int]]], batch_si
         for window in document_windows(tokens, seq_len)
     ]
     device = next(model.parameters()).device
-    with routing_trace(model) as recorder:
+    with routing_trace(model, record_inputs=record_inputs) as recorder:
         for start in range(0, len(rows), batch_size):
             batch = rows[start : start + batch_size]
             length = max(len(window) for _, _, window in batch)

@@ -1,10 +1,11 @@
 """``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
 
 Actions: ``import-hf`` (a transformers Llama / Mixtral / OLMoE / Qwen2-MoE / Qwen3-MoE dir, or a
-GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`` (E -> mE experts)
-and ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE).
-Inputs are a Lightning ``.ckpt`` or an exported directory; the tokenizer found beside the input
-travels with the output.
+GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`` (E -> mE experts),
+``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE) and
+``prune`` (remove experts scored on calibration text; also writes ``pruning.json`` with the kept
+experts, scores and memory saved). Inputs are a Lightning ``.ckpt`` or an exported directory; the
+tokenizer found beside the input travels with the output.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from moe_lit.checkpoint import export_model, find_tokenizer, load_model
 from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
+from moe_lit.errors import MoeLitError
 
 PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe")
 
@@ -68,7 +70,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--out", required=True, type=Path)
 
-
     pa = actions.add_parser("partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)")
     pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
     pa.add_argument("--method", choices=PARTITION_METHODS, required=True)
@@ -86,9 +87,41 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pa.add_argument("--seed", type=int, default=0)
     pa.add_argument("--out", required=True, type=Path)
     pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _configure_prune(actions)
+
+
+def _configure_prune(actions) -> None:
+    from moe_lit.convert.importance import METHODS, WEIGHTINGS
+
+    pr = actions.add_parser("prune", help="remove experts scored on calibration text (MAESTRO, REAP, NAEE, ...)")
+    pr.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
+    pr.add_argument("--method", choices=METHODS, default="maestro")
+    budget = pr.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--fraction", type=float, help="share of the experts removed, in [0, 1)")
+    budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
+    pr.add_argument("--global", dest="global_budget", action="store_true",
+                    help="one budget over all layers: layers keep different counts (never below top-k)")
+    pr.add_argument("--calibration", default="mix",
+                    help="mix (every language), LANG[,LANG...], or a routing trace .pt (default: mix)")
+    pr.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
+    pr.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
+    pr.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
+    pr.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens per language")
+    pr.add_argument("--batch-size", type=int, default=8)
+    pr.add_argument("--damping", type=float, default=0.85, help="MAESTRO PageRank damping in (0, 1]; 1 = none")
+    pr.add_argument("--weighting", choices=WEIGHTINGS, default="gate", help="MAESTRO edge weights")
+    pr.add_argument("--naee-cap", type=int, default=2000, help="NAEE: exhaustive up to this many subsets, else greedy")
+    pr.add_argument("--clamp-top-k", action="store_true", help="lower top-k to the fewest kept experts instead of failing")
+    pr.add_argument("--seed", type=int, default=0, help="seed of --method random")
+    pr.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    pr.add_argument("--out", required=True, type=Path)
+
+
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "prune":
+        return _run_prune(args)
     if args.action == "partition":
         from moe_lit.commands.convert_partition import run_partition
 
@@ -122,4 +155,69 @@ def run(args: argparse.Namespace) -> int:
     moe = model.config.moe
     shape = f"{moe.num_experts} experts, top-{moe.top_k}" if moe else "dense"
     print(f"wrote {args.out} ({shape}, {count_model_params(model).total:,} parameters)")
+    return 0
+
+
+def _checked_out(out: Path, checkpoint: Path, force: bool) -> None:
+    """Refuse an --out that is (or holds) the input, or a non-empty one without --force."""
+    out, source = out.resolve(), checkpoint.resolve()
+    if out == source or out in source.parents:
+        raise MoeLitError(f"--out: {out} is or contains the input --checkpoint; write the pruned model elsewhere")
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
+        raise MoeLitError(f"--out: {out} exists and is not empty; pass --force to replace it")
+
+
+def _calibration(args: argparse.Namespace, model, record_inputs: bool):
+    """The routing trace of the calibration text (or the one stored in ``--calibration FILE.pt``)."""
+    from moe_lit.convert.importance import calibration_trace
+    from moe_lit.evaluation.harness import load_tokenizer, stored_tokenizer
+    from moe_lit.evaluation.routing_trace import RoutingTrace
+    from moe_lit.evaluation.tasks import resolve_data_dir
+
+    if args.calibration.endswith(".pt"):
+        return RoutingTrace.load(args.calibration), args.calibration
+    languages = None if args.calibration == "mix" else [lang for lang in args.calibration.split(",") if lang]
+    data_dir = resolve_data_dir(args.checkpoint, args.data)
+    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    trace = calibration_trace(
+        model, data_dir, tokenizer, languages, args.split, args.max_tokens, args.batch_size, record_inputs
+    )
+    return trace, f"{args.calibration} ({data_dir}, split {args.split}, {trace.num_tokens} tokens)"
+
+
+def _run_prune(args: argparse.Namespace) -> int:
+    from moe_lit.convert.importance import MaestroConfig, plan_keep
+    from moe_lit.convert.prune import memory_saved, prune_experts
+    from moe_lit.io import atomic_write_json
+
+    _checked_out(args.out, args.checkpoint, args.force)
+    maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
+    model = load_model(args.checkpoint)
+    if not model.config.is_moe:
+        raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; pruning needs MoE layers")
+    trace, calibration = _calibration(args, model, record_inputs=args.method in ("reap", "naee"))
+    keep, details = plan_keep(
+        args.method, model, trace, args.fraction, args.num, args.global_budget, args.clamp_top_k, args.seed,
+        maestro, args.naee_cap,
+    )
+    pruned = prune_experts(model, keep, args.clamp_top_k)
+    export_model(pruned, args.out, find_tokenizer(args.checkpoint))
+    memory = memory_saved(model, pruned)
+    report = {
+        "checkpoint": str(args.checkpoint), "method": args.method, "fraction": args.fraction, "num": args.num,
+        "global": args.global_budget, "calibration": calibration, "top_k": pruned.config.moe.top_k,
+        "keep": {str(b): k for b, k in keep.items()}, "memory": memory, "details": details,
+    }
+    atomic_write_json(args.out / "pruning.json", report)
+    kept = [len(k) for k in keep.values()]
+    before = sum(model.config.moe_layer_config(b).num_experts for b in keep)
+    print(
+        f"wrote {args.out} ({args.method}: kept {sum(kept)} of {before} experts, per layer {kept}, "
+        f"top-{pruned.config.moe.top_k}; parameters {memory['params_before']:,} -> "
+        f"{memory['params_after']:,} (-{memory['params_saved_fraction']:.1%}), bytes {memory['bytes_before']:,} -> "
+        f"{memory['bytes_after']:,})"
+    )
+    if "converged" in details:
+        print(f"maestro: damping {details['damping']}, {details['iterations']} power iterations, "
+              f"residual {details['residual']:.2e} ({'converged' if details['converged'] else 'NOT converged'})")
     return 0

@@ -1,7 +1,7 @@
 """Record routing decisions: which experts each token visits, in every MoE layer.
 
 Shape legend: B batch, L sequence, T = B*L tokens of one forward, N tokens of the whole trace,
-S traced sequences (batch rows), M traced MoE layers, K top-k, E experts.
+S traced sequences (batch rows), M traced MoE layers, K top-k, E experts, D d_model.
 
 ``routing_trace(model)`` is a context manager that hooks every router of a ``Transformer`` (or of
 any module holding one, e.g. a LightningModule) and the model input; every forward inside the
@@ -13,6 +13,8 @@ The ONE trace format, :class:`RoutingTrace`, is what every consumer of routing s
 * ``indices_MNK`` / ``weights_MNK``: the top-k expert ids and combine weights chosen by each MoE
   layer for each token (routed decisions, before any capacity dropping);
 * ``probs_MNE`` (optional): every expert's router score;
+* ``inputs_MND`` (optional): each MoE layer's input (after the FFN norm), what scores that need
+  the experts' outputs (REAP, NAEE reconstruction) recompute them from;
 * token metadata: ``seq_N`` (which traced sequence = batch row), ``pos_N`` (position in it),
   ``tokens_N`` (input id), and per-sequence ``labels`` such as ``{"language": [...], "doc": [...]}``.
 
@@ -64,6 +66,8 @@ class RoutingTrace:
     """Per-sequence metadata: label name -> one value per sequence (e.g. language, doc)."""
     probs_MNE: Optional[torch.Tensor] = None
     """Router scores of every expert (softmax or sigmoid, before bias), when recorded."""
+    inputs_MND: Optional[torch.Tensor] = None
+    """Input of each MoE layer for each token (float32, after the FFN norm), when recorded."""
 
     def __post_init__(self) -> None:
         self.layer_ids = tuple(self.layer_ids)
@@ -71,6 +75,8 @@ class RoutingTrace:
         expected = {"indices_MNK": (layers, tokens), "weights_MNK": (layers, tokens)}
         if self.probs_MNE is not None:
             expected["probs_MNE"] = (layers, tokens, self.num_experts)
+        if self.inputs_MND is not None:
+            expected["inputs_MND"] = (layers, tokens)
         for name, shape in expected.items():
             got = tuple(getattr(self, name).shape[: len(shape)])
             if got != shape:
@@ -151,6 +157,7 @@ class RoutingTrace:
             tokens_N=self.tokens_N[mask_N],
             labels=dict(self.labels),
             probs_MNE=None if self.probs_MNE is None else self.probs_MNE[:, mask_N],
+            inputs_MND=None if self.inputs_MND is None else self.inputs_MND[:, mask_N],
         )
 
     def where(self, **labels: Any) -> "RoutingTrace":
@@ -180,6 +187,7 @@ class RoutingTrace:
                 labels[name].extend(trace.labels.get(name, [None] * trace.num_sequences))
             offset += trace.num_sequences
         with_probs = all(trace.probs_MNE is not None for trace in traces)
+        with_inputs = all(trace.inputs_MND is not None for trace in traces)
         return RoutingTrace(
             layer_ids=first.layer_ids,
             num_experts=first.num_experts,
@@ -190,6 +198,7 @@ class RoutingTrace:
             tokens_N=torch.cat([t.tokens_N for t in traces]),
             labels=labels,
             probs_MNE=torch.cat([t.probs_MNE for t in traces], dim=1) if with_probs else None,
+            inputs_MND=torch.cat([t.inputs_MND for t in traces], dim=1) if with_inputs else None,
         )
 
     # ------------------------------------------------------------------ files
@@ -208,6 +217,7 @@ class RoutingTrace:
             "tokens_N": self.tokens_N.to(torch.int32),
             "labels": self.labels,
             "probs_MNE": self.probs_MNE,
+            "inputs_MND": self.inputs_MND,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         # NOTE: write beside the target and rename, so a crash never leaves a truncated trace.
@@ -237,17 +247,21 @@ class RoutingTrace:
 class TraceRecorder:
     """Collects the decisions of every forward while :func:`routing_trace` is active."""
 
-    def __init__(self, layer_ids: tuple[int, ...], num_experts: int, top_k: int, record_probs: bool) -> None:
+    def __init__(
+        self, layer_ids: tuple[int, ...], num_experts: int, top_k: int, record_probs: bool, record_inputs: bool = False
+    ) -> None:
         self.layer_ids = layer_ids
         self.num_experts = num_experts
         self.top_k = top_k
         self.record_probs = record_probs
+        self.record_inputs = record_inputs
         self._labels: dict[str, Any] = {}
         self._inputs_BL: list[torch.Tensor] = []
         self._row_labels: list[dict[str, Any]] = []
         self._indices: list[list[torch.Tensor]] = [[] for _ in layer_ids]
         self._weights: list[list[torch.Tensor]] = [[] for _ in layer_ids]
         self._probs: list[list[torch.Tensor]] = [[] for _ in layer_ids]
+        self._layer_inputs: list[list[torch.Tensor]] = [[] for _ in layer_ids]
 
     def set_labels(self, **labels: Any) -> None:
         """Labels for the rows of the following forwards: a scalar for all rows, or a list (one per row)."""
@@ -270,6 +284,9 @@ class TraceRecorder:
         if self.record_probs:
             self._probs[slot].append(routing.scores_TE.detach().cpu().float())
 
+    def _on_layer_input(self, slot: int, x_BLD: torch.Tensor) -> None:
+        self._layer_inputs[slot].append(x_BLD.detach().reshape(-1, x_BLD.shape[-1]).cpu().float())
+
     def trace(self) -> RoutingTrace:
         """Everything recorded so far as one :class:`RoutingTrace`."""
         steps = len(self._inputs_BL)
@@ -283,6 +300,9 @@ class TraceRecorder:
             offset += batch
         names = sorted({name for row in self._row_labels for name in row})
         num_tokens = sum(idx_BL.numel() for idx_BL in self._inputs_BL)
+        inputs_MND = None
+        if self.record_inputs and self._layer_inputs and self._layer_inputs[0]:
+            inputs_MND = _stack(self._layer_inputs, num_tokens, self._layer_inputs[0][0].shape[-1], torch.float32)
         return RoutingTrace(
             layer_ids=self.layer_ids,
             num_experts=self.num_experts,
@@ -293,6 +313,7 @@ class TraceRecorder:
             tokens_N=_cat([idx_BL.reshape(-1) for idx_BL in self._inputs_BL]),
             labels={name: [row.get(name) for row in self._row_labels] for name in names},
             probs_MNE=_stack(self._probs, num_tokens, self.num_experts, torch.float32) if self.record_probs else None,
+            inputs_MND=inputs_MND,
         )
 
 
@@ -318,8 +339,10 @@ def find_transformer(model: nn.Module):
 
 
 @contextmanager
-def routing_trace(model: nn.Module, record_probs: bool = False) -> Iterator[TraceRecorder]:
+def routing_trace(model: nn.Module, record_probs: bool = False, record_inputs: bool = False) -> Iterator[TraceRecorder]:
     """Record every MoE layer's routing during the forwards inside the ``with`` block.
+
+    ``record_probs`` adds every expert's router score, ``record_inputs`` each MoE layer's input.
 
     >>> with routing_trace(model) as recorder:
     ...     recorder.set_labels(language="de")
@@ -334,6 +357,7 @@ def routing_trace(model: nn.Module, record_probs: bool = False) -> Iterator[Trac
         moe_cfg.num_experts if moe_cfg else 0,
         moe_cfg.top_k if moe_cfg else 0,
         record_probs,
+        record_inputs,
     )
     handles = [transformer.register_forward_pre_hook(lambda _module, args: recorder._on_input(args[0]))]
     for slot, (_, layer) in enumerate(moe_blocks):
@@ -342,6 +366,10 @@ def routing_trace(model: nn.Module, record_probs: bool = False) -> Iterator[Trac
                 lambda _module, _args, output, slot=slot: recorder._on_route(slot, output)
             )
         )
+        if record_inputs:
+            handles.append(
+                layer.register_forward_pre_hook(lambda _module, args, slot=slot: recorder._on_layer_input(slot, args[0]))
+            )
     try:
         yield recorder
     finally:

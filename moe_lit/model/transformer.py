@@ -42,7 +42,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if layer_id in cfg.moe_layer_ids:
-            self.ffn: nn.Module = MoELayer(cfg.d_model, cfg.moe, len(cfg.moe_layer_ids))
+            self.ffn: nn.Module = MoELayer(cfg.d_model, cfg.moe_layer_config(layer_id), len(cfg.moe_layer_ids))
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 

@@ -50,6 +50,7 @@ FEATURES: dict[str, str] = {
     "expert_output_bias": "a non-zero expert output bias (experts.bias; train with moe.expert_output_bias=false)",
     "capacity_dropping": "capacity dropping (moe.capacity_factor)",
     "unit_weights": "unit routing weights (moe.unit_weights=true, as after neuron partitioning)",
+    "per_layer_experts": "layers with different expert counts (moe.layer_expert_sizes, as after global pruning)",
 }
 
 
@@ -188,6 +189,7 @@ def model_features(model) -> set[str]:
     used |= {"sigmoid_routing"} if moe.score_func == "sigmoid" else set()
     used |= {"capacity_dropping"} if moe.capacity_factor is not None else set()
     used |= {"unit_weights"} if moe.unit_weights else set()
+    used |= {"per_layer_experts"} if moe.layer_expert_sizes is not None else set()
     for layer in model.moe_layers():
         if layer.router.expert_bias is not None and bool(layer.router.expert_bias.any()):
             used.add("selection_bias")

@@ -137,6 +137,8 @@ def _nonzero(attribute):
         ("mixtral", "mixtral", {"moe": {"capacity_factor": 1.0}}, None, "capacity dropping"),
         ("olmoe", "olmoe", {"moe": {"unit_weights": True, "renormalize": False}}, None,
          "unit routing weights .*no export format has it"),
+        ("olmoe", "olmoe", {"moe": {"layer_expert_sizes": [[16] * 4, [16] * 3]}}, None,
+         "different expert counts .*no export format has it"),
         ("qwen3_moe", "olmoe", {"attn_head_dim": None, "moe": {"first_dense_layers": 0, "layer_interval": 1}}, None,
          "per-head q/k RMSNorm .*unsupported by olmoe; formats that have it: qwen3_moe"),
         ("mixtral", "llama", {}, None,
