@@ -11,8 +11,9 @@ dropping (``capacity_factor``) batch composition can change which assignments ar
 
 ``loglikelihood_rolling`` scores a long document in windows of the model's ``seq_len``
 (lm-eval's ``get_rolling_token_windows``: every token is predicted exactly once, the first one
-from the end-of-text token) and sums them. ``generate_until`` decodes greedily, stopping at the
-end-of-text token, at the first stop sequence (cut off) or after ``max_gen_toks`` tokens.
+from the end-of-text token) and sums them. ``generate_until`` decodes greedily with the KV cache
+(``moe_lit.inference.generate``), stopping at the end-of-text token, at the first stop sequence
+(cut off) or after ``max_gen_toks`` tokens; beyond ``max_length`` tokens the window slides.
 
 Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 
@@ -246,25 +247,17 @@ class MoeLitLM(TemplateLM):
         return F.log_softmax(logits_BLV.float(), dim=-1)
 
     def _greedy(self, prompts: list[list[int]], max_new: int, stops: list[str]) -> list[str]:
-        generated: list[list[int]] = [[] for _ in prompts]
-        texts = [""] * len(prompts)
-        active = list(range(len(prompts)))
-        for _ in range(max_new):
-            if not active:
-                break
-            windows = [(prompts[i] + generated[i])[-self.max_length :] for i in active]
-            logprobs_BLV = self._log_probs(windows)
-            still_active = []
-            for row, i in enumerate(active):
-                token = int(logprobs_BLV[row, len(windows[row]) - 1].argmax())
-                if token == self.eot_token_id:
-                    continue
-                generated[i].append(token)
-                texts[i], stopped = _cut_at_stop(self.tok_decode(generated[i]), stops)
-                if not stopped:
-                    still_active.append(i)
-            active = still_active
-        return texts
+        """Greedy KV-cache decoding (``moe_lit.inference``) over a window of ``max_length`` tokens."""
+        from moe_lit.inference import generate
+
+        def stopped(generated: list[int]) -> bool:
+            return _cut_at_stop(self.tok_decode(generated), stops)[1]
+
+        generated = generate(
+            self.model, prompts, max_new, stop_tokens=[self.eot_token_id], stop=stopped if stops else None,
+            window=self.max_length,
+        )
+        return [_cut_at_stop(self.tok_decode(tokens), stops)[0] for tokens in generated]
 
     def _generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int]:
         if not isinstance(gen_kwargs, dict):

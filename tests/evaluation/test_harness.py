@@ -74,10 +74,11 @@ def test_rolling_loglikelihood_is_the_sum_over_windows(lm):
 
 @torch.no_grad()
 def reference_greedy(lm, context, steps):
+    """The adapter's former decoding: the whole (sliding) window through the model per token."""
     ids = lm.tok_encode(context)
     out = []
     for _ in range(steps):
-        token = int(lm.model(torch.tensor([ids + out])).logits_BLV[0, -1].argmax())
+        token = int(lm.model(torch.tensor([(ids + out)[-lm.max_length :]])).logits_BLV[0, -1].argmax())
         if token == lm.eot_token_id:
             break
         out.append(token)
@@ -85,7 +86,8 @@ def reference_greedy(lm, context, steps):
 
 
 def test_generation_is_greedy_and_stops_at_stop_sequences(lm):
-    contexts = ["Open the file menu", "Sie können das Fenster"]
+    contexts = ["Open the file menu", "Sie können das Fenster", LONG_TEXT]  # the last one slides the window
+    assert len(lm.tok_encode(LONG_TEXT)) + 12 > lm.max_length
     free = lm.generate_until(
         [request("generate_until", c, {"until": [], "max_gen_toks": 12}) for c in contexts], disable_tqdm=True
     )
