@@ -99,6 +99,10 @@ class MoeLitLM(TemplateLM):
         eot_token: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
         max_batch_size: Optional[int] = None,
+        sparsity: Optional[Union[float, str]] = None,
+        sparsity_rule: str = "gate",
+        sparsity_granularity: str = "layer",
+        calibration: Optional[Union[str, Path]] = None,
     ) -> None:
         """
         Args:
@@ -112,6 +116,11 @@ class MoeLitLM(TemplateLM):
             eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
             model: an in-memory Transformer instead of ``checkpoint``.
             max_batch_size: accepted for lm-eval's CLI; unused (no automatic batch size).
+            sparsity: target intra-expert activation sparsity (``moe_lit.inference.sparsity``);
+                default none (the dense model).
+            sparsity_rule: ``gate`` or ``gate_up``.
+            sparsity_granularity: thresholds per ``layer`` or per ``expert``.
+            calibration: a text file the sparsity thresholds are calibrated on (needed with sparsity).
         """
         super().__init__()
         del max_batch_size
@@ -138,6 +147,17 @@ class MoeLitLM(TemplateLM):
                 f"vocab_size {self.model.config.vocab_size}; is it the checkpoint's tokenizer?"
             )
         self._eot_id = resolve_eot_id(self.tokenizer, eot_token)
+        if sparsity is not None:
+            self.model = self._sparse(float(sparsity), sparsity_rule, sparsity_granularity, calibration)
+
+    def _sparse(self, target: float, rule: str, granularity: str, calibration) -> torch.nn.Module:
+        from moe_lit.inference.sparsity import SparsityConfig, sparse_model, text_calibration
+
+        cfg = SparsityConfig(target=target, rule=rule, granularity=granularity)
+        if calibration is None:
+            raise MoeLitError("moe_lit model: sparsity= needs calibration=TEXT_FILE to fit its thresholds")
+        batches = text_calibration(self.tokenizer, calibration, self.max_length, cfg.calibration_tokens)
+        return sparse_model(self.model, cfg, batches)
 
     # ------------------------------------------------------------------ TemplateLM contract
     @property

@@ -346,6 +346,17 @@ def token_batches(ids: Sequence[int], seq_len: int, batch_size: int = 8) -> list
     return [torch.tensor(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
 
 
+def text_calibration(tokenizer, path: Any, seq_len: int, max_tokens: int) -> list[torch.Tensor]:
+    """Calibration batches from a UTF-8 text file, tokenized with ``tokenizer`` (``tokenizers``)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sparsity calibration: no such text file {path}")
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False).ids[:max_tokens]
+    return token_batches(ids, seq_len)
+
+
 # ---------------------------------------------------------------------- statistics and loss
 @torch.inference_mode()
 def sparsity_statistics(
