@@ -60,7 +60,7 @@ def layer_part(args: argparse.Namespace, gen: torch.Generator) -> dict:
             x_1TD = model.blocks[0].ffn_norm(model.tok_embeddings(idx_1T))
         layers = {"dense": model.blocks[0].ffn, **{f"sparse_{t}": m.blocks[0].ffn for t, (m, _) in sparse.items()}}
 
-        def case(layer):
+        def case(layer, x_1TD=x_1TD):
             def run():
                 with torch.inference_mode():
                     layer(x_1TD)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
 
 from moe_lit.errors import MoeLitError
 
@@ -64,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
     model = sparse_from_args(load_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
-    options = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        stop_tokens=_stop_tokens(tokenizer), seed=args.seed,
-    )
+    options = {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+        "top_p": args.top_p, "stop_tokens": _stop_tokens(tokenizer), "seed": args.seed,
+    }
     if args.stream:
         _print_stream(tokenizer, args.prompt[0], stream(model, prompts, **options))
         return 0

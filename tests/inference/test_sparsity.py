@@ -73,7 +73,7 @@ def test_calibrated_thresholds_reach_the_target_on_calibration_tokens(granularit
     layer_of = {}
     for row in stats:
         layer_of.setdefault(row["ffn"], []).append(row)
-    for name, rows in layer_of.items():
+    for rows in layer_of.values():
         n = sum(r["assignments"] for r in rows)
         assert sum(r["inactive"] * r["assignments"] for r in rows) / n == pytest.approx(0.8, abs=0.01)
         if granularity == "expert":
