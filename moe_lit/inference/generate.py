@@ -8,6 +8,10 @@ token per row and step. The context window is ``window`` tokens (default the mod
 the window every further step recomputes each row's last ``window`` tokens from scratch, exactly
 as a sliding-window recompute would. Rows end independently (a stop token, the ``stop`` predicate
 or ``max_new_tokens``); the batch ends when every row has.
+
+Dropless MoE models decode exactly as a full recompute does (up to float rounding). With token
+dropping (``capacity_factor``) each step's capacity follows that step's tokens, so which
+assignments are dropped differs from a full-window forward, as it already does between batches.
 """
 
 from __future__ import annotations
