@@ -432,3 +432,13 @@ def sparsity_loss_curve(
                 "inactive": sum(r["inactive"] * r["assignments"] for r in mine) / max(weight, 1),
             })
     return rows
+
+
+def highest_target_within(rows: Sequence[Mapping[str, Any]], max_increase: float = 0.01) -> Optional[float]:
+    """The highest target of a :func:`sparsity_loss_curve` whose loss increase is at most
+    ``max_increase`` in every language (None when none is)."""
+    worst: dict[float, float] = {}
+    for row in rows:
+        worst[row["target"]] = max(worst.get(row["target"], float("-inf")), row["increase"])
+    within = [target for target, increase in worst.items() if increase <= max_increase]
+    return max(within, default=None)

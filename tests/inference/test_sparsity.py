@@ -11,6 +11,7 @@ from moe_lit.inference.sparsity import (
     calibrate,
     collect_scores,
     ffn_modules,
+    highest_target_within,
     sparse_swiglu,
     sparsify,
     sparsity_loss_curve,
@@ -92,6 +93,10 @@ def test_statistics_per_language_and_more_sparsity_costs_loss():
         assert abs(mine[0.0]["increase"]) < 1e-5
         assert mine[0.0]["inactive"] < mine[0.5]["inactive"] < mine[0.95]["inactive"]
         assert mine[0.95]["loss"] != mine[0.0]["loss"]
+    assert highest_target_within(rows, max_increase=1e-5) is not None  # target 0 is exact
+    worst = {t: max(r["increase"] for r in rows if r["target"] == t) for t in (0.0, 0.5, 0.95)}
+    assert highest_target_within(rows, max_increase=worst[0.5]) == max(t for t in worst if worst[t] <= worst[0.5])
+    assert highest_target_within(rows, max_increase=-1.0) is None
 
 
 def test_sparse_model_generates_and_one_sample_serves_every_target():
