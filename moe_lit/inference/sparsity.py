@@ -48,6 +48,12 @@ Granularity = Literal["layer", "expert"]
 RULES = ("gate", "gate_up")
 GRANULARITIES = ("layer", "expert")
 
+# NOTE: gathering copies the active rows of v1 and w2 before the matmuls read them; when most
+# neurons are active for some token of the expert (many tokens per step), the dense product with
+# the inactive entries zeroed reads each weight once and gives the same result.
+GATHER_MAX_FRACTION = 0.5
+"""Above this fraction of active neurons (union over the expert's tokens) the gate rule runs dense, masked."""
+
 SCORES_PER_CALL = 1 << 16
 """Scores kept per expert and forward during calibration (a seeded uniform subsample beyond it)."""
 
@@ -144,6 +150,8 @@ def sparse_swiglu(
     if rule == "gate":
         keep_pF = gate_pF.abs() > threshold
         active_A = keep_pF.any(dim=0).nonzero().squeeze(1)
+        if active_A.numel() > GATHER_MAX_FRACTION * w1_FD.shape[0]:
+            return (gate_pF * (x_pD @ v1_FD.t())).mul_(keep_pF) @ w2_FD
         h_pA = gate_pF.index_select(1, active_A) * (x_pD @ v1_FD.index_select(0, active_A).t())
     else:
         h_pF = gate_pF.mul_(x_pD @ v1_FD.t())

@@ -54,14 +54,21 @@ def test_threshold_zero_is_exact(kind, rule):
 
 @pytest.mark.parametrize("rule", ["gate", "gate_up"])
 def test_sparse_expert_equals_dense_swiglu_with_inactive_neurons_zeroed(rule):
+    from moe_lit.inference.sparsity import GATHER_MAX_FRACTION
+
     torch.manual_seed(0)
     x, w1, v1, w2 = torch.randn(5, 8), torch.randn(12, 8), torch.randn(12, 8), torch.randn(12, 8)
     gate, up = F.silu(x @ w1.T), x @ v1.T
     score = gate.abs() if rule == "gate" else (gate * up).abs()
-    threshold = float(score.median())
-    want = (gate * up * (score > threshold)) @ w2
-    assert torch.allclose(sparse_swiglu(x, w1, v1, w2, threshold, rule), want, atol=1e-5)
-    assert torch.allclose(sparse_swiglu(x[:1], w1, v1, w2, threshold, rule), want[:1], atol=1e-5)
+    union_fractions = set()
+    for q in (0.05, 0.5, 0.9, 0.99):
+        threshold = float(score.quantile(q))
+        for rows in (slice(None), slice(0, 1)):
+            keep = score[rows] > threshold
+            union_fractions.add(bool(keep.any(0).float().mean() > GATHER_MAX_FRACTION))
+            want = (gate[rows] * up[rows] * keep) @ w2
+            assert torch.allclose(sparse_swiglu(x[rows], w1, v1, w2, threshold, rule), want, atol=1e-5)
+    assert union_fractions == {True, False}  # both the gathered and the dense masked branch ran
 
 
 @pytest.mark.parametrize("granularity", ["layer", "expert"])
