@@ -22,7 +22,9 @@ def add_sparsity_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("intra-expert activation sparsity")
     group.add_argument("--sparsity", type=float, help="target fraction of expert neurons to skip, in [0, 1)")
     group.add_argument("--sparsity-rule", choices=RULES, default="gate", help="neuron score (default gate)")
-    group.add_argument("--sparsity-granularity", choices=GRANULARITIES, default="layer", help="thresholds per")
+    group.add_argument(
+        "--sparsity-granularity", choices=GRANULARITIES, default="layer", help="one threshold per layer or per expert"
+    )
     group.add_argument("--calibration", type=Path, help="text file the thresholds are calibrated on")
 
 
