@@ -98,9 +98,13 @@ class FFNView:
     """One FFN module seen as stacked experts: ``w1_SD`` (gate), ``v1_SD`` (up), ``w2_SD`` (down)."""
 
     layout: ExpertLayout
+    """Row offsets of the experts."""
     w1_SD: torch.Tensor
+    """Gate projection rows (activated)."""
     v1_SD: torch.Tensor
+    """Up projection rows."""
     w2_SD: torch.Tensor
+    """Down projection rows (a transposed view for a dense SwiGLU)."""
 
 
 def ffn_view(module: nn.Module) -> FFNView:
@@ -213,15 +217,13 @@ class Thresholds:
     """Calibrated thresholds: FFN module name -> ``(E,)`` tensor (one entry for a dense FFN)."""
 
     rule: Rule
+    """The neuron score the thresholds apply to."""
     granularity: Granularity
+    """'layer': every expert of an FFN shares one value; 'expert': one value each."""
     target: float
+    """The calibration target sparsity."""
     values: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule, "granularity": self.granularity, "target": self.target,
-            "values": {name: t.tolist() for name, t in self.values.items()},
-        }
+    """FFN module name -> ``(E,)`` thresholds."""
 
 
 @contextmanager
@@ -260,8 +262,11 @@ class ScoreSample:
     """Neuron scores seen during calibration: (FFN name, expert) -> flat float32 samples."""
 
     rule: Rule
+    """The neuron score that was sampled."""
     num_experts: dict[str, int]
+    """FFN module name -> its number of experts (1 for a dense SwiGLU)."""
     samples: dict[tuple[str, int], list[torch.Tensor]]
+    """(FFN name, expert) -> flat score samples, one tensor per forward."""
 
 
 @torch.inference_mode()
