@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("moe_lit.commands.study", "declarative sweeps: run (resumable, --parallel N) and report"),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
     "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
+    "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
 }
 
 
