@@ -18,11 +18,18 @@ def recompute_greedy(model, prompt, steps, window=None):
     return tokens[len(prompt) :]
 
 
-@pytest.fixture(params=["moe", "dense"])
+CONFIGS = {
+    "moe": lambda: tiny(n_kv_heads=2, seq_len=24),
+    "dense": lambda: tiny(dense=True, n_kv_heads=2, seq_len=24),
+    # the HF families' attention options: per-head q/k norm, q/k/v biases, a head dim of its own
+    "qwen3-like": lambda: tiny(n_kv_heads=2, seq_len=24, qk_norm="head", qkv_bias=True, attn_head_dim=16),
+}
+
+
+@pytest.fixture(params=list(CONFIGS))
 def model(request):
     torch.manual_seed(0)
-    cfg = tiny(dense=True, n_kv_heads=2, seq_len=24) if request.param == "dense" else tiny(n_kv_heads=2, seq_len=24)
-    return Transformer(cfg).eval()
+    return Transformer(CONFIGS[request.param]()).eval()
 
 
 def test_cached_forward_equals_full_forward_logits(model):
@@ -33,7 +40,7 @@ def test_cached_forward_equals_full_forward_logits(model):
     pieces += [model(idx[:, i : i + 1], kv_cache=cache).logits_BLV for i in range(5, 12)]
     assert cache.length == 12
     assert torch.allclose(torch.cat(pieces, dim=1), full, atol=1e-5)
-    assert cache.k_NBGSDh.shape == (2, 2, 2, 12, 8)  # kv heads, not query heads
+    assert cache.k_NBGSDh.shape == (2, 2, 2, 12, model.config.head_dim)  # kv heads, not query heads
 
 
 def test_batched_unequal_prompts_equal_one_row_recompute(model):
