@@ -150,9 +150,9 @@ def test_tiny_study_end_to_end(tmp_path):
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     dense, kmeans, pruned = records["dense/recovered"], records["E4k2/kmeans+trained"], records["pruning/ffn0.5"]
     assert all(r["steps"] == 2 for n, r in records.items() if n != "dense/pretrain")
-    assert kmeans["total_params"] == dense["total_params"] + 4 * 32  # the converted MoE: its router rows added
+    assert kmeans["total_params"] == dense["total_params"] + 4 * 32 + 32  # the MoE adds router rows, expert bias
     ffn_half = 3 * 32 * 64 // 2  # w1, v1, w2 of half the neurons
-    assert dense["active_params"] - kmeans["active_params"] == ffn_half - 4 * 32
+    assert dense["active_params"] - kmeans["active_params"] == ffn_half - 4 * 32 - 32
     assert dense["active_params"] - pruned["active_params"] == ffn_half
     for record in (kmeans, pruned, records["E4k2/dot_moe"]):
         assert math.isfinite(record["val_loss_converted"]) and set(record["val_loss_converted_per_language"]) == {
