@@ -312,8 +312,8 @@ def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any
     module.model.load_state_dict(model.state_dict())
     datamodule = MoEDataModule(data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size,
                                languages=data.languages, val_batches=data.val_batches, seed=point.seed)
-    trainer = pl.Trainer(accelerator=point.run.trainer.get("accelerator", "auto"), devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(accelerator=point.run.trainer.get("accelerator", "auto"), devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
@@ -398,7 +398,11 @@ def _language_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _best(configs: dict[str, dict[str, Any]], keep) -> Optional[tuple[str, list[float]]]:
+Group = Optional[tuple[str, list[float]]]
+"""(config_name, per-seed loss gaps) of one configuration, or None."""
+
+
+def _best(configs: dict[str, dict[str, Any]], keep) -> Group:
     """(config_name, gaps) of the configuration with the lowest mean gap among those ``keep`` accepts."""
     candidates = [(summarize(e["gap"]).mean, name, e["gap"]) for name, e in configs.items() if keep(e["record"])]
     if not candidates:
@@ -407,7 +411,8 @@ def _best(configs: dict[str, dict[str, Any]], keep) -> Optional[tuple[str, list[
     return name, gaps
 
 
-def _ordering(claim: str, better: Optional[tuple[str, list[float]]], worse: Optional[tuple[str, list[float]]]) -> Optional[str]:
+def _ordering(claim: str, better: Group, worse: Group) -> Optional[str]:
+    """A finding line: is ``better``'s gap significantly lower than ``worse``'s? None if one is missing."""
     if better is None or worse is None:
         return None
     verdict = compare(better[1], worse[1])
