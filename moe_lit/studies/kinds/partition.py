@@ -30,7 +30,7 @@ from typing import Any, Optional
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
 from moe_lit.lit.run_config import _build
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
 
@@ -259,7 +259,7 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
                             info={"phase": "pretrain", "method": DENSE, "family": DENSE}))
         for config_name, method, router, family, setting in arms:
             info = {"phase": "recovered", "method": method, "router": router, "family": family,
-                    "pretrain_point": parent, "setting": setting.name if family not in (DENSE, PRUNING) else None,
+                    "setting": setting.name if family not in (DENSE, PRUNING) else None,
                     "active_ffn": setting.active_ffn if setting else 1.0, "conversion_tokens": 0}
             model, transform = spec.dense, None
             if method == PRUNING:
@@ -299,7 +299,7 @@ def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_s
 
 def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
     """Validation loss (overall and per language) of the converted model before its recovery: the
-    start weights the engine wrote under ``run_dir/start``, on the run's validation batches."""
+    start weights the engine wrote under ``run_dir/TRANSFORMED_START``, on the run's validation batches."""
     import lightning.pytorch as pl
 
     from moe_lit.checkpoint import load_model
@@ -307,7 +307,7 @@ def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any
     from moe_lit.lit.module import MoELitModule
 
     data = point.run.data
-    model = load_model(Path(run_dir) / "start")
+    model = load_model(Path(run_dir) / TRANSFORMED_START)
     module = MoELitModule(model.config, point.run.optim)
     module.model.load_state_dict(model.state_dict())
     datamodule = MoEDataModule(data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size,
