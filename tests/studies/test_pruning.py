@@ -29,10 +29,12 @@ TINY = {
 
 def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_recovery():
     points = parse_study(TINY).points
-    assert len(points) == 2 * (1 + len(METHODS) * 2 * 2)
+    assert len(points) == 2 * (2 + len(METHODS) * 2 * 2)
     by_name = {p.name: p for p in points}
-    parent = by_name["original/s1"]
+    parent, control = by_name["original/s1"], by_name["original/recovered/s1"]
     assert parent.start is None and parent.run.steps == 4 and parent.run.train.seed == 1
+    # the control: the unpruned parent fine-tuned like the recovered arms (their retention reference)
+    assert (control.start.parent, control.start.mode, control.transform) == ("original/s1", "init", None)
     pruned, recovered = by_name["maestro/50%/pruned/s1"], by_name["maestro/50%/recovered/s1"]
     for child in (pruned, recovered):
         assert (child.start.parent, child.start.mode, child.start.step) == ("original/s1", "init", None)
@@ -42,8 +44,10 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
             "languages": None, "split": "test", "damping": 0.85, "naee_cap": 2000, "seed": 1,
         }
         assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_memory"
-        assert child.info == {"arm": child.info["arm"], "method": "maestro", "fraction": 0.5, "parent_point": "original/s1"}
+        assert child.info["method"] == "maestro" and child.info["fraction"] == 0.5
+    assert pruned.info["reference"] == "original/s1" and recovered.info["reference"] == "original/recovered/s1"
     assert pruned.run.steps == 0  # evaluated as it is: the run only validates
+    assert recovered.run == control.run
     assert recovered.run.steps == 2 and recovered.run.optim.warmup_steps == 1 and recovered.run.train.seed == 1
     assert by_name["random/25%/pruned/s0"].transform.kwargs["fraction"] == 0.25
     assert len({p.hash for p in points}) == len(points)
@@ -73,22 +77,28 @@ def test_spec_errors_name_the_field(change, message):
 PARENT = {"en": 2.0, "de": 4.0}
 
 
+CONTROL = {"en": 1.0, "de": 2.0}  # the recovered arms' reference
+
+
 def _child(method, fraction, arm, seed, retention, **extra):
-    """A child record whose val loss per language gives the hand-chosen retention (original / pruned)."""
-    losses = {lang: PARENT[lang] / r for lang, r in zip(PARENT, retention)}
+    """A child record whose val loss per language gives the hand-chosen retention (reference / pruned)."""
+    reference = PARENT if arm == "pruned" else CONTROL
+    losses = {lang: reference[lang] / r for lang, r in zip(reference, retention)}
     return {"name": f"{method}/{fraction}/{arm}/s{seed}", "status": "ok", "arm": arm, "method": method,
-            "fraction": fraction, "parent_point": f"original/s{seed}", "val_loss_per_language": losses,
-            "val_loss": sum(losses.values()) / 2, **extra}
+            "fraction": fraction, "val_loss_per_language": losses, "val_loss": sum(losses.values()) / 2,
+            "reference": f"original/s{seed}" if arm == "pruned" else f"original/recovered/s{seed}", **extra}
 
 
 def _records():
     memory = {"params_before": 1000, "params_after": 600, "params_saved_fraction": 0.4, "bytes_before": 4000,
-              "bytes_after": 2400}
+              "bytes_after": 2400, "params_saved": 400}
     records = [{"name": f"original/s{s}", "status": "ok", "arm": "original", "val_loss_per_language": PARENT,
                 "val_loss": 3.0} for s in (0, 1)]
+    records += [{"name": f"original/recovered/s{s}", "status": "ok", "arm": "control",
+                 "val_loss_per_language": CONTROL, "val_loss": 1.5} for s in (0, 1)]
     for seed, (maestro, frequency) in enumerate((((1.0, 0.8), (0.5, 0.5)), ((0.8, 0.8), (0.5, 0.4)))):
         records += [
-            _child("maestro", 0.5, "pruned", seed, maestro, memory=memory, kept_experts=[2, 2]),
+            _child("maestro", 0.5, "pruned", seed, maestro, **memory, kept_experts=[2, 2]),
             _child("frequency", 0.5, "pruned", seed, frequency),
             _child("random", 0.5, "pruned", seed, (1.0, 1.0)),  # best of all, but never "the best baseline"
             _child("maestro", 0.5, "recovered", seed, (0.8, 0.8) if seed == 0 else (0.5, 0.5)),
@@ -134,6 +144,7 @@ def test_without_maestro_at_half_the_claims_are_not_tested(tmp_path):
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path):
     from moe_lit.data.prepare import PrepareConfig, prepare
+    from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
     from tests.data.conftest import write_corpus
 
@@ -145,9 +156,15 @@ def test_tiny_study_end_to_end(tmp_path):
                                                log=lambda _: None)}
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     original, pruned, recovered = (records[n] for n in ("original", "maestro/50%/pruned", "maestro/50%/recovered"))
-    assert pruned["steps"] == 0 and recovered["steps"] == 2
+    assert pruned["steps"] == 0 and recovered["steps"] == 2 and records["original/recovered"]["steps"] == 2
+    assert pruned["val_loss"] != original["val_loss"]  # evaluated after pruning, not the parent again
     assert pruned["kept_experts"] == [2, 2] and records["naee/50%/recovered"]["kept_experts"] == [2, 2]
-    memory = pruned["memory"]
-    assert memory["params_before"] == original["total_params"]
-    assert memory["params_saved"] == 2 * 2 * 3 * 32 * 32 + 2 * 2 * 32  # 2 layers x 2 experts x (w1, v1, w2), router rows
+    assert pruned["params_before"] == original["total_params"]
+    assert pruned["params_saved"] == 2 * 2 * 3 * 32 * 32 + 2 * 2 * 32  # 2 layers x 2 experts x (w1, v1, w2), router rows
     assert pruned["val_loss_per_language"].keys() == original["val_loss_per_language"].keys() == {"en", "de", "ru"}
+    written = write_report(tmp_path / "out")
+    summary = written["summary"].read_text()
+    assert "| 50% | pruned | maestro |" in summary and "maestro vs the best baseline (naee)" in summary
+    assert "not testable (n < 2)" in summary  # one seed
+    assert "params_saved" in written["runs_csv"].read_text().splitlines()[0]
+    assert (tmp_path / "out" / "plots" / "retention.png").is_file()

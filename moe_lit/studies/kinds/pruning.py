@@ -8,9 +8,11 @@ text of every language, the mix, or of ``calibration_languages``), through the t
 0``: the run only validates) and after a short recovery fine-tune with the plain LM loss.
 
 Retention (:mod:`moe_lit.evaluation.retention`) = original / pruned val loss per language (1 =
-nothing lost), against the parent's final validation on the same batches; its mean and its
-variance across languages are MAESTRO's two claims (better retention than the best baseline at
-50% compression, lower variance across tasks), each tested against the seed noise.
+nothing lost) on the same validation batches. The reference of a pruned model is the parent's
+final validation; that of a recovered one is the control ``original/recovered``: the unpruned
+parent fine-tuned with the same recovery run, so the extra training is not counted as retention.
+Its mean and its variance across languages are MAESTRO's two claims (better retention than the
+best baseline at 50% compression, lower variance across tasks), each tested against the seed noise.
 """
 
 from __future__ import annotations
@@ -146,7 +148,13 @@ def expand(spec: PruningSpec, header) -> list[Point]:
             ),
         }
         parent = header.point_name("original", seed)
-        points.append(Point(parent, "original", seed, spec.model, pretrain, info={"arm": "original"}))
+        control = header.point_name("original/recovered", seed)
+        references = {"pruned": parent, "recovered": control}
+        points += [
+            Point(parent, "original", seed, spec.model, pretrain, info={"arm": "original"}),
+            Point(control, "original/recovered", seed, spec.model, runs["recovered"], info={"arm": "control"},
+                  start=Start(parent=parent, mode="init")),
+        ]
         for fraction in spec.fractions:
             for method in spec.methods:
                 transform = Call(TRANSFORM, _transform_kwargs(spec, header, method, fraction, seed))
@@ -154,7 +162,7 @@ def expand(spec: PruningSpec, header) -> list[Point]:
                     config_name = f"{method}/{_label(fraction)}/{arm}"
                     points.append(Point(
                         header.point_name(config_name, seed), config_name, seed, spec.model, run,
-                        info={"arm": arm, "method": method, "fraction": fraction, "parent_point": parent},
+                        info={"arm": arm, "method": method, "fraction": fraction, "reference": references[arm]},
                         start=Start(parent=parent, mode="init"), transform=transform, measure=measure,
                     ))
     return points
@@ -214,7 +222,8 @@ def measure_memory(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
 
     pruned = load_model(result.checkpoint)
     original = Transformer(point.model.replace(vocab_size=pruned.config.vocab_size))
-    return {"memory": memory_saved(original, pruned),
+    # NOTE: flat fields (not one nested dict), so that runs.csv keeps them as columns.
+    return {**memory_saved(original, pruned),
             "kept_experts": [pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids]}
 
 
@@ -232,14 +241,14 @@ def _retention(original: dict[str, Any], pruned: dict[str, Any]) -> tuple[float,
 
 def retention_values(records: list[dict[str, Any]]) -> dict[tuple[float, str, str], dict[str, list[float]]]:
     """(fraction, arm, method) -> per-seed lists of retention ``mean``, its ``variance`` across
-    languages, and ``val_loss``, each child against its own parent (records with status ok)."""
+    languages, and ``val_loss``, each child against its own reference (records with status ok)."""
     ok = {r["name"]: r for r in records if r["status"] == "ok"}
     values: dict[tuple[float, str, str], dict[str, list[float]]] = {}
     for record in ok.values():
-        parent = ok.get(record.get("parent_point") or "")
-        if record.get("arm") not in ARMS or parent is None:
+        reference = ok.get(record.get("reference") or "")
+        if record.get("arm") not in ARMS or reference is None:
             continue
-        mean, variance = _retention(parent, record)
+        mean, variance = _retention(reference, record)
         group = values.setdefault((record["fraction"], record["arm"], record["method"]),
                                   {"mean": [], "variance": [], "val_loss": []})
         group["mean"].append(mean)
@@ -251,15 +260,15 @@ def retention_values(records: list[dict[str, Any]]) -> dict[tuple[float, str, st
 def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_fraction: dict[float, dict[str, Any]] = {}
     for record in records:
-        if record["status"] == "ok" and "memory" in record:
+        if record["status"] == "ok" and "params_saved" in record:
             by_fraction.setdefault(record["fraction"], record)
     return [
         {
             "removed": _label(fraction),
             "experts per layer": ", ".join(map(str, record["kept_experts"])),
-            "parameters": f"{record['memory']['params_before']:,} -> {record['memory']['params_after']:,}",
-            "saved": f"{record['memory']['params_saved_fraction']:.1%}",
-            "bytes": f"{record['memory']['bytes_before']:,} -> {record['memory']['bytes_after']:,}",
+            "parameters": f"{record['params_before']:,} -> {record['params_after']:,}",
+            "saved": f"{record['params_saved_fraction']:.1%}",
+            "bytes": f"{record['bytes_before']:,} -> {record['bytes_after']:,}",
         }
         for fraction, record in sorted(by_fraction.items())
     ]
