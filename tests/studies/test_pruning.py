@@ -7,7 +7,7 @@ from moe_lit.config import ConfigError
 from moe_lit.convert.importance import METHODS
 from moe_lit.studies.kinds.pruning import analyse
 from moe_lit.studies.stats import compare, format_comparison
-from moe_lit.studies.study import parse_study
+from moe_lit.studies.study import load_study, parse_study
 
 TINY = {
     "name": "prune",
@@ -51,6 +51,13 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
     assert recovered.run.steps == 2 and recovered.run.optim.warmup_steps == 1 and recovered.run.train.seed == 1
     assert by_name["random/25%/pruned/s0"].transform.kwargs["fraction"] == 0.25
     assert len({p.hash for p in points}) == len(points)
+
+
+def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
+    study = load_study("configs/studies/pruning.yaml")
+    assert study.header.seeds == [0, 1, 2] and len(study.points) == 3 * (2 + len(METHODS) * 2 * 2)
+    moe = study.points[0].model.moe
+    assert (moe.num_experts, moe.top_k) == (16, 2) and study.spec.fractions == [0.25, 0.5]
 
 
 @pytest.mark.parametrize(
