@@ -121,7 +121,7 @@ def test_retention_tables_and_verdicts_from_hand_made_records(tmp_path):
     analysis = analyse({}, _records(), tmp_path)
     table = analysis.tables["Retention = original / pruned val loss per language (mean ± std over seeds)"]
     rows = {(r["removed"], r["arm"], r["method"]): r for r in table}
-    assert list(rows)[0] == ("25%", "pruned", "router_weighted") and ("50%", "pruned", "naee") not in rows
+    assert next(iter(rows)) == ("25%", "pruned", "router_weighted") and ("50%", "pruned", "naee") not in rows
     # maestro, pruned: per seed mean (1.0+0.8)/2=0.9 and 0.8, variance across languages 0.01 and 0.
     maestro = rows[("50%", "pruned", "maestro")]
     assert maestro["retention (mean over languages)"] == "0.8500 ± 0.0707 (n=2)"
