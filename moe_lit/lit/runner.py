@@ -107,12 +107,15 @@ def train_run(
     The only place outside LightningCLI that builds a Trainer. ``resume_from`` continues a run from
     its Lightning checkpoint (weights, optimizer, schedule, data position, step counter);
     ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
-    or exported model directory, whose model replaces ``model_cfg`` when it differs.
+    or exported model directory, whose model replaces ``model_cfg`` when it differs. With
+    ``train.max_steps: 0`` nothing trains: the initial weights are validated and checkpointed.
     """
     from moe_lit.lit.datamodule import MoEDataModule
 
     if resume_from is not None and init_from is not None:
         raise MoeLitError("train_run: give resume_from (continue a run) or init_from (start from weights), not both")
+    if resume_from is not None and run.steps == 0:
+        raise MoeLitError("train_run: a 0-step run only validates; give init_from, not resume_from")
     out_dir = Path(out_dir)
     start = time.perf_counter()
     seed = run.train.seed
@@ -125,7 +128,13 @@ def train_run(
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from)
     curve = ValidationCurve()
     trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
+    # an optimizer and a schedule over zero steps. Validating first attaches the model to the
+    # trainer, so its checkpoint below is saved like a trained run's.
+    if run.steps > 0:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    else:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
     # is the final weights, so they are saved there too.
     trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)

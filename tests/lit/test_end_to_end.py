@@ -110,3 +110,16 @@ def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepar
     (metrics,) = list((tmp_path / "cli").rglob("metrics.csv"))
     cli_losses = {int(r["step"]): r["train/loss"] for r in read_metrics(metrics) if "train/loss" in r}
     assert cli_losses == pytest.approx(_losses(direct), rel=1e-6)
+
+
+def test_zero_step_run_validates_the_initial_weights_unchanged(prepared, tmp_path):
+    first = _run(prepared, tmp_path / "trained")
+    run = _run_config(prepared).replace(train={"max_steps": 0})
+    result = train_run(tiny(), run, tmp_path / "eval", init_from=first.checkpoint)
+    assert result.steps == 0 and result.tokens == 0
+    assert result.val_loss == pytest.approx(first.val_loss, abs=1e-6)  # the same weights, the same val batches
+    assert result.val_loss_per_language.keys() == first.val_loss_per_language.keys()
+    trained, evaluated = load_model(first.checkpoint).state_dict(), load_model(result.checkpoint).state_dict()
+    assert all((trained[k] == evaluated[k]).all() for k in trained)
+    with pytest.raises(Exception, match="0-step run only validates"):
+        train_run(tiny(), run, tmp_path / "resumed", resume_from=first.checkpoint)

@@ -23,6 +23,7 @@ KINDS = {
     "upcycling": "moe_lit.studies.kinds.upcycling",
     "language_expansion": "moe_lit.studies.kinds.language_expansion",
     "partition": "moe_lit.studies.kinds.partition",
+    "pruning": "moe_lit.studies.kinds.pruning",
 }
 
 
