@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from moe_lit.callbacks import RoutingMonitor
+from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
@@ -56,6 +57,19 @@ class MoELightningCLI(LightningCLI):
         except argparse.ArgumentError as exc:
             raise MoeLitError(config_error_line(str(exc))) from exc
         validate_module_config(self._section()["model"])
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # NOTE: `--ckpt_path` is read first by our loader (weights_only=True, one line naming the file
+        # when it is missing, corrupt or holds code), then Lightning parses its hyper-parameters.
+        section = self._section()
+        if section.get("weights_only") is False:
+            raise MoeLitError("weights_only: false is refused; checkpoints load with weights_only=True (never run code)")
+        if "weights_only" in section:
+            section["weights_only"] = True
+        if section.get("ckpt_path"):
+            read_lightning_checkpoint(section["ckpt_path"])
+        super()._parse_ckpt_path()
 
     def _section(self) -> Any:
         """The parsed config of the running subcommand."""

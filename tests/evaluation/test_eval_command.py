@@ -41,3 +41,20 @@ def test_suite_table_pivots_tasks_by_language_code():
     assert suite_by_language(rows, languages) == [
         {"language": "pt-br", "bits/byte": 1.5, "byte ppl": "-", "next-paragraph acc": "-", "minimal-pairs acc": 0.75}
     ]
+
+
+def test_tokenizer_errors_are_one_line_naming_the_file(tmp_path, prepared_dir, capsys):
+    from moe_lit.checkpoint import export_model
+    from moe_lit.model import Transformer
+    from tests.conftest import tiny
+
+    small = export_model(Transformer(tiny(vocab_size=8)), tmp_path / "small")
+    tokenizer = prepared_dir / "tokenizer.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": ')
+    for given, words in ((tokenizer, "tokens do not fit the model's vocab_size 8"), (broken, "not a readable tokenizer.json")):
+        args = ["eval", "--checkpoint", str(small), "--tokenizer", str(given), "--tasks", "moe_lit_pairs"]
+        assert main([*args, "--data", str(prepared_dir), "--out-dir", str(tmp_path / "res")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"tokenizer {given}" in err and words in err, err
+    assert not (tmp_path / "res").exists()
