@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressB
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
-from moe_lit.callbacks import RoutingMonitor
+from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.routing_monitor import load_imbalance
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -156,6 +156,7 @@ def _trainer_kwargs(
     )
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
+    callbacks.append(DivergenceGuard())
     if overrides.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     kwargs = {
