@@ -22,7 +22,6 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
-from moe_lit.callbacks.routing_monitor import load_imbalance
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
@@ -175,13 +174,13 @@ def _trainer_kwargs(
 
 
 def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
-    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the routers' last
-    counts when nothing was logged there; 1.0 for a dense model."""
+    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the last step's
+    routing statistics when nothing was logged there; 1.0 for a dense model."""
     layers = module.model.moe_layers()
     if not layers:
         return 1.0
     late = [row[MEAN_IMBALANCE] for row in rows if MEAN_IMBALANCE in row and row.get("step", 0) >= steps / 2]
-    late = late or [sum(load_imbalance(layer.router.tokens_per_expert) for layer in layers) / len(layers)]
+    late = late or [sum(stats.load_imbalance for stats in module.model.routing_stats().values()) / len(layers)]
     return sum(late) / len(late)
 
 
