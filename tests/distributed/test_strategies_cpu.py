@@ -27,8 +27,8 @@ SCRIPT = Path(train_script.__file__)
 TIMEOUT_S = 600
 
 
-def run_script(strategy: str, steps: int, out: Path, resume: Path | None = None) -> Path:
-    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--steps", str(steps), "--out", str(out)]
+def run_script(strategy: str, steps: int, out: Path, resume: Path | None = None, extra: list[str] = ()) -> Path:
+    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--steps", str(steps), "--out", str(out), *extra]
     if resume is not None:
         cmd += ["--resume", str(resume)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
