@@ -154,7 +154,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_bad_checkpoint_files_are_one_line_naming_the_file(capsys, tmp_path, files, case):
     path, words = _case(case, tmp_path, files)
-    err = _one_line_exit_2(capsys, ["convert", "expand", "--checkpoint", str(path), "--factor", "2", "--out", str(tmp_path / "out")])
+    argv = ["convert", "expand", "--checkpoint", str(path), "--factor", "2", "--out", str(tmp_path / "out")]
+    err = _one_line_exit_2(capsys, argv)
     assert words in err and str(path) in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
