@@ -40,6 +40,9 @@ from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.runner import throughput_monitor
 
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+"""``--ckpt_path`` values Lightning resolves itself (``last``: the newest checkpoint of the run's
+ModelCheckpoint, or a fresh start when there is none); it loads them with weights_only=True too."""
 DEFAULT_LOG_DIR = "runs"
 """Where a run's logs and checkpoints go unless ``--trainer.default_root_dir`` says otherwise."""
 CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": 0}
@@ -74,8 +77,9 @@ class MoELightningCLI(LightningCLI):
             raise MoeLitError("weights_only: false is refused; checkpoints load with weights_only=True (never run code)")
         if "weights_only" in section:
             section["weights_only"] = True
-        if section.get("ckpt_path"):
-            read_lightning_checkpoint(section["ckpt_path"])
+        ckpt_path = section.get("ckpt_path")
+        if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES and not str(ckpt_path).startswith("registry"):
+            read_lightning_checkpoint(ckpt_path)
         super()._parse_ckpt_path()
 
     def _section(self) -> Any:
