@@ -1,7 +1,11 @@
+import errno
+import os
+
 import pytest
 import torch
 
-from moe_lit.checkpoint import export_model, load_model
+from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoint
+from moe_lit.cli import main
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from tests.conftest import tiny
@@ -27,11 +31,6 @@ def test_missing_checkpoint_is_a_user_error(tmp_path):
 
 
 # ---------------------------------------------------------------- reading never runs code; file errors
-import errno  # noqa: E402
-import os  # noqa: E402
-
-from moe_lit.checkpoint import read_lightning_checkpoint  # noqa: E402
-from moe_lit.cli import main  # noqa: E402
 
 
 class Payload:

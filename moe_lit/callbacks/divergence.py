@@ -125,4 +125,4 @@ class DivergenceGuard(pl.Callback):
         self.skipped_steps = list(state_dict.get("skipped_steps", []))
 
 
-__all__ = ["DivergenceError", "DivergenceGuard", "POLICIES", "first_non_finite"]
+__all__ = ["POLICIES", "DivergenceError", "DivergenceGuard", "first_non_finite"]
