@@ -96,6 +96,7 @@ def train(
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
     routers = {n: b.detach().clone() for n, b in module.model.named_buffers() if ".router." in n}
+    out.mkdir(parents=True, exist_ok=True)
     torch.save(routers, out / f"routers_rank{trainer.global_rank}.pt")
     trainer.save_checkpoint(out / "model.ckpt")
     return out / "model.ckpt"
