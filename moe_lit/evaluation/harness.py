@@ -43,13 +43,10 @@ Request = tuple[Any, list[int], list[int]]
 
 
 def load_tokenizer(path: Union[str, Path]):
-    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json``."""
-    from tokenizers import Tokenizer
+    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json`` (any special tokens)."""
+    from moe_lit.data.tokenizer import read_tokenizer_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise MoeLitError(f"tokenizer: no such file {path}")
-    return Tokenizer.from_file(str(path))
+    return read_tokenizer_file(path)
 
 
 def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
@@ -133,6 +130,7 @@ class MoeLitLM(TemplateLM):
             tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
         if tokenizer is None:
             raise MoeLitError("moe_lit model: a tokenizer is required with model=")
+        tokenizer_name = f"tokenizer {tokenizer}" if isinstance(tokenizer, (str, Path)) else "tokenizer"
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         self.model = model.to(device).eval()
         self._device = torch.device(device)
@@ -143,7 +141,7 @@ class MoeLitLM(TemplateLM):
             raise MoeLitError(f"max_length: {self._max_length} exceeds the model's seq_len {self.model.config.seq_len}")
         if self.tokenizer.get_vocab_size() > self.model.config.vocab_size:
             raise MoeLitError(
-                f"tokenizer: {self.tokenizer.get_vocab_size()} tokens do not fit the model's "
+                f"{tokenizer_name}: {self.tokenizer.get_vocab_size()} tokens do not fit the model's "
                 f"vocab_size {self.model.config.vocab_size}; is it the checkpoint's tokenizer?"
             )
         self._eot_id = resolve_eot_id(self.tokenizer, eot_token)

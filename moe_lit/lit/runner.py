@@ -21,8 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressB
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
-from moe_lit.callbacks import RoutingMonitor
-from moe_lit.callbacks.routing_monitor import load_imbalance
+from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -175,6 +174,7 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     )
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
+    callbacks.append(DivergenceGuard())
     if run.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     kwargs = {
@@ -193,13 +193,13 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
 
 
 def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
-    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the routers' last
-    counts when nothing was logged there; 1.0 for a dense model."""
+    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the last step's
+    routing statistics when nothing was logged there; 1.0 for a dense model."""
     layers = module.model.moe_layers()
     if not layers:
         return 1.0
     late = [row[MEAN_IMBALANCE] for row in rows if MEAN_IMBALANCE in row and row.get("step", 0) >= steps / 2]
-    late = late or [sum(load_imbalance(layer.router.tokens_per_expert) for layer in layers) / len(layers)]
+    late = late or [sum(stats.load_imbalance for stats in module.model.routing_stats().values()) / len(layers)]
     return sum(late) / len(late)
 
 

@@ -17,6 +17,7 @@ from moe_lit.model.attention import CausalSelfAttention
 from moe_lit.model.loss import linear_cross_entropy
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
+from moe_lit.model.router import RoutingStats, finish_routing_step
 
 if TYPE_CHECKING:
     from moe_lit.inference.kv_cache import KVCache, LayerKVCache
@@ -119,7 +120,13 @@ class Transformer(nn.Module):
         return LMOutput(None, aux_losses, ce=ce)
 
     @torch.no_grad()
-    def update_router_biases(self) -> None:
-        """Aux-loss-free balancing step for every router (no-op without balancing=bias)."""
-        for layer in self.moe_layers():
-            layer.router.update_bias()
+    def update_router_biases(self) -> bool:
+        """Finish the optimizer step's routing (call once per step, on every rank): all-reduce the
+        routers' statistics over the data-parallel ranks, store them, take the aux-loss-free
+        balancing step (no-op without balancing=bias), reset. False when nothing was routed since
+        the last call (then nothing changes). See :func:`moe_lit.model.router.finish_routing_step`."""
+        return finish_routing_step([layer.router for layer in self.moe_layers()])
+
+    def routing_stats(self) -> dict[int, RoutingStats]:
+        """The last finished step's routing statistics, by block index of each MoE layer."""
+        return {i: block.ffn.router.stats() for i, block in enumerate(self.blocks) if block.is_moe}
