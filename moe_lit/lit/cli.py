@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 import warnings
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -59,6 +59,8 @@ class MoELightningCLI(LightningCLI):
         parser.set_defaults(CHECKPOINT_DEFAULTS)
         parser.add_lightning_class_args(RoutingMonitor, "routing")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
+        for name, help_text in TRAIN_FIELDS.items():
+            parser.add_argument(f"--train.{name}", type=Optional[int], default=None, help=help_text)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -67,6 +69,7 @@ class MoELightningCLI(LightningCLI):
         except argparse.ArgumentError as exc:
             raise MoeLitError(config_error_line(str(exc))) from exc
         validate_module_config(self._section()["model"])
+        apply_train_section(self._section())
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -105,6 +108,40 @@ class MoELightningCLI(LightningCLI):
             raise
         except (argparse.ArgumentError, ValueError, TypeError) as exc:
             raise MoeLitError(config_error_line(str(exc))) from exc
+
+
+TRAIN_FIELDS = {
+    "max_tokens": "token budget: trainer.max_steps = max_tokens // (data.seq_len * data.batch_size)",
+    "max_steps": "step budget (trainer.max_steps)",
+    "val_every": "optimizer steps between validations (trainer.val_check_interval, across epochs)",
+    "checkpoint_every": "optimizer steps between checkpoints (checkpoint.every_n_train_steps)",
+    "seed": "seed of the run (seed_everything)",
+}
+"""The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
+
+
+def apply_train_section(section: Any) -> None:
+    """Turn a ``train`` section (RunConfig's names, shared with train_run and the studies) into the
+    Trainer, checkpoint and seed settings it means; fields left unset change nothing."""
+    from moe_lit.lit.run_config import TrainConfig
+
+    train = {k: v for k, v in (section.get("train") or {}).items() if v is not None}
+    if not train:
+        return
+    budget = {k: train[k] for k in ("max_tokens", "max_steps") if k in train}
+    try:
+        cfg = TrainConfig(**({"max_steps": section["trainer"].get("max_steps") or 1} if not budget else {}), **train)
+    except MoeLitError as exc:
+        raise MoeLitError(f"train.{exc}") from None
+    if budget:
+        section["trainer"]["max_steps"] = cfg.steps(section["data"]["seq_len"] * section["data"]["batch_size"])
+    if cfg.val_every is not None:
+        section["trainer"]["val_check_interval"] = cfg.val_every
+        section["trainer"]["check_val_every_n_epoch"] = None
+    if cfg.checkpoint_every is not None:
+        section["checkpoint"]["every_n_train_steps"] = cfg.checkpoint_every
+    if "seed" in train:
+        section["seed_everything"] = cfg.seed
 
 
 def validate_module_config(model_section: Any) -> None:

@@ -89,17 +89,16 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
 
 @pytest.mark.slow
 def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepared, tmp_path, capsys):
-    """The data / model.optim / trainer / seed sections of one YAML feed both entry points."""
+    """The data / model.optim / train / trainer sections of one YAML feed both entry points."""
     import yaml
 
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text(yaml.safe_dump({
-        "seed_everything": 0,
         "model": {"model": tiny().to_dict() | {"vocab_size": 300, "seq_len": SEQ_LEN},
                   "optim": {"lr": 1e-2, "warmup_steps": 2}},
         "data": {"data_dir": str(prepared), "seq_len": SEQ_LEN, "batch_size": BATCH, "val_batches": 2, "seed": 0},
-        "trainer": {"max_steps": STEPS, "val_check_interval": 4, "check_val_every_n_epoch": None,
-                    "num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
+        "train": {"max_tokens": STEPS * SEQ_LEN * BATCH, "val_every": 4, "seed": 0},  # RunConfig's names
+        "trainer": {"num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
                     "accelerator": "cpu", "devices": 1},
     }))
     model_cfg, run_cfg = RunConfig.from_experiment(experiment)
