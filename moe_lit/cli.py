@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("moe_lit.commands.demo", "the README's main job on the bundled default data"),
     "convert": ("moe_lit.commands.convert", "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune"),
     "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
-    "study": ("moe_lit.commands.study", "declarative sweeps: run (resumable, --parallel N) and report"),
+    "study": ("moe_lit.commands.study", "studies of every kind on one engine: run (resumable, workers, SLURM), report, list"),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
     "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
     "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
