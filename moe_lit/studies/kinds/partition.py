@@ -299,28 +299,16 @@ def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_s
 
 def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
     """Validation loss (overall and per language) of the converted model before its recovery: the
-    start weights the engine wrote under ``run_dir/TRANSFORMED_START``, on the run's validation batches."""
-    import lightning.pytorch as pl
+    start weights the engine wrote under ``run_dir/TRANSFORMED_START``, validated by a 0-step
+    :func:`~moe_lit.lit.runner.train_run` on the run's validation batches."""
+    from moe_lit.lit.runner import train_run
 
-    from moe_lit.checkpoint import load_model
-    from moe_lit.lit.datamodule import MoEDataModule
-    from moe_lit.lit.module import MoELitModule
-
-    data = point.run.data
-    model = load_model(Path(run_dir) / TRANSFORMED_START)
-    module = MoELitModule(model.config, point.run.optim)
-    module.model.load_state_dict(model.state_dict())
-    datamodule = MoEDataModule(data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size,
-                               languages=data.languages, val_batches=data.val_batches, seed=point.seed)
-    trainer = pl.Trainer(accelerator=point.run.trainer.get("accelerator", "auto"), devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.validate(module, datamodule=datamodule, verbose=False)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    start = Path(run_dir) / TRANSFORMED_START
+    converted = train_run(point.model, point.run.replace(train={"max_steps": 0}), Path(run_dir) / "converted",
+                          init_from=start)
     return {
-        "val_loss_converted": metrics.get("val/loss", math.nan),
-        "val_loss_converted_per_language": {
-            lang: metrics.get(f"val/loss_{lang}", math.nan) for lang in datamodule.languages
-        },
+        "val_loss_converted": converted.val_loss,
+        "val_loss_converted_per_language": converted.val_loss_per_language,
     }
 
 
