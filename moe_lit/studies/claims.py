@@ -203,10 +203,29 @@ def _read(path: Path) -> Optional[dict[str, Any]]:
     return content
 
 
+def _owner_is_dead(owner: str) -> bool:
+    """A claim of this host whose process no longer exists (a runner killed with kill -9).
+
+    NOTE: without this, rerunning a study right after its runner was killed would leave every
+    point it had claimed to the dead runner until the claim expires (ttl_s)."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
 def _is_free(path: Path, ttl_s: float) -> bool:
-    """Released, or stale: no heartbeat for more than ``ttl_s`` (by the mtime if unparseable)."""
+    """Released, stale (no heartbeat for more than ``ttl_s``, by the mtime if unparseable), or held
+    by a process of this host that no longer exists."""
     content = _read(path)
-    if content is not None and content.get("released"):
+    if content is not None and (content.get("released") or _owner_is_dead(str(content["owner"]))):
         return True
     try:
         beat = float(content["heartbeat_at"]) if content is not None else path.stat().st_mtime

@@ -130,3 +130,21 @@ def test_race_of_processes_has_exactly_one_winner(tmp_path, stale_claim):
     for proc in procs:
         proc.join(timeout=10)
     assert sorted(won) == sorted(f"{HASH}-{i}" for i in range(ROUNDS))  # each point exactly once
+
+
+def test_a_claim_of_a_dead_process_on_this_host_is_free_at_once(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from moe_lit.studies.claims import claims_dir, current_generation
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    held = try_claim(tmp_path, "h", ttl_s=600)
+    directory = claims_dir(tmp_path, "h")
+    path = directory / f"{current_generation(directory):06d}.json"
+    content = json.loads(path.read_text())
+    host = content["owner"].split(":")[0]
+    path.write_text(json.dumps({**content, "owner": f"{host}:{dead.stdout.strip()}:x"}))  # as if kill -9'd
+    assert try_claim(tmp_path, "h", ttl_s=600) is not None
+    assert held is not None and not held.owned()
