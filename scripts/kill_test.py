@@ -1,4 +1,4 @@
-"""kill -9 at random moments of a data preparation and a training run, then rerun the same command.
+"""kill -9 at random moments of a data preparation, a training run and a study, then rerun the same command.
 
     python scripts/kill_test.py --trials 5 [--seed 0] [--work DIR]
 
@@ -12,7 +12,11 @@ must equal the uninterrupted run's, byte for byte:
   interrupted preparation leaves only a temporary sibling, which is never taken for prepared);
 * ``moe-lit fit`` of a tiny MoE for a few steps with ``last.ckpt`` after every step and
   ``--ckpt_path last`` (a fresh start when there is none, else a resume): the final weights and
-  optimizer state.
+  optimizer state;
+* ``moe-lit study run`` of a tiny upcycling study (fixed E, fixed mE and an arm that forks from the
+  fixed-E run's checkpoint): every point's final and per-language validation loss and curve
+  (a point killed mid-run has no record and runs again; its claim, held by the dead process, is
+  free at once).
 
 Prints one JSON line per trial and a summary; exits 1 on any mismatch. CPU only, a few minutes.
 """
@@ -66,6 +70,28 @@ def fit_command(data: Path, out: Path) -> list[str]:
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),
             "--trainer.logger", "false", "--checkpoint.dirpath", str(out / "checkpoints"),
             "--checkpoint.every_n_train_steps", "1", "--ckpt_path", "last"]
+
+
+STUDY = {
+    "name": "kill_test", "kind": "upcycling", "seeds": [0],
+    "run": {"data": {"seq_len": 16, "batch_size": 2, "val_batches": 1}, "optim": {"lr": 3e-3, "warmup_steps": 1},
+            "train": {"max_steps": 6, "val_every": 2}, "trainer": {"enable_progress_bar": False, "accelerator": "cpu"}},
+    "model": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
+              "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"}},
+    "expand_at": 4, "utility_batches": 2, "separation_every": 1, "timing_rounds": 2,
+    "arms": [{"name": "utility_copy", "selection": "utility"}],
+}
+STUDY_FIELDS = ("status", "val_loss", "val_loss_per_language", "curve", "steps")
+
+
+def study_command(spec: Path, data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "moe_lit.cli", "study", "run", str(spec), "--data", str(data), "--out", str(out)]
+
+
+def study_result(out: Path) -> dict[str, dict]:
+    """What each point measured (wall times and paths left out)."""
+    records = (json.loads(p.read_text()) for p in (out / "runs").glob("*.json"))
+    return {r["name"]: {k: r.get(k) for k in STUDY_FIELDS} for r in records}
 
 
 def run(cmd: list[str], kill_after: float | None = None, after_file: Path | None = None) -> tuple[int, float]:
@@ -156,6 +182,10 @@ def main() -> int:
     # NOTE: most of a tiny run is start-up; every other kill falls between its first checkpoint and its end.
     first_ckpt_s, fit_s = first_appearance(fit_command(work / "data_ref", work / "fit_ref"), work / "fit_ref" / LAST)
     fit_ref = training_result(work / "fit_ref")
+    spec = work / "study.yaml"
+    spec.write_text(json.dumps(STUDY))  # JSON is YAML
+    _, study_s = run(study_command(spec, work / "data_ref", work / "study_ref"))
+    study_ref = study_result(work / "study_ref")
 
     failures = 0
     for trial in range(args.trials):
@@ -183,9 +213,18 @@ def main() -> int:
         print(json.dumps({"job": "fit", "trial": trial, "kill_after_s": round(delay, 2),
                           "counted_from": "first checkpoint" if after_checkpoint else "start", "starts": starts,
                           "resumed_from_step": resumed_from, "equal": ok}))
-    print(json.dumps({"trials": args.trials, "jobs": ["prepare", "fit"], "failures": failures,
+
+        out = work / f"study_{trial}"
+        delay = rng.uniform(0.0, study_s)
+        starts, _ = killed_then_rerun(study_command(spec, work / "data_ref", out), delay, out / "none", False)
+        ok = study_result(out) == study_ref
+        failures += not ok
+        print(json.dumps({"job": "study", "trial": trial, "kill_after_s": round(delay, 2), "starts": starts,
+                          "equal": ok}))
+    print(json.dumps({"trials": args.trials, "jobs": ["prepare", "fit", "study"], "failures": failures,
                       "uninterrupted_s": {"prepare": round(prepare_s, 1), "fit": round(fit_s, 1),
-                                         "fit_first_checkpoint": round(first_ckpt_s, 1)}}))
+                                         "fit_first_checkpoint": round(first_ckpt_s, 1),
+                                         "study": round(study_s, 1)}}))
     return 1 if failures else 0
 
 
