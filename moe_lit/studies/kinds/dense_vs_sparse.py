@@ -580,11 +580,13 @@ def plot_total_params(rows, path: Path) -> Optional[Path]:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for (budget, top_k), pts in lines.items():
-        ax.plot(
+        ax.errorbar(
             [r["total_params"] for r in pts],
             [r[LOSS] for r in pts],
+            yerr=[r.get("loss_std", 0.0) for r in pts],
             marker="o",
-            label=f"{budget} (active {_short(pts[-1]['active_params'])}, top-{top_k})",
+            capsize=3,
+            label=f"{budget} (active {_short(pts[-1]['active_params'])}, top-{top_k}; bars: seed std)",
         )
         for r in pts:
             ax.annotate(
@@ -609,7 +611,10 @@ def plot_expert_size(rows, path: Path) -> Optional[Path]:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     for ax, (budget, by_e) in zip(axes[0], panels.items()):
         for num_experts, pts in by_e.items():
-            ax.plot([r["expert_size"] for r in pts], [r[LOSS] for r in pts], marker="o", label=f"E={num_experts}")
+            ax.errorbar(
+                [r["expert_size"] for r in pts], [r[LOSS] for r in pts], yerr=[r.get("loss_std", 0.0) for r in pts],
+                marker="o", capsize=3, label=f"E={num_experts} (k = {', '.join(str(r['top_k']) for r in pts)})",
+            )
         ax.set_xscale("log", base=2)
         ax.set(xlabel="mean expert size F", ylabel="final validation loss", title=f"{budget}: val loss vs expert size")
         ax.grid(True, which="both", alpha=0.3)
