@@ -181,7 +181,7 @@ def taylor_scores(model: Transformer, trace: RoutingTrace, max_tokens: int = 409
     for m, block in enumerate(trace.layer_ids):
         layout = model.blocks[block].ffn.experts.layout
         prefix = f"blocks.{block}.ffn.experts.mlp."
-        taylor_S = sum((leaves[prefix + w] * grads[prefix + w]).double().sum(-1) for w in ("w1", "v1", "w2"))
+        taylor_S = sum((leaves[prefix + w].detach() * grads[prefix + w]).double().sum(-1) for w in ("w1", "v1", "w2"))
         for e in range(layout.num_experts):
             scores_ME[m, e] = taylor_S[layout.rows(e)].sum().abs().cpu()
     return scores_ME
@@ -335,15 +335,11 @@ def _feature_tokens(trace: RoutingTrace, max_tokens: int) -> torch.Tensor:
     return torch.linspace(0, trace.num_tokens - 1, min(max_tokens, trace.num_tokens)).round().long().unique()
 
 
-def _check_model(model: Transformer, trace: RoutingTrace, cfg: MoeToDenseConfig) -> None:
+def check_convertible(model: Transformer, cfg: MoeToDenseConfig) -> None:
+    """Refuse what ``cfg`` cannot do on ``model`` (dense model, gated shared expert, keep > E)."""
     mcfg = model.config
     if mcfg.moe is None:
         raise MoeLitError("moe_to_dense: the model is dense (model.moe is null); nothing to convert")
-    if tuple(trace.layer_ids) != mcfg.moe_layer_ids:
-        raise MoeLitError(
-            f"moe_to_dense: traced layers {list(trace.layer_ids)} are not the model's MoE blocks "
-            f"{list(mcfg.moe_layer_ids)}; trace this model"
-        )
     if mcfg.moe.shared_expert_gate:
         raise MoeLitError("moe_to_dense: a gated shared expert (moe.shared_expert_gate) has no dense equivalent")
     for block in mcfg.moe_layer_ids:
@@ -384,7 +380,12 @@ def moe_to_dense(
     ``scores_ME``: the ``cfg.score`` scores already computed by :func:`moe_expert_scores` (a grid
     shares them across its groupings and scalings); None computes them.
     """
-    _check_model(model, trace, cfg)
+    check_convertible(model, cfg)
+    if tuple(trace.layer_ids) != model.config.moe_layer_ids:
+        raise MoeLitError(
+            f"moe_to_dense: traced layers {list(trace.layer_ids)} are not the model's MoE blocks "
+            f"{list(model.config.moe_layer_ids)}; trace this model"
+        )
     if scores_ME is None:
         scores_ME = moe_expert_scores(model, trace, cfg)
     plans = {}
@@ -443,6 +444,7 @@ __all__ = [
     "SCALINGS",
     "SCORES",
     "MoeToDenseConfig",
+    "check_convertible",
     "conditional_gate_weight",
     "d_optimal_gains",
     "do_acp_scores",

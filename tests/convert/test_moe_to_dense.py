@@ -132,6 +132,7 @@ def test_taylor_score_of_a_zeroed_expert_is_zero_and_matches_finite_difference()
             getattr(model.blocks[0].ffn.experts.mlp, w)[rows] = 0
     trace = _trace(model)
     scores_ME = taylor_scores(model, trace)
+    assert not scores_ME.requires_grad
     assert scores_ME[0, 2] == 0 and (scores_ME[0, [0, 1, 3]] > 0).all()
     # NOTE: theta . grad is the directional derivative of the loss along theta: scaling the expert's
     # matrices by (1 + h) changes the loss by h * (theta . grad) to first order.
