@@ -43,6 +43,7 @@ W (one ``d_ff`` per model), averaging experts of different sizes, ``keep`` > E o
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -191,7 +192,8 @@ def output_features(layer: MoELayer, x_PD: torch.Tensor) -> torch.Tensor:
     """``(E, P*D)`` every expert's output on the P calibration tokens, flattened (fp64)."""
     with torch.no_grad():
         x_PD = x_PD.to(layer.experts.mlp.w1)
-        return torch.stack([expert_output(layer, e, x_PD).double().flatten().cpu() for e in range(layer.cfg.num_experts)])
+        outputs = [expert_output(layer, e, x_PD).double().flatten().cpu() for e in range(layer.cfg.num_experts)]
+    return torch.stack(outputs)
 
 
 def d_optimal_gains(features_EX: torch.Tensor, activation_E: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -210,7 +212,7 @@ def d_optimal_gains(features_EX: torch.Tensor, activation_E: torch.Tensor, ridge
             value = float(torch.linalg.slogdet(gram_EE[subset][:, subset]).logabsdet)
             if value > best_logdet:
                 best, best_logdet = e, value
-        gains_E[best] = float(torch.exp(torch.tensor(best_logdet - logdet)))
+        gains_E[best] = math.exp(best_logdet - logdet)
         chosen.append(best)
         logdet = best_logdet
     return gains_E
@@ -289,7 +291,9 @@ def kmeans_groups(features_CX: torch.Tensor, groups: int, iterations: int) -> li
     return [[c for c in range(len(unit_CX)) if int(assign_C[c]) == g] for g in range(groups)]
 
 
-def plan_groups(layer: MoELayer, kept: list[int], features_CX: Optional[torch.Tensor], cfg: MoeToDenseConfig) -> list[list[int]]:
+def plan_groups(
+    layer: MoELayer, kept: list[int], features_CX: Optional[torch.Tensor], cfg: MoeToDenseConfig
+) -> list[list[int]]:
     """Expert ids of each group (each group ordered best score first, groups by their best)."""
     if cfg.grouping == "single":
         return [[e] for e in kept]
@@ -366,7 +370,8 @@ def _layer_plan(model, trace, m, block, scores_E, cfg) -> dict[str, Any]:
     kept = select_experts(scores_E, cfg.keep)
     features_CX = None
     if cfg.grouping in ("output", "kmeans_output"):
-        features_CX = output_features(layer, _inputs(trace, cfg.grouping)[m][_feature_tokens(trace, cfg.max_tokens)])[kept]
+        x_PD = _inputs(trace, cfg.grouping)[m][_feature_tokens(trace, cfg.max_tokens)]
+        features_CX = output_features(layer, x_PD)[kept]
     groups = plan_groups(layer, kept, features_CX, cfg)
     return {"kept": kept, "groups": groups, "scales": group_scales(trace, m, groups, cfg.scaling)}
 
@@ -398,10 +403,10 @@ def moe_to_dense(
     for m, (block, plan) in enumerate(plans.items()):
         layer, target = model.blocks[block].ffn, new.blocks[block].ffn
         experts = model.config.moe_layer_config(block).num_experts
-        parts = [
-            {**merged, "w2": merged["w2"] * scale}
-            for merged, scale in ((_merged(layer, g, scores_ME[m, :experts]), s) for g, s in zip(plan["groups"], plan["scales"]))
-        ]
+        parts = []
+        for group, scale in zip(plan["groups"], plan["scales"]):
+            merged = _merged(layer, group, scores_ME[m, :experts])
+            parts.append({**merged, "w2": merged["w2"] * scale})
         if layer.shared_expert is not None:
             shared = layer.shared_expert
             parts.append({"w1": shared.w1.weight, "v1": shared.v1.weight, "w2": shared.w2.weight.T})
@@ -427,7 +432,9 @@ def _one_width(model: Transformer, widths: dict[int, int]) -> int:
     """The dense width shared by every block (converted MoE blocks and existing dense ones)."""
     values = set(widths.values())
     if len(values) > 1:
-        raise MoeLitError(f"moe_to_dense: the converted blocks would have different widths {widths}; one d_ff per model")
+        raise MoeLitError(
+            f"moe_to_dense: the converted blocks would have different widths {widths}; one d_ff per model"
+        )
     width = values.pop()
     dense_blocks = [b for b in range(model.config.n_layers) if b not in widths]
     if dense_blocks and model.config.d_ff != width:

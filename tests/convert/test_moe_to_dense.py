@@ -229,12 +229,12 @@ def test_every_combination_is_one_config_value_and_runs():
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        (dict(keep=1, groups=2), "keep: must be >= groups"),
-        (dict(keep=3, groups=2, grouping="single"), "grouping: single"),
-        (dict(score="nope"), "score: got 'nope'"),
-        (dict(grouping="nope"), "grouping: got"),
-        (dict(scaling="nope"), "scaling: got"),
-        (dict(keep=0), "keep: must be a positive integer"),
+        ({"keep": 1, "groups": 2}, "keep: must be >= groups"),
+        ({"keep": 3, "groups": 2, "grouping": "single"}, "grouping: single"),
+        ({"score": "nope"}, "score: got 'nope'"),
+        ({"grouping": "nope"}, "grouping: got"),
+        ({"scaling": "nope"}, "scaling: got"),
+        ({"keep": 0}, "keep: must be a positive integer"),
     ],
 )
 def test_bad_configs_name_the_field(fields, match):
