@@ -60,7 +60,6 @@ from moe_lit.model import MoELayer, Transformer
 SCORES = ("frequency", "router_prob", "gate_weight", "activation", "taylor", "do_acp", "random")
 GROUPINGS = ("single", "weight", "output", "kmeans", "kmeans_output")
 SCALINGS = ("gate_mean", "gate_mass", "uniform")
-NEEDS_INPUTS = ("router_prob", "activation", "do_acp", "output", "kmeans_output")
 
 
 @dataclass
@@ -297,6 +296,11 @@ def plan_groups(
     """Expert ids of each group (each group ordered best score first, groups by their best)."""
     if cfg.grouping == "single":
         return [[e] for e in kept]
+    if not layer.cfg.uniform:
+        raise MoeLitError(
+            f"grouping: {cfg.grouping} averages experts, which needs equal expert sizes; this layer has "
+            f"{list(layer.cfg.expert_sizes)} (use single with keep = groups)"
+        )
     if features_CX is None:
         features_CX = weight_features(layer, kept)
     if cfg.grouping in ("weight", "output"):
@@ -355,9 +359,6 @@ def check_convertible(model: Transformer, cfg: MoeToDenseConfig) -> None:
 def _merged(layer: MoELayer, group: list[int], scores_E: torch.Tensor) -> dict[str, torch.Tensor]:
     """The score-weighted average ``(F, D)`` w1/v1/w2 of a group's experts."""
     mlp, layout = layer.experts.mlp, layer.experts.layout
-    sizes = {layout.sizes[e] for e in group}
-    if len(sizes) > 1:
-        raise MoeLitError(f"moe_to_dense: group {group} mixes expert sizes {sorted(sizes)}; only equal experts average")
     alpha_G = scores_E[group].double().clamp_min(0)
     alpha_G = alpha_G / alpha_G.sum() if alpha_G.sum() > 0 else torch.full_like(alpha_G, 1 / len(group))
     return {
@@ -447,7 +448,6 @@ def _one_width(model: Transformer, widths: dict[int, int]) -> int:
 
 __all__ = [
     "GROUPINGS",
-    "NEEDS_INPUTS",
     "SCALINGS",
     "SCORES",
     "MoeToDenseConfig",

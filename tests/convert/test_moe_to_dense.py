@@ -253,6 +253,18 @@ def test_refusals_on_the_model():
     first_dense = _model(num_experts=4, top_k=2, first_dense_layers=1)
     with pytest.raises(MoeLitError, match="d_ff=64"):
         moe_to_dense(first_dense, _trace(first_dense), MoeToDenseConfig(score="frequency"))
+    hetero = _model(num_experts=4, top_k=2, expert_size=[8, 16, 8, 16])
+    with pytest.raises(MoeLitError, match="needs equal expert sizes"):
+        moe_to_dense(hetero, _trace(hetero), MoeToDenseConfig(score="frequency", keep=3, groups=2, grouping="weight"))
     no_inputs = RoutingTrace(**{**trace.__dict__, "inputs_MND": None})
     with pytest.raises(MoeLitError, match="record_inputs=True"):
         moe_to_dense(model, no_inputs, MoeToDenseConfig(score="activation"))
+
+
+def test_heterogeneous_experts_concatenate_exactly():
+    model = _constant_routing(expert_size=[8, 16, 8, 16])
+    dense, _ = moe_to_dense(model, _trace(model), MoeToDenseConfig(score="random", keep=4, groups=4, scaling="uniform"))
+    assert dense.config.d_ff == 48
+    idx = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(dense(idx).logits_BLV, model(idx).logits_BLV, atol=1e-5, rtol=1e-5)
