@@ -1,4 +1,3 @@
-import math
 
 import pytest
 import torch
@@ -219,7 +218,7 @@ def test_every_combination_is_one_config_value_and_runs():
     for cfg in configs:
         dense, report = moe_to_dense(model, trace, cfg, scores[cfg.score])
         assert dense.config.d_ff == 32 and report["config"] == cfg.name
-        assert all(math.isfinite(float(p.abs().sum())) for p in dense.parameters())
+        assert all(bool(p.isfinite().all()) for p in dense.parameters())
     # the shared scores are the ones the transform computes on its own
     cfg = configs[-1]
     torch.testing.assert_close(moe_to_dense(model, trace, cfg)[0].state_dict(), dense.state_dict())
