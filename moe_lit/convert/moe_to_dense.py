@@ -281,8 +281,11 @@ def kmeans_groups(features_CX: torch.Tensor, groups: int, iterations: int) -> li
         new_C = (unit_CX @ centres_GX.T).argmax(-1)
         for g in range(groups):
             if not (new_C == g).any():
-                # NOTE: an emptied cluster takes back its seed, so every group keeps an expert.
-                new_C[g] = g
+                # NOTE: an emptied cluster takes the point farthest from its centre among clusters of
+                # two or more (one exists: C >= G), so no other cluster empties and every group keeps one.
+                movable_C = torch.bincount(new_C, minlength=groups)[new_C] > 1
+                similarity_C = (unit_CX * centres_GX[new_C]).sum(-1).masked_fill(~movable_C, float("inf"))
+                new_C[int(similarity_C.argmin())] = g
         if torch.equal(new_C, assign_C):
             break
         assign_C = new_C

@@ -184,6 +184,9 @@ def test_groupings_on_constructed_features():
     features = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.1, 1.0], [1.0, 0.2]])
     assert nearest_centre_groups(features, 2) == [[0, 3], [1, 2]]
     assert kmeans_groups(features, 2, 10) == [[0, 3], [1, 2]]
+    # two identical seeds: the second cluster is empty after the first assignment and takes the
+    # point farthest from its centre, so every group keeps an expert
+    assert kmeans_groups(torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]), 2, 10) == [[0, 1], [2]]
 
 
 def test_scales_on_a_hand_trace():
