@@ -36,6 +36,9 @@ Guarantee (tested to 1e-5): an MoE whose routing gives every expert the constant
 ``keep = groups = E``, ``single`` and any scaling to a dense model with the same logits: the dense
 FFN is ``sum_e (1/E) f_e(x)`` (+ the shared expert), the MoE's combine. What is not carried: the
 routed experts' output bias (a dense SwiGLU has none; its norm is reported as ``dropped_bias_norm``).
+``screen(model, trace, configs, batches)`` is the grid's cheap pre-distillation screen: each
+config's dense model and its next-token loss, best first.
+
 Refused: a gated shared expert (the dense FFN has no gate), dense blocks whose ``d_ff`` differs from
 W (one ``d_ff`` per model), averaging experts of different sizes, ``keep`` > E or < ``groups``.
 """
@@ -45,13 +48,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from moe_lit.accounting import count_model_params
 from moe_lit.config import ConfigError
-from moe_lit.convert.common import rebuild
+from moe_lit.convert.common import next_token_loss, rebuild
 from moe_lit.convert.importance import expert_output, random_scores, reap_scores, selection_frequency
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace
@@ -427,6 +431,31 @@ def moe_to_dense(
     return new, report
 
 
+def screen(
+    model: Transformer, trace: RoutingTrace, configs: Sequence[MoeToDenseConfig], batches: Sequence[torch.Tensor]
+) -> list[dict[str, Any]]:
+    """The pre-distillation screen of a grid: every config's dense model and its mean next-token
+    loss on the ``(B, L+1)`` token ``batches``, best (lowest loss) first. Scores are computed once
+    per score setting and shared by that score's groupings and scalings."""
+    if not batches:
+        raise MoeLitError("screen: no batches to measure the loss on")
+    scores: dict[tuple, torch.Tensor] = {}
+    rows = []
+    for cfg in configs:
+        key = (cfg.score, cfg.seed, cfg.max_tokens, cfg.ridge)
+        if key not in scores:
+            scores[key] = moe_expert_scores(model, trace, cfg)
+        dense, _ = moe_to_dense(model, trace, cfg, scores[key])
+        dense.eval()
+        with torch.no_grad():
+            loss = sum(float(next_token_loss(dense, batch_BL1)) for batch_BL1 in batches) / len(batches)
+        rows.append({
+            "config": cfg.name, "score": cfg.score, "grouping": cfg.grouping, "scaling": cfg.scaling,
+            "keep": cfg.keep, "groups": cfg.groups, "params": count_model_params(dense).total, "loss": loss,
+        })
+    return sorted(rows, key=lambda row: row["loss"])
+
+
 def _width(layer: MoELayer, groups: list[list[int]]) -> int:
     shared = layer.shared_expert.w1.weight.shape[0] if layer.shared_expert is not None else 0
     return sum(layer.experts.layout.sizes[g[0]] for g in groups) + shared
@@ -467,6 +496,7 @@ __all__ = [
     "output_features",
     "plan_groups",
     "router_probability",
+    "screen",
     "select_experts",
     "taylor_scores",
     "traced_sequences",

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from moe_lit.accounting import count_config_params, count_model_params
 from moe_lit.config import ConfigError
+from moe_lit.convert.common import next_token_loss
 from moe_lit.convert.importance import reap_scores, selection_frequency
 from moe_lit.convert.moe_to_dense import (
     GROUPINGS,
@@ -20,6 +21,7 @@ from moe_lit.convert.moe_to_dense import (
     moe_to_dense,
     nearest_centre_groups,
     router_probability,
+    screen,
     taylor_scores,
 )
 from moe_lit.errors import MoeLitError
@@ -270,3 +272,20 @@ def test_heterogeneous_experts_concatenate_exactly():
     idx = torch.randint(0, 97, (2, 10))
     with torch.no_grad():
         torch.testing.assert_close(dense(idx).logits_BLV, model(idx).logits_BLV, atol=1e-5, rtol=1e-5)
+
+
+def test_screen_ranks_the_grid_by_pre_distillation_loss():
+    model = _model(num_experts=4, top_k=2)
+    trace = _trace(model, batch=2, length=8)
+    batches = [torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    configs = [c for c in grid(keep=3, groups=2) if c.score in ("frequency", "random")]
+    rows = screen(model, trace, configs, batches)
+    assert len(rows) == len(configs) and [r["loss"] for r in rows] == sorted(r["loss"] for r in rows)
+    best = next(c for c in configs if c.name == rows[0]["config"])
+    dense, _ = moe_to_dense(model, trace, best)
+    with torch.no_grad():
+        expected = sum(float(next_token_loss(dense.eval(), b)) for b in batches) / 2
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-6)
+    assert rows[0]["params"] == count_model_params(dense).total
+    with pytest.raises(MoeLitError, match="no batches"):
+        screen(model, trace, configs, [])
