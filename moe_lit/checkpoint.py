@@ -5,19 +5,26 @@ An exported directory holds ``config.json`` (the ``ModelConfig``), ``model.safet
 A Lightning checkpoint of ``MoELitModule`` keeps the config in ``hyper_parameters['model']`` and
 the weights under the ``model.`` prefix; transforms that change shapes (expert expansion,
 upcycling) update that hyper-parameter, so a checkpoint always rebuilds into its own shape.
+
+Reading never runs code: ``.ckpt`` files load with ``torch.load(weights_only=True)`` and only the
+classes of :data:`SAFE_GLOBALS` besides tensors and plain data; a file that is missing, truncated,
+not a checkpoint, hostile or unreadable is a :class:`MoeLitError` naming it (one line, exit 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
+import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from moe_lit.config import ModelConfig
+from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory
 
@@ -25,6 +32,10 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_PREFIX = "model."
+SAFE_GLOBALS = (ModelConfig, MoEConfig, pathlib.PosixPath, pathlib.WindowsPath)
+"""Classes a checkpoint may hold besides tensors and plain data: configs (checkpoints written before
+hyper-parameters became plain dicts keep the dataclasses) and paths (a datamodule's ``data_dir``)."""
+_UNSUPPORTED = re.compile(r"(?:[Uu]nsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
 def export_model(model, out_dir: Union[str, Path], tokenizer_file: Optional[Union[str, Path]] = None) -> Path:
@@ -43,29 +54,58 @@ def export_model(model, out_dir: Union[str, Path], tokenizer_file: Optional[Unio
     return out_dir
 
 
-def _config_from(value: Any) -> ModelConfig:
+def _config_from(value: Any, path: Path) -> ModelConfig:
     if isinstance(value, ModelConfig):
         return value
     if dataclasses.is_dataclass(value):
         value = dataclasses.asdict(value)
-    if isinstance(value, dict):
+    if not isinstance(value, dict):
+        raise MoeLitError(f"checkpoint {path}: no moe_lit model config inside; is it a moe_lit checkpoint?")
+    try:
         return ModelConfig.from_dict(dict(value))
-    raise MoeLitError(f"checkpoint: cannot read a model config from {type(value).__name__}")
+    except (MoeLitError, TypeError) as exc:
+        raise MoeLitError(f"checkpoint {path}: its model config is invalid ({exc})") from exc
 
 
 def read_lightning_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
-    """The raw checkpoint dict (trusted local files: hyper-parameters hold config objects)."""
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+    """The raw checkpoint dict, loaded without running code (a MoeLitError naming the file if not)."""
+    path = _existing(path)
+    if path.is_dir():
+        raise MoeLitError(f"checkpoint {path}: is a directory, expected a Lightning .ckpt file")
+    from moe_lit.lit.optim import OptimConfig
+
+    try:
+        # NOTE: the allow-list is scoped to this call (a context manager), never added globally.
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, OptimConfig]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise MoeLitError(f"checkpoint {path}: refused, {_refusal(str(exc))}") from exc
+    except PermissionError as exc:
+        raise MoeLitError(f"checkpoint {path}: cannot read ({exc.strerror})") from exc
+    except Exception as exc:
+        # NOTE: garbage reaches torch's zip reader or its weights-only unpickler, which fail with
+        # whatever they trip on (RuntimeError, OSError(EINVAL), KeyError, EOFError, ...).
+        raise MoeLitError(f"checkpoint {path}: not a readable checkpoint (truncated or another format)") from exc
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise MoeLitError(f"checkpoint {path}: not a Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def _refusal(message: str) -> str:
+    """Why torch's weights-only unpickler refused a file, in a few words."""
+    found = _UNSUPPORTED.search(message)
+    if found:
+        return f"it holds {found.group(1)}, which is not weights or plain data (loading never runs code)"
+    if "Weights only load failed" in message:
+        return "it holds objects other than weights and plain data (loading never runs code)"
+    return "not a readable checkpoint (truncated or another format)"
 
 
 def load_config(path: Union[str, Path]) -> ModelConfig:
     path = _existing(path)
     if path.is_dir():
-        return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-    hparams = read_lightning_checkpoint(path).get("hyper_parameters", {})
-    if "model" not in hparams:
-        raise MoeLitError(f"checkpoint {path}: no 'model' hyper-parameter; is it a moe_lit checkpoint?")
-    return _config_from(hparams["model"])
+        return _exported_config(path)
+    return _config_from(read_lightning_checkpoint(path).get("hyper_parameters", {}).get("model"), path)
 
 
 def load_model(path: Union[str, Path], map_location: str = "cpu"):
@@ -74,20 +114,48 @@ def load_model(path: Union[str, Path], map_location: str = "cpu"):
 
     path = _existing(path)
     if path.is_dir():
-        from safetensors.torch import load_file
-
-        cfg = ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))
-        state = load_file(str(path / WEIGHTS_FILE), device=map_location)
+        cfg = _exported_config(path)
+        state = _exported_weights(path / WEIGHTS_FILE, map_location)
     else:
         ckpt = read_lightning_checkpoint(path)
-        cfg = _config_from(ckpt.get("hyper_parameters", {}).get("model"))
+        cfg = _config_from(ckpt.get("hyper_parameters", {}).get("model"), path)
         state = {k[len(STATE_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)}
     model = Transformer(cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a weight of another shape than the config says
+        raise MoeLitError(f"checkpoint {path}: its weights do not fit its config ({_first_line(exc)})") from exc
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise MoeLitError(f"checkpoint {path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     return model.to(map_location).eval()
+
+
+def _exported_config(directory: Path) -> ModelConfig:
+    file = directory / CONFIG_FILE
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError as exc:
+        raise MoeLitError(f"checkpoint {directory}: no {CONFIG_FILE}; is it an exported moe_lit model?") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MoeLitError(f"checkpoint {file}: not a readable JSON config ({_first_line(exc)})") from exc
+    return _config_from(data, file)
+
+
+def _exported_weights(file: Path, map_location: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not file.is_file():
+        raise MoeLitError(f"checkpoint {file.parent}: no {WEIGHTS_FILE}; is it an exported moe_lit model?")
+    try:
+        return load_file(str(file), device=map_location)
+    except (SafetensorError, OSError) as exc:
+        raise MoeLitError(f"checkpoint {file}: not a readable safetensors file (truncated or another format)") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def find_tokenizer(path: Union[str, Path]) -> Optional[Path]:

@@ -27,9 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("moe_lit.commands.convert", "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune, moe-to-dense"),
     "distill": ("moe_lit.commands.distill", "train a student on a frozen teacher's logits (MoE -> dense, recovery)"),
     "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
-    "study": ("moe_lit.commands.study", "declarative sweeps: run (resumable, --parallel N) and report"),
+    "study": ("moe_lit.commands.study", "studies of every kind on one engine: run (resumable, workers, SLURM), report, list"),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
     "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
+    "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
 }
 
 

@@ -43,6 +43,21 @@ def _require_choice(value: Any, field_name: str, allowed: tuple[str, ...]) -> No
     _require(value in allowed, field_name, f"got {value!r}, allowed values: {', '.join(allowed)}")
 
 
+def _require_number(value: Any, field_name: str, strictly_positive: bool) -> None:
+    """A finite int or float, > 0 (``strictly_positive``) or >= 0."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    bound = "> 0" if strictly_positive else ">= 0"
+    _require(
+        is_number and (value > 0 if strictly_positive else value >= 0),
+        field_name,
+        f"must be a finite number {bound}, got {value!r}",
+    )
+
+
+def _require_bool(value: Any, field_name: str) -> None:
+    _require(isinstance(value, bool), field_name, f"must be true or false, got {value!r}")
+
+
 def _require_positive_int(value: Any, field_name: str) -> None:
     _require(
         isinstance(value, int) and not isinstance(value, bool) and value > 0,
@@ -130,6 +145,7 @@ class MoEConfig:
             "needs a shared expert (shared_expert_size > 0)",
         )
         _require_choice(self.score_func, "moe.score_func", SCORE_FUNCS)
+        _require_bool(self.renormalize, "moe.renormalize")
         _require(
             not (self.unit_weights and self.renormalize),
             "moe.unit_weights",
@@ -137,15 +153,13 @@ class MoEConfig:
         )
         _require_choice(self.balancing, "moe.balancing", BALANCING)
         _require_choice(self.backend, "moe.backend", BACKENDS)
-        _require(self.aux_loss_coef >= 0, "moe.aux_loss_coef", f"must be >= 0, got {self.aux_loss_coef}")
-        _require(self.z_loss_coef >= 0, "moe.z_loss_coef", f"must be >= 0, got {self.z_loss_coef}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            _require_number(getattr(self, name), f"moe.{name}", strictly_positive=False)
+        cf = self.capacity_factor
         _require(
-            self.bias_update_rate >= 0, "moe.bias_update_rate", f"must be >= 0, got {self.bias_update_rate}"
-        )
-        _require(
-            self.capacity_factor is None or self.capacity_factor > 0,
+            cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and math.isfinite(cf) and cf > 0),
             "moe.capacity_factor",
-            f"must be > 0 or null (dropless), got {self.capacity_factor}",
+            f"must be > 0 or null (dropless), got {cf!r}",
         )
         _require(
             isinstance(self.first_dense_layers, int) and self.first_dense_layers >= 0,
@@ -259,6 +273,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):
             self.moe = MoEConfig(**self.moe)
+        _require(
+            self.moe is None or isinstance(self.moe, MoEConfig),
+            "model.moe",
+            f"must be a mapping of MoE fields or null (dense), got {self.moe!r}",
+        )
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "d_ff"):
             _require_positive_int(getattr(self, name), f"model.{name}")
         if self.attn_head_dim is None:
@@ -278,8 +297,9 @@ class ModelConfig:
                 f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}",
             )
         _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} must be even for RoPE")
-        _require(self.rope_base > 0, "model.rope_base", f"must be > 0, got {self.rope_base}")
-        _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        for name in ("rope_base", "init_std", "norm_eps"):
+            _require_number(getattr(self, name), f"model.{name}", strictly_positive=True)
+        _require_bool(self.tie_embeddings, "model.tie_embeddings")
         _require(
             isinstance(self.loss_chunk_tokens, int) and self.loss_chunk_tokens >= 0,
             "model.loss_chunk_tokens",

@@ -1,7 +1,11 @@
+import errno
+import os
+
 import pytest
 import torch
 
-from moe_lit.checkpoint import export_model, load_model
+from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoint
+from moe_lit.cli import main
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from tests.conftest import tiny
@@ -24,3 +28,168 @@ def test_export_and_load_round_trip_bit_for_bit(tmp_path, cfg):
 def test_missing_checkpoint_is_a_user_error(tmp_path):
     with pytest.raises(MoeLitError, match="no such file"):
         load_model(tmp_path / "nope.ckpt")
+
+
+# ---------------------------------------------------------------- reading never runs code; file errors
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def lightning_checkpoint(path, model):
+    """A checkpoint as MoELitModule writes it: weights under ``model.``, the config as a plain dict."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"model": model.config.to_dict()}}, path)
+    return path
+
+
+@pytest.fixture
+def hostile(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "hostile.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"model": Payload(marker)}}, path)
+    torch.load(path, weights_only=False)  # the payload is live: an unsafe load runs it
+    assert marker.exists()
+    marker.unlink()
+    return path, marker
+
+
+def _one_line_exit_2(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "--checkpoint", "{ckpt}", "--tasks", "moe_lit_pairs"],
+        ["analyze", "routing", "--checkpoint", "{ckpt}"],
+        ["convert", "expand", "--checkpoint", "{ckpt}", "--factor", "2", "--out", "{out}"],
+        ["convert", "upcycle", "--checkpoint", "{ckpt}", "--out", "{out}"],
+        ["fit", "--config", "configs/experiments/tiny-moe.yaml", "--ckpt_path", "{ckpt}"],
+        ["validate", "--config", "configs/experiments/tiny-moe.yaml", "--ckpt_path", "{ckpt}"],
+    ],
+)
+def test_a_hostile_checkpoint_is_refused_by_every_command_and_its_code_never_runs(capsys, tmp_path, hostile, argv):
+    path, marker = hostile
+    argv = [a.format(ckpt=path, out=tmp_path / "out") for a in argv]
+    err = _one_line_exit_2(capsys, argv)
+    assert str(path) in err and "refused" in err and "posix.system" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_weights_only_false_is_refused_on_the_command_line(capsys, tmp_path):
+    err = _one_line_exit_2(capsys, ["fit", "--config", "configs/experiments/tiny-moe.yaml", "--weights_only", "false"])
+    assert "weights_only: false is refused" in err
+
+
+def test_a_checkpoint_with_old_dataclass_hyper_parameters_still_loads(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {"model": model.config}}, tmp_path / "old.ckpt")
+    assert load_model(tmp_path / "old.ckpt").config == model.config
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A valid .ckpt and export of the same tiny model, plus a dense model's export."""
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    return {
+        "ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model),
+        "export": export_model(model, tmp_path / "export"),
+        "dense": export_model(Transformer(tiny(dense=True)), tmp_path / "dense"),
+    }
+
+
+def _case(name, tmp_path, files):
+    """Make the bad input of table case ``name``; returns (path given to the command, expected words)."""
+    if name == "missing":
+        return tmp_path / "nope.ckpt", "no such file"
+    if name == "truncated ckpt":
+        _truncate(files["ckpt"])
+        return files["ckpt"], "not a readable checkpoint"
+    if name == "truncated safetensors":
+        _truncate(files["export"] / "model.safetensors")
+        return files["export"], "not a readable safetensors file"
+    if name == "not a checkpoint":
+        (tmp_path / "notes.ckpt").write_text("hello")
+        return tmp_path / "notes.ckpt", "not a readable checkpoint"
+    if name == "another lightning module":
+        torch.save({"state_dict": {"w": torch.zeros(1)}, "hyper_parameters": {"lr": 1.0}}, tmp_path / "other.ckpt")
+        return tmp_path / "other.ckpt", "no moe_lit model config inside"
+    if name == "export without config.json":
+        (files["export"] / "config.json").unlink()
+        return files["export"], "no config.json"
+    if name == "weights of another shape":
+        cfg = tiny().to_dict()
+        cfg["d_model"] = 64
+        (files["export"] / "config.json").write_text(__import__("json").dumps(cfg))
+        return files["export"], "do not fit its config"
+    raise AssertionError(name)
+
+
+CASES = [
+    "missing", "truncated ckpt", "truncated safetensors", "not a checkpoint", "another lightning module",
+    "export without config.json", "weights of another shape",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_checkpoint_files_are_one_line_naming_the_file(capsys, tmp_path, files, case):
+    path, words = _case(case, tmp_path, files)
+    argv = ["convert", "expand", "--checkpoint", str(path), "--factor", "2", "--out", str(tmp_path / "out")]
+    err = _one_line_exit_2(capsys, argv)
+    assert words in err and str(path) in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_dense_model_is_the_wrong_kind_for_expansion_and_routing(capsys, tmp_path, files):
+    err = _one_line_exit_2(capsys, ["convert", "expand", "--checkpoint", str(files["dense"]), "--factor", "2", "--out", str(tmp_path / "o")])
+    assert "dense" in err
+    err = _one_line_exit_2(capsys, ["analyze", "routing", "--checkpoint", str(files["dense"]), "--data", str(tmp_path)])
+    assert "dense" in err or str(tmp_path) in err
+
+
+def test_an_unreadable_checkpoint_is_one_line(monkeypatch, tmp_path, files):
+    # NOTE: simulated: the tests may run as root, for whom chmod 000 does not deny reads.
+    def denied(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(torch, "load", denied)
+    with pytest.raises(MoeLitError, match=f"checkpoint {files['ckpt']}: cannot read \\(Permission denied\\)"):
+        read_lightning_checkpoint(files["ckpt"])
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EACCES])
+def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_nothing(
+    monkeypatch, capsys, tmp_path, files, error
+):
+    import safetensors.torch
+
+    def refused(*args, **kwargs):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", refused)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previous.txt").write_text("kept")
+    err = _one_line_exit_2(capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out)])
+    assert f"{out}: cannot write ({os.strerror(error)})" in err
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temporary left
+    assert (out / "previous.txt").read_text() == "kept"  # the previous output is untouched

@@ -105,6 +105,9 @@ class ExpertUpcycling(ModelSwapCallback):
     ) -> None:
         step = self.pending_step()
         if self.selection == "utility" and step is not None and step - self.utility_batches <= trainer.global_step < step:
+            # NOTE: callbacks run before the module's hook, so this finishes the step's routing
+            # statistics (all ranks, bias step included); the module's own call is then a no-op.
+            pl_module.model.update_router_biases()
             self._utility.add(pl_module.model, expert_gradients(pl_module.model))
 
     @override

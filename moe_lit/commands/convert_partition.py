@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -32,11 +32,15 @@ def run_partition(args: argparse.Namespace) -> int:
     dense = load_model(args.checkpoint)
     if dense.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is already an MoE; partition needs a dense model")
-    batches = _token_batches(args, dense.config) if args.calibration is not None else None
-    if args.method == "dot_moe":
-        model, record = _dot_moe(args, dense, batches)
-    else:
-        model, record = _heuristic(args, dense, batches)
+    batches = (
+        calibration_batches(args.calibration, dense.config, args.batch_size, args.seed)
+        if args.calibration is not None else None
+    )
+    model, record = partition_dense(
+        dense, args.method, args.num_experts, args.top_k, batches, router=args.router,
+        calibration_tokens=args.calibration_tokens, router_steps=args.router_steps, train_tokens=args.train_tokens,
+        lr=args.lr, train_dense=args.train_dense, balancing=args.balancing, seed=args.seed,
+    )
     export_model(model, args.out, find_tokenizer(args.checkpoint))
     params = count_model_params(model)
     record.update(
@@ -48,6 +52,31 @@ def run_partition(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({args.method}: {args.num_experts} experts, top-{args.top_k}, "
           f"{params.active:,} of {params.total:,} parameters active)")
     return 0
+
+
+def partition_dense(
+    dense,
+    method: str,
+    num_experts: int,
+    top_k: int,
+    batches: Optional[Iterator[torch.Tensor]] = None,
+    *,
+    router: Optional[str] = None,
+    calibration_tokens: int = 16_384,
+    router_steps: int = 100,
+    train_tokens: int = 65_536,
+    lr: float = 1e-2,
+    train_dense: bool = False,
+    balancing: str = "aux_loss",
+    seed: int = 0,
+) -> tuple[Any, dict[str, Any]]:
+    """(the MoE, what was done) for a dense model: the conversion of ``moe-lit convert partition``
+    (its options, without the files), also the transform of the ``partition`` study kind.
+    ``batches``: the calibration / DOT-MoE training stream (:func:`calibration_batches`)."""
+    if method == "dot_moe":
+        return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed)
+    return _heuristic(dense, method, num_experts, top_k, batches, router or "centroid", calibration_tokens,
+                      router_steps, balancing, seed)
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -73,11 +102,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
 
 
-def _token_batches(args: argparse.Namespace, cfg) -> Iterator[torch.Tensor]:
-    """The training stream of the prepared ``--calibration`` dir, at the model's sequence length."""
+def calibration_batches(data_dir, cfg, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """The training stream of the prepared ``data_dir``, at the model's sequence length."""
     from moe_lit.lit.datamodule import MoEDataModule
 
-    datamodule = MoEDataModule(str(args.calibration), seq_len=cfg.seq_len, batch_size=args.batch_size, seed=args.seed)
+    datamodule = MoEDataModule(str(data_dir), seq_len=cfg.seq_len, batch_size=batch_size, seed=seed)
     if datamodule.vocab_size != cfg.vocab_size:
         raise MoeLitError(
             f"--calibration: its tokenizer has {datamodule.vocab_size} tokens, the model {cfg.vocab_size}; "
@@ -97,36 +126,37 @@ def _take(batches: Iterator[torch.Tensor], tokens: int) -> list[torch.Tensor]:
     raise MoeLitError(f"--calibration: the training stream has only {seen} tokens, fewer than the {tokens} asked")
 
 
-def _heuristic(args: argparse.Namespace, dense, batches: Optional[Iterator[torch.Tensor]]):
+def _heuristic(dense, method, num_experts, top_k, batches, router, calibration_tokens, router_steps, balancing, seed):
     from moe_lit.convert.calibration import ffn_inputs
     from moe_lit.convert.partition import assign_neurons, build_routers, partition_ffn, partitioned_config
 
-    router = args.router or "centroid"
-    cfg = partitioned_config(dense.config, args.num_experts, args.top_k, balancing=args.balancing)
+    cfg = partitioned_config(dense.config, num_experts, top_k, balancing=balancing)
     calibration, tokens = None, 0
-    if batches is not None and (args.method == "coactivation" or router == "trained"):
-        taken = _take(batches, args.calibration_tokens)
+    if batches is not None and (method == "coactivation" or router == "trained"):
+        taken = _take(batches, calibration_tokens)
         tokens = sum(b[:, 1:].numel() for b in taken)
-        calibration = ffn_inputs(dense, taken, args.calibration_tokens)
-    assignment = assign_neurons(dense, args.method, args.num_experts, calibration, args.seed, cfg.moe_layer_ids)
-    routers = build_routers(dense, assignment, router, args.num_experts, calibration, args.seed, args.router_steps)
-    model = partition_ffn(dense, assignment, args.num_experts, args.top_k, routers, args.seed, balancing=args.balancing)
+        calibration = ffn_inputs(dense, taken, calibration_tokens)
+    assignment = assign_neurons(dense, method, num_experts, calibration, seed, cfg.moe_layer_ids)
+    routers = build_routers(dense, assignment, router, num_experts, calibration, seed, router_steps)
+    model = partition_ffn(dense, assignment, num_experts, top_k, routers, seed, balancing=balancing)
     return model, {"router": router, "calibration_tokens": tokens, "train_tokens": 0}
 
 
-def _dot_moe(args: argparse.Namespace, dense, batches: Iterator[torch.Tensor]):
+def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed):
     from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe, fit_dot_moe
     from moe_lit.lit.optim import OptimConfig
 
-    cfg = DotMoEConfig(train_dense=args.train_dense)
-    student = dot_moe_student(dense, args.num_experts, args.top_k, cfg, args.seed, balancing=args.balancing)
-    taken = _take(batches, args.train_tokens)
-    optim = OptimConfig(lr=args.lr, warmup_steps=0, schedule="constant")
+    if batches is None:
+        raise MoeLitError("calibration: method dot_moe needs training batches (calibration_batches of a prepared dir)")
+    cfg = DotMoEConfig(train_dense=train_dense)
+    student = dot_moe_student(dense, num_experts, top_k, cfg, seed, balancing=balancing)
+    taken = _take(batches, train_tokens)
+    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
     fit_dot_moe(dense, student, taken, cfg, optim)
     tokens = sum(b[:, 1:].numel() for b in taken)
     record = {"router": "learned", "calibration_tokens": 0, "train_tokens": tokens, "steps": len(taken),
-              "train_dense": args.train_dense, "lr": args.lr}
+              "train_dense": train_dense, "lr": lr}
     return export_dot_moe(student), record
 
 
-__all__ = ["PARTITION_FILE", "run_partition"]
+__all__ = ["PARTITION_FILE", "calibration_batches", "partition_dense", "run_partition"]

@@ -41,6 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     parser.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for stderr (0: none)")
     parser.add_argument("--out-dir", type=Path, default=Path("results/eval"))
+    from moe_lit.commands.generate import add_sparsity_arguments
+
+    add_sparsity_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +72,9 @@ def _evaluate(args: argparse.Namespace) -> tuple[dict, Optional[dict]]:
         data_dir = resolve_data_dir(args.checkpoint, args.data) if needs_data else None
         names, manager = resolve_tasks(tasks, Path(work), data_dir=data_dir, task_data=task_data)
         lm = MoeLitLM(
-            checkpoint=args.checkpoint, tokenizer=args.tokenizer, batch_size=args.batch_size, device=args.device
+            checkpoint=args.checkpoint, tokenizer=args.tokenizer, batch_size=args.batch_size, device=args.device,
+            sparsity=args.sparsity, sparsity_rule=args.sparsity_rule, sparsity_granularity=args.sparsity_granularity,
+            calibration=args.calibration,
         )
         results = evaluate(
             lm, names, manager, limit=_limit(args.limit), num_fewshot=args.num_fewshot,
@@ -159,7 +164,10 @@ def _limit(limit):
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["moe-lit", "eval", "--checkpoint", str(args.checkpoint), "--tasks", *args.tasks]
-    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--name", args.name)):
+    sparsity = (("--sparsity", args.sparsity), ("--sparsity-rule", args.sparsity_rule if args.sparsity is not None else None),
+                ("--sparsity-granularity", args.sparsity_granularity if args.sparsity is not None else None),
+                ("--calibration", args.calibration))
+    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--name", args.name), *sparsity):
         if value is not None:
             parts += [flag, str(value)]
     for item in args.task_data:

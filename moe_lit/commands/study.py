@@ -117,11 +117,13 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
     if args.spec is not None:  # the plan follows the study file (its points may have new hashes)
+        from moe_lit.studies.engine import STUDY_FILE, read_record
         from moe_lit.studies.study import write_plan
 
         study = _load(args)
         out_dir = _out_dir(args, study)
-        write_plan(study, out_dir, _command_line(args, "run"))
+        previous = read_record(out_dir / STUDY_FILE) or {}
+        write_plan(study, out_dir, previous.get("command") or _command_line(args, "run"))
     else:
         out_dir = Path(args.out)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))

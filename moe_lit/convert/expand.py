@@ -45,6 +45,7 @@ from moe_lit.convert.dense_to_moe import drop_neurons
 from moe_lit.errors import MoeLitError
 from moe_lit.model import MoELayer, Transformer
 from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.router import finish_routing_step
 
 SELECTIONS = ("uniform", "utility")
 UTILITY_METRICS = ("grad_sq", "weight_grad", "frequency")
@@ -99,8 +100,7 @@ class UtilityAccumulator:
 
             grad_sq_E = per_expert(g_w1, g_v1, g_w2)
             weight_sq_E = per_expert(mlp.w1, mlp.v1, mlp.w2)
-            counts_E = layer.router.tokens_per_expert.float()
-            frequency_E = counts_E / counts_E.sum().clamp_min(1.0)
+            frequency_E = layer.router.stats().frequency_E
             for name, value in (
                 ("grad_sq", grad_sq_E),
                 ("weight_grad", weight_sq_E.sqrt() * grad_sq_E.sqrt()),
@@ -131,7 +131,7 @@ def expert_utility(model: Transformer, batches: Iterable[torch.Tensor], num_batc
     """Utility of every expert from up to ``num_batches`` ``(B, L+1)`` token batches.
 
     Gradients of the next-token loss are taken with ``torch.autograd.grad``: the model's ``.grad``
-    fields and weights are untouched (its routers' observation buffers hold the last batch).
+    fields, weights and selection biases are untouched (its routers' statistics hold the last batch).
     """
     if model.config.moe is None:
         raise MoeLitError("expert_utility: the model is dense (model.moe is null)")
@@ -143,6 +143,7 @@ def expert_utility(model: Transformer, batches: Iterable[torch.Tensor], num_batc
     try:
         for _, batch_BL1 in zip(range(num_batches), batches):
             grads = torch.autograd.grad(next_token_loss(model, batch_BL1), params)
+            finish_routing_step([layer.router for layer in model.moe_layers()], update_biases=False)
             accumulator.add(model, {b: grads[3 * i : 3 * i + 3] for i, b in enumerate(blocks)})
     finally:
         model.train(was_training)

@@ -7,7 +7,7 @@ is ``EOS``, written after each paragraph, so a token stream is ``para EOS para E
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,13 +35,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, 
     return tokenizer
 
 
-def load_tokenizer(path: Path, expected_vocab_size: Optional[int] = None):
-    """A saved tokenizer; a one-line error when it is missing, lacks EOS or has another vocab size."""
+def read_tokenizer_file(path: Union[str, Path]):
+    """A ``tokenizers.Tokenizer`` from its ``tokenizer.json``; a one-line error naming the file if unreadable."""
     from tokenizers import Tokenizer
 
     if not Path(path).is_file():
         raise MoeLitError(f"tokenizer: no such file {path}")
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # NOTE: tokenizers raises a bare Exception for unreadable JSON
+        raise MoeLitError(f"tokenizer {path}: not a readable tokenizer.json") from exc
+
+
+def load_tokenizer(path: Path, expected_vocab_size: Optional[int] = None):
+    """A saved tokenizer; a one-line error when it is missing, lacks EOS or has another vocab size."""
+    tokenizer = read_tokenizer_file(path)
     if tokenizer.token_to_id(EOS) is None:
         raise MoeLitError(f"tokenizer {path}: has no {EOS} token; train one with moe-lit data prepare")
     if expected_vocab_size is not None and tokenizer.get_vocab_size() != expected_vocab_size:

@@ -11,8 +11,9 @@ dropping (``capacity_factor``) batch composition can change which assignments ar
 
 ``loglikelihood_rolling`` scores a long document in windows of the model's ``seq_len``
 (lm-eval's ``get_rolling_token_windows``: every token is predicted exactly once, the first one
-from the end-of-text token) and sums them. ``generate_until`` decodes greedily, stopping at the
-end-of-text token, at the first stop sequence (cut off) or after ``max_gen_toks`` tokens.
+from the end-of-text token) and sums them. ``generate_until`` decodes greedily with the KV cache
+(``moe_lit.inference.generate``), stopping at the end-of-text token, at the first stop sequence
+(cut off) or after ``max_gen_toks`` tokens; beyond ``max_length`` tokens the window slides.
 
 Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 
@@ -42,13 +43,10 @@ Request = tuple[Any, list[int], list[int]]
 
 
 def load_tokenizer(path: Union[str, Path]):
-    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json``."""
-    from tokenizers import Tokenizer
+    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json`` (any special tokens)."""
+    from moe_lit.data.tokenizer import read_tokenizer_file
 
-    path = Path(path)
-    if not path.is_file():
-        raise MoeLitError(f"tokenizer: no such file {path}")
-    return Tokenizer.from_file(str(path))
+    return read_tokenizer_file(path)
 
 
 def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
@@ -98,6 +96,10 @@ class MoeLitLM(TemplateLM):
         eot_token: Optional[str] = None,
         model: Optional[torch.nn.Module] = None,
         max_batch_size: Optional[int] = None,
+        sparsity: Optional[Union[float, str]] = None,
+        sparsity_rule: str = "gate",
+        sparsity_granularity: str = "layer",
+        calibration: Optional[Union[str, Path]] = None,
     ) -> None:
         """
         Args:
@@ -111,6 +113,11 @@ class MoeLitLM(TemplateLM):
             eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
             model: an in-memory Transformer instead of ``checkpoint``.
             max_batch_size: accepted for lm-eval's CLI; unused (no automatic batch size).
+            sparsity: target intra-expert activation sparsity (``moe_lit.inference.sparsity``);
+                default none (the dense model).
+            sparsity_rule: ``gate`` or ``gate_up``.
+            sparsity_granularity: thresholds per ``layer`` or per ``expert``.
+            calibration: a text file the sparsity thresholds are calibrated on (needed with sparsity).
         """
         super().__init__()
         del max_batch_size
@@ -123,6 +130,7 @@ class MoeLitLM(TemplateLM):
             tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
         if tokenizer is None:
             raise MoeLitError("moe_lit model: a tokenizer is required with model=")
+        tokenizer_name = f"tokenizer {tokenizer}" if isinstance(tokenizer, (str, Path)) else "tokenizer"
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         self.model = model.to(device).eval()
         self._device = torch.device(device)
@@ -133,10 +141,21 @@ class MoeLitLM(TemplateLM):
             raise MoeLitError(f"max_length: {self._max_length} exceeds the model's seq_len {self.model.config.seq_len}")
         if self.tokenizer.get_vocab_size() > self.model.config.vocab_size:
             raise MoeLitError(
-                f"tokenizer: {self.tokenizer.get_vocab_size()} tokens do not fit the model's "
+                f"{tokenizer_name}: {self.tokenizer.get_vocab_size()} tokens do not fit the model's "
                 f"vocab_size {self.model.config.vocab_size}; is it the checkpoint's tokenizer?"
             )
         self._eot_id = resolve_eot_id(self.tokenizer, eot_token)
+        if sparsity is not None:
+            self.model = self._sparse(float(sparsity), sparsity_rule, sparsity_granularity, calibration)
+
+    def _sparse(self, target: float, rule: str, granularity: str, calibration) -> torch.nn.Module:
+        from moe_lit.inference.sparsity import SparsityConfig, sparse_model, text_calibration
+
+        cfg = SparsityConfig(target=target, rule=rule, granularity=granularity)
+        if calibration is None:
+            raise MoeLitError("moe_lit model: sparsity= needs calibration=TEXT_FILE to fit its thresholds")
+        batches = text_calibration(self.tokenizer, calibration, self.max_length, cfg.calibration_tokens)
+        return sparse_model(self.model, cfg, batches)
 
     # ------------------------------------------------------------------ TemplateLM contract
     @property
@@ -246,25 +265,17 @@ class MoeLitLM(TemplateLM):
         return F.log_softmax(logits_BLV.float(), dim=-1)
 
     def _greedy(self, prompts: list[list[int]], max_new: int, stops: list[str]) -> list[str]:
-        generated: list[list[int]] = [[] for _ in prompts]
-        texts = [""] * len(prompts)
-        active = list(range(len(prompts)))
-        for _ in range(max_new):
-            if not active:
-                break
-            windows = [(prompts[i] + generated[i])[-self.max_length :] for i in active]
-            logprobs_BLV = self._log_probs(windows)
-            still_active = []
-            for row, i in enumerate(active):
-                token = int(logprobs_BLV[row, len(windows[row]) - 1].argmax())
-                if token == self.eot_token_id:
-                    continue
-                generated[i].append(token)
-                texts[i], stopped = _cut_at_stop(self.tok_decode(generated[i]), stops)
-                if not stopped:
-                    still_active.append(i)
-            active = still_active
-        return texts
+        """Greedy KV-cache decoding (``moe_lit.inference``) over a window of ``max_length`` tokens."""
+        from moe_lit.inference import generate
+
+        def stopped(generated: list[int]) -> bool:
+            return _cut_at_stop(self.tok_decode(generated), stops)[1]
+
+        generated = generate(
+            self.model, prompts, max_new, stop_tokens=[self.eot_token_id], stop=stopped if stops else None,
+            window=self.max_length,
+        )
+        return [_cut_at_stop(self.tok_decode(tokens), stops)[0] for tokens in generated]
 
     def _generation_settings(self, gen_kwargs: dict) -> tuple[list[str], int]:
         if not isinstance(gen_kwargs, dict):

@@ -119,10 +119,12 @@ class MoELitModule(pl.LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer) -> None:
-        # NOTE: the routers hold the counts of the last forward; aux-loss-free balancing nudges the
-        # selection biases once per optimizer step (no-op unless balancing=bias). Doing it here,
-        # not in on_train_batch_end, puts the update before any checkpoint of this step, since
-        # Lightning runs callbacks' (ModelCheckpoint's) on_train_batch_end before the module's.
+        # NOTE: once per optimizer step, after the last micro-batch's backward and on every rank:
+        # the routers' sums over the step's micro-batches are all-reduced over the data-parallel
+        # ranks, stored as the step's statistics, the selection biases nudged (balancing=bias) and
+        # the sums reset (as torchtitan's optimizer pre-hook). Doing it here, not in
+        # on_train_batch_end, puts the update before any checkpoint of this step, since Lightning
+        # runs callbacks' (ModelCheckpoint's) on_train_batch_end before the module's.
         self.model.update_router_biases()
 
     @override

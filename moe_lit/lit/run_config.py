@@ -113,7 +113,8 @@ class TrainConfig:
     """Token budget (rounded down to whole optimizer steps of seq_len x batch_size tokens); set
     exactly one of max_tokens and max_steps."""
     max_steps: Optional[int] = None
-    """Step budget (optimizer steps); set exactly one of max_tokens and max_steps."""
+    """Step budget (optimizer steps); set exactly one of max_tokens and max_steps. 0 = no training:
+    the run only validates its initial weights (e.g. a transformed model evaluated as it is)."""
     val_every: Optional[int] = None
     """Optimizer steps between validations (and a validation at the end); null = 8 per run."""
     checkpoint_every: Optional[int] = None
@@ -128,7 +129,8 @@ class TrainConfig:
                 f"max_steps={self.max_steps!r}"
             )
         _positive(self.max_tokens, "max_tokens", allow_none=True)
-        _positive(self.max_steps, "max_steps", allow_none=True)
+        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 0):
+            raise ConfigError(f"max_steps: must be an integer >= 0 (0 = validate only), got {self.max_steps!r}")
         _positive(self.val_every, "val_every", allow_none=True)
         _positive(self.checkpoint_every, "checkpoint_every", allow_none=True)
         if not _is_int(self.seed):
@@ -163,7 +165,7 @@ class RunConfig:
             raise ConfigError(f"trainer: must be a mapping of Trainer arguments, got {self.trainer!r}")
         if "callbacks" in self.trainer:
             raise ConfigError("trainer.callbacks: pass callbacks to train_run(callbacks=...), not in the run config")
-        if self.steps < 1:
+        if self.train.max_tokens is not None and self.steps < 1:
             raise ConfigError(
                 f"train.max_tokens: {self.train.max_tokens} is less than one batch "
                 f"(seq_len*batch_size={self.data.tokens_per_step})"

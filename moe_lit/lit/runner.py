@@ -21,8 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressB
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
-from moe_lit.callbacks import RoutingMonitor
-from moe_lit.callbacks.routing_monitor import load_imbalance
+from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -111,7 +110,8 @@ def train_run(
     The only place outside LightningCLI that builds a Trainer. ``resume_from`` continues a run from
     its Lightning checkpoint (weights, optimizer, schedule, data position, step counter);
     ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
-    or exported model directory, whose model replaces ``model_cfg`` when it differs.
+    or exported model directory, whose model replaces ``model_cfg`` when it differs. With
+    ``train.max_steps: 0`` nothing trains: the initial weights are validated and checkpointed.
     ``module_factory(model_cfg, optim)`` builds the LightningModule (a MoELitModule subclass, e.g.
     a distillation module holding its teacher).
     """
@@ -119,6 +119,8 @@ def train_run(
 
     if resume_from is not None and init_from is not None:
         raise MoeLitError("train_run: give resume_from (continue a run) or init_from (start from weights), not both")
+    if resume_from is not None and run.steps == 0:
+        raise MoeLitError("train_run: a 0-step run only validates; give init_from, not resume_from")
     out_dir = Path(out_dir)
     start = time.perf_counter()
     seed = run.train.seed
@@ -131,7 +133,13 @@ def train_run(
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
     curve = ValidationCurve()
     trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
+    # an optimizer and a schedule over zero steps. Validating first attaches the model to the
+    # trainer, so its checkpoint below is saved like a trained run's.
+    if run.steps > 0:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    else:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
     # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
     # is the final weights, so they are saved there too.
     trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
@@ -173,6 +181,7 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     )
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
+    callbacks.append(DivergenceGuard())
     if run.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar())
     kwargs = {
@@ -191,13 +200,13 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
 
 
 def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
-    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the routers' last
-    counts when nothing was logged there; 1.0 for a dense model."""
+    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the last step's
+    routing statistics when nothing was logged there; 1.0 for a dense model."""
     layers = module.model.moe_layers()
     if not layers:
         return 1.0
     late = [row[MEAN_IMBALANCE] for row in rows if MEAN_IMBALANCE in row and row.get("step", 0) >= steps / 2]
-    late = late or [sum(load_imbalance(layer.router.tokens_per_expert) for layer in layers) / len(layers)]
+    late = late or [sum(stats.load_imbalance for stats in module.model.routing_stats().values()) / len(layers)]
     return sum(late) / len(late)
 
 

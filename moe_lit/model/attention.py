@@ -5,11 +5,16 @@ Shape legend: B batch, L sequence, D d_model, H query heads, G key/value heads, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_lit.config import ModelConfig
+
+if TYPE_CHECKING:
+    from moe_lit.inference.kv_cache import LayerKVCache
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,7 +27,16 @@ def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor,
 def apply_rope(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of each head, as Llama / HF ``rotate_half``."""
     length = x_BHLDh.shape[-2]
-    cos, sin = cos[:length].to(x_BHLDh.dtype), sin[:length].to(x_BHLDh.dtype)
+    return _rotate(x_BHLDh, cos[:length], sin[:length])
+
+
+def apply_rope_at(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` at explicit per-row positions (KV-cache decoding, left-padded rows)."""
+    return _rotate(x_BHLDh, cos[positions_BL].unsqueeze(1), sin[positions_BL].unsqueeze(1))
+
+
+def _rotate(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x_BHLDh.dtype), sin.to(x_BHLDh.dtype)
     x1, x2 = x_BHLDh.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -61,11 +75,25 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, kv_cache: Optional["LayerKVCache"] = None) -> torch.Tensor:
         batch, length, _ = x_BLD.shape
         q = self.q_norm(self.q_proj(x_BLD)).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BLD)).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BLD).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if kv_cache is not None:
+            return self._attend_cached(q, k, v, kv_cache)
         q, k = apply_rope(q, self.rope_cos, self.rope_sin), apply_rope(k, self.rope_cos, self.rope_sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _attend_cached(self, q, k, v, kv_cache: "LayerKVCache") -> torch.Tensor:
+        """This step's queries against the cached keys/values plus its own (see ``inference/kv_cache.py``)."""
+        batch, _, length, _ = q.shape
+        step = kv_cache.step
+        q = apply_rope_at(q, self.rope_cos, self.rope_sin, step.positions_BL)
+        k = apply_rope_at(k, self.rope_cos, self.rope_sin, step.positions_BL)
+        k_all, v_all = kv_cache.update(k, v)
+        out = F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=step.mask_B1LS, enable_gqa=self.n_kv_heads != self.n_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

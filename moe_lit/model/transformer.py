@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -17,6 +17,10 @@ from moe_lit.model.attention import CausalSelfAttention
 from moe_lit.model.loss import linear_cross_entropy
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
+from moe_lit.model.router import RoutingStats, finish_routing_step
+
+if TYPE_CHECKING:
+    from moe_lit.inference.kv_cache import KVCache, LayerKVCache
 
 
 @dataclass
@@ -50,8 +54,10 @@ class Block(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoELayer)
 
-    def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+    def forward(
+        self, x_BLD: torch.Tensor, kv_cache: Optional["LayerKVCache"] = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), kv_cache)
         if self.is_moe:
             ffn_out, losses = self.ffn(self.ffn_norm(x_BLD))
         else:
@@ -87,14 +93,24 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(param, std=std)
 
-    def forward(self, idx_BL: torch.Tensor, targets_BL: Optional[torch.Tensor] = None) -> LMOutput:
-        """Logits, or with ``targets_BL`` the mean cross-entropy through the chunked head (no logits)."""
+    def forward(
+        self, idx_BL: torch.Tensor, targets_BL: Optional[torch.Tensor] = None, kv_cache: Optional["KVCache"] = None
+    ) -> LMOutput:
+        """Logits, or with ``targets_BL`` the mean cross-entropy through the chunked head (no logits).
+
+        With ``kv_cache`` (``moe_lit.inference.kv_cache``) ``idx_BL`` holds the next tokens of every
+        row: they attend to the cached ones, are cached in turn, and the cache advances.
+        """
         x_BLD = self.tok_embeddings(idx_BL)
         aux_losses: dict[str, torch.Tensor] = {}
-        for block in self.blocks:
-            x_BLD, losses = block(x_BLD)
+        if kv_cache is not None:
+            kv_cache.begin(idx_BL.shape[1])
+        for i, block in enumerate(self.blocks):
+            x_BLD, losses = block(x_BLD, None if kv_cache is None else kv_cache.layers[i])
             for name, value in losses.items():
                 aux_losses[name] = aux_losses[name] + value if name in aux_losses else value
+        if kv_cache is not None:
+            kv_cache.advance()
         x_BLD = self.norm(x_BLD)
         if targets_BL is None:
             return LMOutput(self.lm_head(x_BLD), aux_losses)
@@ -104,7 +120,13 @@ class Transformer(nn.Module):
         return LMOutput(None, aux_losses, ce=ce)
 
     @torch.no_grad()
-    def update_router_biases(self) -> None:
-        """Aux-loss-free balancing step for every router (no-op without balancing=bias)."""
-        for layer in self.moe_layers():
-            layer.router.update_bias()
+    def update_router_biases(self) -> bool:
+        """Finish the optimizer step's routing (call once per step, on every rank): all-reduce the
+        routers' statistics over the data-parallel ranks, store them, take the aux-loss-free
+        balancing step (no-op without balancing=bias), reset. False when nothing was routed since
+        the last call (then nothing changes). See :func:`moe_lit.model.router.finish_routing_step`."""
+        return finish_routing_step([layer.router for layer in self.moe_layers()])
+
+    def routing_stats(self) -> dict[int, RoutingStats]:
+        """The last finished step's routing statistics, by block index of each MoE layer."""
+        return {i: block.ffn.router.stats() for i, block in enumerate(self.blocks) if block.is_moe}

@@ -53,6 +53,8 @@ STATUS_OK, STATUS_FAILED, STATUS_PENDING = "ok", "failed", "pending"
 CLAIM_TTL_S = 600.0
 """Seconds without a heartbeat after which a point's claim counts as abandoned (its runner died)."""
 START_MODES = ("resume", "init")
+TRANSFORMED_START = "start"
+"""Folder of a point's run directory holding its transformed start weights (an exported model)."""
 Log = Callable[[str], None]
 TrainFn = Callable[..., Any]
 # NOTE: a worker stopped by Ctrl-C or SIGTERM is an interrupted study, not a failed point: it
@@ -295,7 +297,7 @@ def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> 
         return {"init_from": checkpoint}
     from moe_lit.checkpoint import export_model, load_model
 
-    transformed = run_dir(out_dir, point) / "start"
+    transformed = run_dir(out_dir, point) / TRANSFORMED_START
     export_model(point.transform(load_model(checkpoint)), transformed)
     return {"init_from": transformed}
 

@@ -2,7 +2,9 @@
 
 A finding of a study ("MoE beats dense by 0.04") compares two groups of runs that differ only by
 seed. :func:`summarize` reduces one group to mean, sample std (ddof=1), n and standard error;
-:func:`compare` runs Welch's unequal-variance t-test on two groups and names the outcome
+:func:`compare` runs Welch's unequal-variance t-test on two groups (:func:`compare_paired` the
+paired t-test, when the groups' runs pair up by seed: same data order, same initialisation or the
+same parent) and names the outcome
 ``significant`` (p < alpha), ``within noise``, or ``not testable (n < 2)`` when a group has fewer than
 two finite values (its spread is unknown). :func:`group_values` pulls the groups out of study records.
 """
@@ -62,6 +64,8 @@ class Comparison:
     """p_value < alpha (False when not testable)."""
     verdict: str
     """``significant`` | ``within noise`` | ``not testable (n < 2)``."""
+    test: str = "Welch"
+    """Welch (two independent groups) | paired (runs paired by seed)."""
 
 
 def summarize(values: Sequence[float]) -> Summary:
@@ -96,6 +100,30 @@ def compare(a_values: Sequence[float], b_values: Sequence[float], alpha: float =
     return Comparison(a, b, diff, se, t, dof, p_value, alpha, significant, SIGNIFICANT if significant else WITHIN_NOISE)
 
 
+def compare_paired(a_values: Sequence[float], b_values: Sequence[float], alpha: float = 0.05) -> Comparison:
+    """Paired two-sided t-test of mean(a - b), ``a[i]`` and ``b[i]`` being runs of the same seed.
+
+    The seed's own variation (its data order, its initialisation) cancels in each difference, so
+    an effect smaller than the spread between seeds can still stand out. ``se`` is the standard
+    error of the mean difference and ``dof`` is n - 1; pairs with a NaN on either side are dropped.
+    """
+    if len(a_values) != len(b_values):
+        raise MoeLitError(f"compare_paired: needs equal-length groups, got {len(a_values)} and {len(b_values)}")
+    pairs = [(float(x), float(y)) for x, y in zip(a_values, b_values) if not (math.isnan(x) or math.isnan(y))]
+    a, b = summarize([x for x, _ in pairs]), summarize([y for _, y in pairs])
+    diffs = summarize([x - y for x, y in pairs])
+    if diffs.n < 2:
+        return Comparison(a, b, diffs.mean, math.nan, math.nan, math.nan, math.nan, alpha, False, NOT_TESTABLE, "paired")
+    if diffs.sem == 0.0:
+        t, p_value = (math.copysign(math.inf, diffs.mean) if diffs.mean else 0.0), (0.0 if diffs.mean else 1.0)
+    else:
+        t = diffs.mean / diffs.sem
+        p_value = float(2.0 * scipy_stats.t.sf(abs(t), diffs.n - 1))
+    significant = p_value < alpha
+    verdict = SIGNIFICANT if significant else WITHIN_NOISE
+    return Comparison(a, b, diffs.mean, diffs.sem, t, float(diffs.n - 1), p_value, alpha, significant, verdict, "paired")
+
+
 def format_summary(s: Summary, digits: int = 4) -> str:
     """``5.6810 ± 0.0123 (n=3)``; ``5.6810 (n=1)``; NaNs dropped are named: ``(n=2, 1 NaN)``."""
     count = f"n={s.n}" + (f", {s.n_nan} NaN" if s.n_nan else "")
@@ -111,7 +139,7 @@ def format_comparison(c: Comparison, digits: int = 4) -> str:
         return f"{diff} (n={c.a.n} vs n={c.b.n}): {c.verdict}"
     if c.se == 0.0:
         return f"{diff} ± 0 (no seed spread, p={c.p_value:g}): {c.verdict}"
-    return f"{diff} ± {c.se:.{digits}f} (Welch t={c.t:.2f}, p={c.p_value:.2g}): {c.verdict}"
+    return f"{diff} ± {c.se:.{digits}f} ({c.test} t={c.t:.2f}, p={c.p_value:.2g}): {c.verdict}"
 
 
 def group_values(
@@ -136,6 +164,7 @@ def group_values(
 __all__ = [
     "Comparison",
     "NOT_TESTABLE",
+    "compare_paired",
     "SIGNIFICANT",
     "Summary",
     "WITHIN_NOISE",

@@ -193,7 +193,8 @@ def run_study(
     write_plan(study, out_dir, command)
     executor = study.header.executor
     return engine.run_points(
-        study.points, out_dir, parallel=parallel or executor.parallel, retry_failed=retry_failed, train_fn=train_fn,
+        study.points, out_dir, parallel=executor.parallel if parallel is None else parallel, retry_failed=retry_failed,
+        train_fn=train_fn,
         executor=executor, log=log, label=f"study {study.name}",
     )
 

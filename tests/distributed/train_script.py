@@ -1,17 +1,21 @@
 """Train a tiny MoE with one strategy on CPU, then save a checkpoint: run as a script, not under pytest.
 
     python tests/distributed/train_script.py --strategy ddp --steps 2 --out DIR [--resume CKPT]
+        [--accumulate 2 --bias]
 
 Lightning's launcher re-runs this command line for rank 1, so the distributed tests start it as a
 subprocess. Every run sees the same global batches: 8 fixed sequences per step, split across the ranks
 in order (``RankShard``). The router's auxiliary losses are off, so a data-parallel
 step computes exactly the single-process gradient (the balancing loss is not linear in the batch).
-The checkpoint goes to ``DIR/model.ckpt``.
+The checkpoint goes to ``DIR/model.ckpt``. With ``--accumulate N`` every rank splits its share of a
+global batch into N micro-batches; ``--bias`` trains with ``balancing: bias``. Every rank also saves
+its routers' buffers (selection biases, last step's statistics) to ``DIR/routers_rank<r>.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -72,20 +76,28 @@ def strategy(name: str):
     raise SystemExit(f"--strategy: got {name!r}, allowed values: single, ddp, fsdp2")
 
 
-def train(strategy_name: str, steps: int, out: Path, resume: Optional[Path] = None) -> Path:
+BIAS_CONFIG = CONFIG.replace(moe=dataclasses.replace(CONFIG.moe, balancing="bias", bias_update_rate=0.01))
+
+
+def train(
+    strategy_name: str, steps: int, out: Path, resume: Optional[Path] = None, accumulate: int = 1, bias: bool = False
+) -> Path:
     """Fit to ``steps`` optimizer steps (from ``resume`` if given); returns the saved checkpoint."""
     pl.seed_everything(0, verbose=False)
     strat, devices = strategy(strategy_name)
-    module = MoELitModule(CONFIG, OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"))
+    module = MoELitModule(BIAS_CONFIG if bias else CONFIG, OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant"))
     loader = DataLoader(
-        tokens(), batch_size=GLOBAL_BATCH // devices, sampler=RankShard(SAMPLES), collate_fn=stack_rows
+        tokens(), batch_size=GLOBAL_BATCH // (devices * accumulate), sampler=RankShard(SAMPLES), collate_fn=stack_rows
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strat, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=False, accumulate_grad_batches=accumulate,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
+    routers = {n: b.detach().clone() for n, b in module.model.named_buffers() if ".router." in n}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(routers, out / f"routers_rank{trainer.global_rank}.pt")
     trainer.save_checkpoint(out / "model.ckpt")
     return out / "model.ckpt"
 
@@ -100,9 +112,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--bias", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    train(args.strategy, args.steps, args.out, args.resume)
+    train(args.strategy, args.steps, args.out, args.resume, args.accumulate, args.bias)
 
 
 if __name__ == "__main__":

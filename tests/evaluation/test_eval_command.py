@@ -1,7 +1,14 @@
 import json
 
+import pytest
+import torch
+
+from moe_lit.checkpoint import export_model
 from moe_lit.cli import main
+from moe_lit.model import Transformer
+from tests.conftest import tiny
 from tests.evaluation.conftest import LANGUAGES
+from tests.test_checkpoint import CASES, _case, lightning_checkpoint
 
 
 def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepared_dir, monkeypatch):
@@ -41,3 +48,33 @@ def test_suite_table_pivots_tasks_by_language_code():
     assert suite_by_language(rows, languages) == [
         {"language": "pt-br", "bits/byte": 1.5, "byte ppl": "-", "next-paragraph acc": "-", "minimal-pairs acc": 0.75}
     ]
+
+
+def test_tokenizer_errors_are_one_line_naming_the_file(tmp_path, prepared_dir, capsys):
+    small = export_model(Transformer(tiny(vocab_size=8)), tmp_path / "small")
+    tokenizer = prepared_dir / "tokenizer.json"
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": ')
+    for given, words in ((tokenizer, "tokens do not fit the model's vocab_size 8"), (broken, "not a readable tokenizer.json")):
+        args = ["eval", "--checkpoint", str(small), "--tokenizer", str(given), "--tasks", "moe_lit_pairs"]
+        assert main([*args, "--data", str(prepared_dir), "--out-dir", str(tmp_path / "res")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"tokenizer {given}" in err and words in err, err
+    assert not (tmp_path / "res").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "analyze"])
+@pytest.mark.parametrize("case", CASES)
+def test_bad_checkpoint_files_given_to_eval_and_analyze_are_one_line_naming_the_file(
+    capsys, tmp_path, prepared_dir, case, command
+):
+    torch.manual_seed(0)
+    model = Transformer(tiny())
+    files = {"ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model), "export": export_model(model, tmp_path / "export")}
+    path, words = _case(case, tmp_path, files)
+    given = ["--checkpoint", str(path), "--data", str(prepared_dir), "--tokenizer", str(prepared_dir / "tokenizer.json")]
+    argv = ["eval", *given, "--tasks", "moe_lit_pairs"] if command == "eval" else ["analyze", "routing", *given]
+    assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
+    assert not (tmp_path / "out").exists()

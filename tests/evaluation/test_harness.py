@@ -74,10 +74,11 @@ def test_rolling_loglikelihood_is_the_sum_over_windows(lm):
 
 @torch.no_grad()
 def reference_greedy(lm, context, steps):
+    """The adapter's former decoding: the whole (sliding) window through the model per token."""
     ids = lm.tok_encode(context)
     out = []
     for _ in range(steps):
-        token = int(lm.model(torch.tensor([ids + out])).logits_BLV[0, -1].argmax())
+        token = int(lm.model(torch.tensor([(ids + out)[-lm.max_length :]])).logits_BLV[0, -1].argmax())
         if token == lm.eot_token_id:
             break
         out.append(token)
@@ -85,7 +86,8 @@ def reference_greedy(lm, context, steps):
 
 
 def test_generation_is_greedy_and_stops_at_stop_sequences(lm):
-    contexts = ["Open the file menu", "Sie können das Fenster"]
+    contexts = ["Open the file menu", "Sie können das Fenster", LONG_TEXT]  # the last one slides the window
+    assert len(lm.tok_encode(LONG_TEXT)) + 12 > lm.max_length
     free = lm.generate_until(
         [request("generate_until", c, {"until": [], "max_gen_toks": 12}) for c in contexts], disable_tqdm=True
     )
@@ -124,3 +126,22 @@ def test_checkpoint_names_skip_generic_folders(tmp_path):
     (tmp_path / "run7" / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert checkpoint_name(tmp_path / "demo" / "models" / "tiny-moe") == "demo-tiny-moe"
     assert checkpoint_name(tmp_path / "run7" / "checkpoints" / "last.ckpt") == "run7-last"
+
+
+def test_sparsity_option_at_zero_keeps_scores_and_needs_calibration(exported, tmp_path):
+    from moe_lit.inference.sparsity import SparseExperts
+
+    text = tmp_path / "calib.txt"
+    text.write_text(LONG_TEXT)
+    dense = MoeLitLM(checkpoint=exported)
+    exact = MoeLitLM(checkpoint=exported, sparsity="0.0", calibration=str(text))
+    sparse = MoeLitLM(checkpoint=exported, sparsity="0.9", sparsity_granularity="expert", calibration=str(text))
+    assert any(isinstance(m, SparseExperts) for m in sparse.model.modules())
+    reqs = [request("loglikelihood", "Open the file", " menu and choose save.")]
+    want = dense.loglikelihood(reqs)[0][0]
+    assert exact.loglikelihood(reqs)[0][0] == pytest.approx(want, abs=1e-4)
+    assert sparse.loglikelihood(reqs)[0][0] != pytest.approx(want, abs=1e-4)
+    with pytest.raises(MoeLitError, match="calibration"):
+        MoeLitLM(checkpoint=exported, sparsity="0.5")
+    with pytest.raises(MoeLitError, match="sparsity.rule"):
+        MoeLitLM(checkpoint=exported, sparsity="0.5", sparsity_rule="up", calibration=str(text))

@@ -32,7 +32,7 @@ def test_trace_counts_equal_the_routers_own_buffers(fields):
     assert trace.layer_ids == model.config.moe_layer_ids and len(layers) == trace.num_layers
     assert trace.num_tokens == 30 and trace.top_k == model.config.moe.top_k
     for m, layer in enumerate(layers):
-        assert torch.equal(trace.counts_ME()[m], layer.router.tokens_per_expert.long())
+        assert torch.equal(trace.counts_ME()[m], layer.router.pending_tokens_per_expert().long())
     assert (trace.counts_ME().sum(dim=1) == 30 * trace.top_k).all()
 
 

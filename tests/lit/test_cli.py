@@ -23,6 +23,8 @@ def _error_line(capsys, argv) -> str:
     [
         (["--model.model.d_modle", "3"], "model.model.d_modle: unknown key"),
         (["--data.batch_size", "x"], "data.batch_size: expected int"),
+        (["--train.max_tokens", "0"], "train.max_tokens: must be a positive integer, got 0"),
+        (["--train.max_tokens", "100", "--train.max_steps", "3"], "train.max_tokens: set exactly one"),
     ],
 )
 def test_command_line_mistakes_are_one_line_naming_the_key(capsys, extra, key):

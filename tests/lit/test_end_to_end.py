@@ -89,17 +89,16 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
 
 @pytest.mark.slow
 def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepared, tmp_path, capsys):
-    """The data / model.optim / trainer / seed sections of one YAML feed both entry points."""
+    """The data / model.optim / train / trainer sections of one YAML feed both entry points."""
     import yaml
 
     experiment = tmp_path / "experiment.yaml"
     experiment.write_text(yaml.safe_dump({
-        "seed_everything": 0,
         "model": {"model": tiny().to_dict() | {"vocab_size": 300, "seq_len": SEQ_LEN},
                   "optim": {"lr": 1e-2, "warmup_steps": 2}},
         "data": {"data_dir": str(prepared), "seq_len": SEQ_LEN, "batch_size": BATCH, "val_batches": 2, "seed": 0},
-        "trainer": {"max_steps": STEPS, "val_check_interval": 4, "check_val_every_n_epoch": None,
-                    "num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
+        "train": {"max_tokens": STEPS * SEQ_LEN * BATCH, "val_every": 4, "seed": 0},  # RunConfig's names
+        "trainer": {"num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
                     "accelerator": "cpu", "devices": 1},
     }))
     model_cfg, run_cfg = RunConfig.from_experiment(experiment)
@@ -110,3 +109,16 @@ def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepar
     (metrics,) = list((tmp_path / "cli").rglob("metrics.csv"))
     cli_losses = {int(r["step"]): r["train/loss"] for r in read_metrics(metrics) if "train/loss" in r}
     assert cli_losses == pytest.approx(_losses(direct), rel=1e-6)
+
+
+def test_zero_step_run_validates_the_initial_weights_unchanged(prepared, tmp_path):
+    first = _run(prepared, tmp_path / "trained")
+    run = _run_config(prepared).replace(train={"max_steps": 0})
+    result = train_run(tiny(), run, tmp_path / "eval", init_from=first.checkpoint)
+    assert result.steps == 0 and result.tokens == 0
+    assert result.val_loss == pytest.approx(first.val_loss, abs=1e-6)  # the same weights, the same val batches
+    assert result.val_loss_per_language.keys() == first.val_loss_per_language.keys()
+    trained, evaluated = load_model(first.checkpoint).state_dict(), load_model(result.checkpoint).state_dict()
+    assert all((trained[k] == evaluated[k]).all() for k in trained)
+    with pytest.raises(Exception, match="0-step run only validates"):
+        train_run(tiny(), run, tmp_path / "resumed", resume_from=first.checkpoint)

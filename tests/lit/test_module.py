@@ -70,7 +70,8 @@ def test_bias_balancing_updates_router_biases_once_per_step(monkeypatch):
     bias = router.expert_bias
     assert torch.equal(bias * 2, (bias * 2).round()) and bias.abs().max() <= 1.5
     assert bias.abs().sum() > 0
-    assert router.tokens_per_expert.sum() == 4 * 16 * 2  # B * L * top_k of the last batch
+    assert router.tokens_per_expert.sum() == 4 * 16 * 2  # B * L * top_k of the last step's batch
+    assert router.pending_tokens_per_expert().sum() == 0  # reset after the step
 
 
 def test_hyper_parameters_hold_the_model_config_for_moe_lit_checkpoint():
@@ -78,3 +79,23 @@ def test_hyper_parameters_hold_the_model_config_for_moe_lit_checkpoint():
     module = MoELitModule(cfg)
     assert module.hparams["model"] == cfg and module.hparams["optim"] == OptimConfig()
     assert all(k.startswith("model.") for k in module.state_dict())
+
+
+def test_routing_statistics_of_a_step_sum_every_micro_batch_and_drive_one_bias_update():
+    import copy
+
+    torch.manual_seed(0)
+    rate = 0.5
+    module = MoELitModule(tiny(vocab_size=64, balancing="bias", bias_update_rate=rate), OptimConfig(warmup_steps=1))
+    datamodule = RandomTokenDataModule()
+    reference = copy.deepcopy(module.model).train()
+    loader = iter(datamodule.train_dataloader())
+    for _ in range(2):  # the step's two micro-batches, through the untrained weights
+        reference(next(loader)[:, :-1])
+    _trainer(max_steps=1, limit_val_batches=0, accumulate_grad_batches=2).fit(module, datamodule=RandomTokenDataModule())
+    for ours, ref in zip(module.model.moe_layers(), reference.moe_layers()):
+        counts_E = ref.router.pending_tokens_per_expert()
+        assert counts_E.sum() == 2 * 4 * 16 * 2  # both micro-batches: 2 x B * L * top_k
+        assert torch.equal(ours.router.tokens_per_expert, counts_E)
+        assert torch.equal(ours.router.expert_bias, rate * torch.sign(counts_E.mean() - counts_E))  # one update
+        assert ours.router.stats().num_tokens == 2 * 4 * 16

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from moe_lit.callbacks import RoutingMonitor
-from moe_lit.callbacks.routing_monitor import load_imbalance, score_entropy
 from moe_lit.config import ConfigError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.model.router import RoutingStats, token_entropy
 from tests.conftest import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
@@ -36,9 +36,15 @@ def test_every_n_steps_is_validated_at_construction(bad):
 
 
 def test_load_imbalance_and_entropy_formulas():
-    assert load_imbalance(torch.tensor([4.0, 4.0, 4.0, 4.0])) == 1.0
-    assert load_imbalance(torch.tensor([8, 0, 0, 0])) == 4.0
-    assert math.isnan(load_imbalance(torch.zeros(4)))
+    def imbalance(counts):
+        return RoutingStats(torch.tensor(counts), 0.0, 0.0, 0).load_imbalance
+
+    def score_entropy(scores_TE, score_func):
+        return token_entropy(scores_TE, score_func).mean()
+
+    assert imbalance([4.0, 4.0, 4.0, 4.0]) == 1.0
+    assert imbalance([8, 0, 0, 0]) == 4.0
+    assert math.isnan(imbalance([0.0, 0.0]))
     uniform_TE = torch.full((5, 4), 0.25)
     assert score_entropy(uniform_TE, "softmax").item() == pytest.approx(math.log(4))
     one_hot_TE = torch.eye(4)
@@ -62,9 +68,11 @@ def test_monitor_logs_every_n_steps_per_moe_layer_and_matches_the_router_buffers
     # layer 0 is dense; layers 1 and 2 are MoE
     assert {k.split("/")[1] for k in last} == {"layer1", "layer2", "mean"}
     router = module.model.blocks[2].ffn.router
-    counts = router.tokens_per_expert
+    counts, (dropped, entropy_sum, tokens) = router.tokens_per_expert, router.step_totals.tolist()
+    assert tokens == 4 * 16 and counts.sum() == tokens * 2  # the last step's batch: B * L tokens, top-2
     assert last["routing/layer2/load_imbalance"] == pytest.approx((counts.max() / counts.mean()).item())
-    assert last["routing/layer2/dropped_fraction"] == pytest.approx((router.dropped_tokens / counts.sum()).item())
+    assert last["routing/layer2/dropped_fraction"] == pytest.approx(dropped / counts.sum().item())
+    assert last["routing/layer2/entropy"] == pytest.approx(entropy_sum / tokens)
     # capacity 0.5 must drop assignments; entropy of 4-expert softmax scores lies in (0, ln 4]
     assert 0 < last["routing/layer2/dropped_fraction"] < 1
     assert 0 < last["routing/layer1/entropy"] <= math.log(4) + 1e-6
@@ -74,18 +82,19 @@ def test_monitor_logs_every_n_steps_per_moe_layer_and_matches_the_router_buffers
 
 
 def test_monitor_follows_a_model_swapped_mid_run():
+    from types import SimpleNamespace
+
     from moe_lit.model import Transformer
 
-    monitor = RoutingMonitor(every_n_steps=1)
+    monitor, logger = RoutingMonitor(every_n_steps=1), Recorder()
     first, second = Transformer(tiny(vocab_size=64)), Transformer(tiny(vocab_size=64, num_experts=8))
-
-    class Holder:
-        model = first
-
-    monitor.setup(None, Holder, "fit")
-    Holder.model = second
-    monitor.on_train_batch_start(None, Holder, None, 0)
+    holder = SimpleNamespace(model=first)
+    trainer = SimpleNamespace(global_step=1, is_global_zero=True, loggers=[logger])
+    holder.model = second  # an upcycling callback swapped the network
     second.train()(torch.randint(0, 64, (2, 8)))
-    metrics = monitor.layer_metrics()
-    assert metrics and all(r is second.blocks[i].ffn.router for i, r in monitor._routers.items())
-    assert len(first.blocks[0].ffn.router._forward_hooks) == 0
+    second.update_router_biases()
+    monitor.on_train_batch_end(trainer, holder, None, None, 0)
+    (step, metrics), = logger.rows
+    expected = second.routing_stats()[0]
+    assert step == 1 and metrics["routing/layer0/load_imbalance"] == pytest.approx(expected.load_imbalance)
+    assert expected.tokens_per_expert_E.numel() == 8 and expected.num_tokens == 16

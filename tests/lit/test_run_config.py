@@ -33,6 +33,7 @@ def test_replace_changes_fields_and_a_new_budget_replaces_the_old():
         ({"data": {"colour": 1}}, "data: unknown key(s) ['colour']"),
         ({"train": {"max_tokens": 10, "max_steps": 2}}, "train.max_tokens: set exactly one of max_tokens and max_steps"),
         ({"train": {"max_steps": 2, "val_every": 0}}, "train.val_every: must be a positive integer"),
+        ({"train": {"max_steps": -1}}, "train.max_steps: must be an integer >= 0 (0 = validate only)"),
         ({"train": {"max_tokens": 10}}, "train.max_tokens: 10 is less than one batch"),
         ({"optim": {"lr": -1}}, "optim.lr: must be > 0"),
         ({"trainer": {"callbacks": []}}, "trainer.callbacks: pass callbacks to train_run"),

@@ -37,8 +37,8 @@ def test_each_arm_continues_from_its_pretrained_parent_on_all_languages():
     assert by_name["moe/base"].model.moe.num_experts == 4 and by_name["dense/base"].model.moe is None
 
 
-def _record(name, family, phase, losses, **extra):
-    return {"name": name, "status": "ok", "family": family, "phase": phase,
+def _record(name, family, phase, losses, seed=0, **extra):
+    return {"name": name, "status": "ok", "family": family, "phase": phase, "seed": seed,
             "val_loss_per_language": dict(zip(("en", "de", "ru"), losses)), **extra}
 
 
@@ -48,17 +48,19 @@ def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
         for family, rise in (("dense", 0.30), ("moe", 0.05)):
             base = f"{family}/base/s{seed}"
             records += [
-                _record(base, family, "base", (3.0, 3.0, 6.0)),
+                _record(base, family, "base", (3.0, 3.0, 6.0), seed),
                 _record(f"{family}/continued/s{seed}", family, "continued", (3.0 + rise + jitter, 3.0 + rise, 4.0),
-                        base_point=base, **({"routing_js_new_vs_base": {"ru": 0.4}} if family == "moe" else {})),
+                        seed, base_point=base, **({"routing_js_new_vs_base": {"ru": 0.4}} if family == "moe" else {})),
             ]
     analysis = analyse({"spec": {"base_languages": ["en", "de"], "new_languages": ["ru"]}}, records, tmp_path)
     rows = {r["arm"]: r for r in analysis.tables["Switch to the new languages (mean ± std over seeds)"]}
-    assert rows["dense"]["interference (base-language loss change)"] == "0.3050 ± 0.0071 (n=2)"
+    assert rows["dense"]["interference (base-language loss change; < 0: improved)"] == "0.3050 ± 0.0071 (n=2)"
+    assert rows["moe"]["final loss, new languages"] == "4.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["gain on new languages"] == "2.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["JS(new vs base usage), bits"] == "0.4000 ± 0.0000 (n=2)"
     (finding,) = analysis.findings
-    assert finding.startswith("- **Interference, moe vs dense**") and finding.endswith("**reproduced**.")
+    assert finding.startswith("- **Interference, moe minus dense**") and finding.endswith("**reproduced**.")
+    assert "diff -0.2500 ± 0 (no seed spread, p=0): significant" in finding  # paired: the jitter cancels
 
 
 @pytest.mark.slow

@@ -101,3 +101,20 @@ def test_group_values_keeps_order_and_only_ok_records():
     assert summarize(groups["dense"]).n_nan == 1
     with pytest.raises(MoeLitError, match="'val_los'"):
         group_values(records, key=lambda r: r["arm"], value="val_los")
+
+
+def test_paired_by_hand_sees_an_effect_below_the_seed_spread():
+    from moe_lit.studies.stats import compare_paired
+
+    a, b = [4.10, 4.20, 4.00], [4.09, 4.18, 3.985]  # seeds differ by 0.1, the effect is 0.01-0.02
+    diffs = [0.01, 0.02, 0.015]
+    mean = sum(diffs) / 3
+    sem = (sum((d - mean) ** 2 for d in diffs) / 2) ** 0.5 / 3**0.5
+    c = compare_paired(a, b)
+    assert c.test == "paired" and c.dof == 2
+    assert c.diff == pytest.approx(mean) and c.se == pytest.approx(sem) and c.t == pytest.approx(mean / sem)
+    assert c.p_value == pytest.approx(2 * scipy_stats.t.sf(mean / sem, 2))
+    assert c.significant and not compare(a, b).significant  # Welch drowns it in the seed spread
+    assert "(paired t=" in format_comparison(c)
+    with pytest.raises(MoeLitError, match="equal-length"):
+        compare_paired([1.0, 2.0], [1.0])

@@ -272,8 +272,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
         h1_H, h2_H = blocks.project_in(x_PD, w1_SD), blocks.project_in(x_PD, v1_SD)
         act_H = F.silu(h1_H).mul_(h2_H)
-        o_PD = blocks.project_out(act_H, w2_SD)
-        y_TD = F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
+        y_TD = combine_slots(slots, blocks.project_out(act_H, w2_SD), gate_TK, bias_D)
         ctx.save_for_backward(x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD)
         ctx.blocks = blocks
         return y_TD
@@ -313,6 +312,32 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """Functional entry point of :class:`GroupedSwiGLU`."""
     return GroupedSwiGLU.apply(x_TD, gate_TK, w1_SD, v1_SD, w2_SD, bias_D, slots, layout)
+
+
+def grouped_swiglu_forward(
+    x_TD: torch.Tensor,
+    gate_TK: torch.Tensor,
+    w1_SD: torch.Tensor,
+    v1_SD: torch.Tensor,
+    w2_SD: torch.Tensor,
+    bias_D: torch.Tensor,
+    slots: Slots,
+    layout: ExpertLayout,
+) -> torch.Tensor:
+    """The forward of :class:`GroupedSwiGLU` when no gradient is needed (decoding, evaluation).
+
+    Same slots, same matmuls, same result; nothing is saved for a backward, and the activation is
+    computed in place in the gate projection's buffer (one hidden buffer fewer per call).
+    """
+    blocks = ExpertBlocks(slots, layout, x_TD.shape[1])
+    x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
+    act_H = F.silu(blocks.project_in(x_PD, w1_SD), inplace=True).mul_(blocks.project_in(x_PD, v1_SD))
+    return combine_slots(slots, blocks.project_out(act_H, w2_SD), gate_TK, bias_D)
+
+
+def combine_slots(slots: Slots, o_PD: torch.Tensor, gate_TK: torch.Tensor, bias_D: torch.Tensor) -> torch.Tensor:
+    """``y_t = bias + sum_k gate_tk * o_{slot_tk}`` (a fused gather + weighted sum)."""
+    return F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
 
 
 def build_slots(

@@ -6,8 +6,9 @@ Shape legend (used in tensor names across moe_lit):
     F  one expert's hidden size               S  sum of all experts' hidden sizes (rows of w1)
     N  T*K routed (token, expert) assignments B/L  batch / sequence
 
-The layout is MegaBlocks dMoE's (``mlp_type='glu'``): three stacked matrices ``w1_SD`` (up),
-``v1_SD`` (gate) and ``w2_SD`` (down), expert e owning rows ``offsets[e]:offsets[e+1]``.
+The layout is MegaBlocks dMoE's (``mlp_type='glu'``): three stacked matrices ``w1_SD`` (gate,
+the activated one: Llama's ``gate_proj``), ``v1_SD`` (up: ``up_proj``) and ``w2_SD`` (down),
+expert e owning rows ``offsets[e]:offsets[e+1]``.
 Expert e computes ``(silu(x @ w1_e.T) * (x @ v1_e.T)) @ w2_e``. Heterogeneous experts are just
 unequal row counts, so the same tensors describe a uniform layer (which MegaBlocks can run) and a
 heterogeneous one (torch backend only).

@@ -5,7 +5,8 @@ S sum of hidden sizes, N = T*K routed assignments (see ``layout.py``).
 
 The forward groups the N (token, expert) assignments by expert with one stable sort and hands the
 grouped computation (gather, per-expert SwiGLU, weighted combine and the bias) to one autograd
-Function with a hand-written backward (``grouped_swiglu.py``). Dropless mode never drops an
+Function with a hand-written backward (``grouped_swiglu.py``), or, when no gradient is needed, to
+its forward-only twin ``grouped_swiglu_forward`` (same plan, nothing saved). Dropless mode never drops an
 assignment. Capacity mode keeps, for each expert, the first ``capacity`` assignments in token order
 (the stable sort keeps that order deterministic) and drops the rest: a dropped assignment
 contributes nothing, the residual stream carries the token.
@@ -26,6 +27,7 @@ from moe_lit.model.experts.grouped_swiglu import (
     build_slots,
     grouped_mm_op,
     grouped_swiglu,
+    grouped_swiglu_forward,
 )
 from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
 
@@ -146,6 +148,10 @@ class TorchExperts(nn.Module):
         geometry = choose_geometry(self.strategy, self.layout, x_TD.shape[-1], dtype, x_TD.device)
         plan = plan_dispatch(indices_TK, self.layout, capacity, geometry)
         tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
+        # NOTE: the autograd Function saves five buffers for its backward; without a gradient to
+        # compute (decoding, evaluation) the forward-only function runs the same plan and matmuls.
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        swiglu = grouped_swiglu if needs_grad else grouped_swiglu_forward
         with torch.autocast(device_type, enabled=False):
-            y_TD = grouped_swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
+            y_TD = swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
         return y_TD, plan

@@ -22,6 +22,8 @@ KINDS = {
     "dense_vs_sparse": "moe_lit.studies.kinds.dense_vs_sparse",
     "upcycling": "moe_lit.studies.kinds.upcycling",
     "language_expansion": "moe_lit.studies.kinds.language_expansion",
+    "partition": "moe_lit.studies.kinds.partition",
+    "pruning": "moe_lit.studies.kinds.pruning",
 }
 
 

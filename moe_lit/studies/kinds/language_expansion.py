@@ -20,7 +20,7 @@ from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
+from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 ARMS = ("dense", "moe", "moe_grown")
 
@@ -136,33 +136,48 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     spec = plan["spec"]
     base_langs, new_langs = spec["base_languages"], spec["new_languages"]
     ok = {r["name"]: r for r in records if r["status"] == "ok"}
-    per_arm: dict[str, dict[str, list[float]]] = {arm: {"interference": [], "gain": [], "js": []} for arm in ARMS}
+    # arm -> measure -> seed -> value (paired by seed: the arms of one seed read the same data stream)
+    per_arm: dict[str, dict[str, dict[int, float]]] = {arm: {} for arm in ARMS}
     for record in ok.values():
         parent = ok.get(record.get("base_point") or "")
         if record["phase"] != "continued" or parent is None:
             continue
-        values = per_arm[record["family"]]
-        values["interference"].append(_losses(record, base_langs) - _losses(parent, base_langs))
-        values["gain"].append(_losses(parent, new_langs) - _losses(record, new_langs))
+        values = {
+            "interference": _losses(record, base_langs) - _losses(parent, base_langs),
+            "gain": _losses(parent, new_langs) - _losses(record, new_langs),
+            "base": _losses(record, base_langs),
+            "new": _losses(record, new_langs),
+        }
         if record.get("routing_js_new_vs_base"):
-            values["js"].append(sum(record["routing_js_new_vs_base"].values()) / len(new_langs))
+            values["js"] = sum(record["routing_js_new_vs_base"].values()) / len(new_langs)
+        for key, value in values.items():
+            per_arm[record["family"]].setdefault(key, {})[record.get("seed", 0)] = value
+
+    def cell(arm: str, key: str) -> str:
+        values = per_arm[arm].get(key)
+        return format_summary(summarize(list(values.values()))) if values else ""
+
     rows = [
         {
             "arm": arm,
-            "interference (base-language loss change)": format_summary(summarize(v["interference"])),
-            "gain on new languages": format_summary(summarize(v["gain"])),
-            "JS(new vs base usage), bits": format_summary(summarize(v["js"])) if v["js"] else "",
+            "interference (base-language loss change; < 0: improved)": cell(arm, "interference"),
+            "final loss, base languages": cell(arm, "base"),
+            "gain on new languages": cell(arm, "gain"),
+            "final loss, new languages": cell(arm, "new"),
+            "JS(new vs base usage), bits": cell(arm, "js"),
         }
-        for arm, v in per_arm.items() if v["interference"]
+        for arm in ARMS if per_arm[arm]
     ]
     findings = []
-    dense = per_arm["dense"]["interference"]
+    dense = per_arm["dense"].get("interference", {})
     for arm in ("moe", "moe_grown"):
-        if per_arm[arm]["interference"] and dense:
-            verdict = compare(per_arm[arm]["interference"], dense)
+        mine = per_arm[arm].get("interference", {})
+        seeds = sorted(set(mine) & set(dense))
+        if seeds:
+            verdict = compare_paired([mine[s] for s in seeds], [dense[s] for s in seeds])
             findings.append(
-                f"- **Interference, {arm} vs dense** (Marco-MoE: an MoE adds languages without the dense model's "
-                f"interference): {format_comparison(verdict)}; "
+                f"- **Interference, {arm} minus dense** (Marco-MoE: an MoE adds languages without the dense "
+                f"model's interference; paired by seed): {format_comparison(verdict)}; "
                 f"**{'reproduced' if verdict.significant and verdict.diff < 0 else 'not reproduced'}**."
             )
     return Analysis(findings=findings, tables={"Switch to the new languages (mean ± std over seeds)": rows})

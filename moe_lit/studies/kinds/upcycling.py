@@ -14,7 +14,8 @@ Points per seed, all with the same step budget T, data stream and LR schedule:
   (:class:`~moe_lit.callbacks.study.CopySeparation`).
 
 Findings: the gap closure ``eta = (L_E - L_up) / (L_E - L_mE)`` per seed (mean ± std), the
-upcycled arm against fixed_E with Welch's test, and the compute saving both ways: measured
+upcycled arm against fixed_E with the paired t-test over seeds (an arm forks from its own seed's
+fixed_E), and the compute saving both ways: measured
 (``C_up = tau s_E + (T - tau) s_mE`` vs ``C_fixed = T s_mE`` from the measured step times) and from
 a cost model where ``r = s_mE / s_E`` is a stated parameter (``saving = tau/T (1 - 1/r)``).
 """
@@ -27,9 +28,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moe_lit.config import ConfigError, ModelConfig
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import Call, Point, Start, stable_dict
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
+from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
 OPTIMIZER_STATES = ("copy", "reset")
@@ -165,7 +166,7 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
         info = {"expand_at": spec.expand_at, "total_steps": run.steps, "factor": spec.factor}
         timing = Call(
             "moe_lit.studies.kinds.upcycling:measure_step_times",
-            {"source": spec.model.to_dict(), "rounds": spec.timing_rounds},
+            {"source": stable_dict(spec.model), "rounds": spec.timing_rounds},  # defaults left out: a stable hash
         )
         points += [
             Point(name=parent, config_name=FIXED_E, model=spec.model, info={"arm": FIXED_E, **info}, **common),
@@ -253,47 +254,67 @@ def _separation(record: dict[str, Any]) -> tuple[float, float]:
     return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines)
 
 
+def _paired(arms, arm: str, other: str) -> tuple[list[float], list[float]]:
+    """Final losses of ``arm`` and ``other`` for the seeds both finished, seed by seed."""
+    seeds = sorted(set(arms.get(arm, {})) & set(arms.get(other, {})))
+    return [_final(arms[arm][s]) for s in seeds], [_final(arms[other][s]) for s in seeds]
+
+
+def _copy_token_share(record: dict[str, Any]) -> float:
+    """Share of the last measured step's routed tokens that went to copies (0.5 = as many as the sources)."""
+    series = record.get("copy_separation") or []
+    if not series:
+        return float("nan")
+    shares = []
+    for layer in series[-1]["layers"].values():
+        tokens, copies = layer["tokens"], len(layer["cosine"])
+        shares.append(sum(tokens[len(tokens) - copies:]) / max(1.0, sum(tokens)))
+    return sum(shares) / len(shares)
+
+
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     arms = _by_arm(records)
     if FIXED_E not in arms or FIXED_ME not in arms:
         return Analysis(findings=["(fixed_E and fixed_mE must finish first)"])
     some = next(iter(arms[FIXED_E].values()))
     tau, total = some["expand_at"], some["total_steps"]
-    times = _step_times(arms)
-    rows, findings = [], []
+    gap = compare_paired(*_paired(arms, FIXED_E, FIXED_ME))
+    findings = [
+        f"- **The gap to close**, L_fixedE - L_fixedmE (paired by seed): {format_comparison(gap)}; eta divides "
+        "by this gap, so eta is only meaningful when the gap itself is significant."
+    ]
+    rows = []
     for arm, by_seed in arms.items():
+        upcycled = arm.startswith("up_")
         losses = [_final(r) for r in by_seed.values()]
-        eta = _eta(arms, arm)
-        mean_cos, stuck = (
-            [_separation(r)[i] for r in by_seed.values()] for i in (0, 1)
-        ) if arm.startswith("up_") else ([], [])
-        jump = [r["probe_after"] - r["probe_before"] for r in by_seed.values() if r.get("probe_before") is not None]
+        eta = _eta(arms, arm) if upcycled else []
+        runs = list(by_seed.values()) if upcycled else []
+        jump = [r["probe_after"] - r["probe_before"] for r in runs if r.get("probe_before") is not None]
+        versus = compare_paired(*_paired(arms, arm, FIXED_E)) if arm != FIXED_E else None
         rows.append({
             "arm": arm,
-            "experts": by_seed[next(iter(by_seed))]["num_experts"] * (some["factor"] if arm.startswith("up_") else 1),
+            "experts": runs[0]["num_experts"] * some["factor"] if upcycled else by_seed[next(iter(by_seed))]["num_experts"],
             "final val loss": format_summary(summarize(losses)),
             "eta": format_summary(summarize(eta)) if eta else "",
-            "vs fixed_E": format_comparison(compare(losses, [_final(r) for r in arms[FIXED_E].values()]))
-            if arm != FIXED_E else "",
+            "minus fixed_E (paired)": format_comparison(versus) if versus else "",
             "val jump at swap": format_summary(summarize(jump)) if jump else "",
-            "copy cosine (last)": format_summary(summarize(mean_cos)) if mean_cos else "",
-            "copies > 0.99": format_summary(summarize(stuck), 2) if stuck else "",
+            "copy cosine (last)": format_summary(summarize([_separation(r)[0] for r in runs])) if runs else "",
+            "copies > 0.99": format_summary(summarize([_separation(r)[1] for r in runs]), 2) if runs else "",
+            "copy token share": format_summary(summarize([_copy_token_share(r) for r in runs]), 2) if runs else "",
         })
         if eta:
-            findings.append(_eta_finding(arm, eta, losses, arms))
-    findings += _compute_findings(plan, tau, total, times)
+            findings.append(_eta_finding(arm, eta, versus))
+    findings += _compute_findings(plan, tau, total, _step_times(arms))
     plots = [p for p in (_plot_curves(arms, tau, plots_dir / "val_loss.png"),
                          _plot_separation(arms, tau, plots_dir / "copy_separation.png")) if p]
     return Analysis(findings=findings, tables={"Arms (mean ± std over seeds)": rows}, plots=plots)
 
 
-def _eta_finding(arm: str, eta: list[float], losses: list[float], arms) -> str:
-    e = summarize(eta)
-    verdict = compare(losses, [_final(r) for r in arms[FIXED_E].values()])
-    sign = "better than" if verdict.diff < 0 else "worse than"
+def _eta_finding(arm: str, eta: list[float], versus) -> str:
+    sign = "better than" if versus.diff < 0 else "worse than"
     return (
-        f"- **{arm}**: gap closure eta = {format_summary(e)}; final loss {sign} fixed_E: "
-        f"{format_comparison(verdict)}."
+        f"- **{arm}**: gap closure eta = {format_summary(summarize(eta))}; final loss {sign} fixed_E "
+        f"(paired by seed): {format_comparison(versus)}."
     )
 
 

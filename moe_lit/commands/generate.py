@@ -1,0 +1,105 @@
+"""``moe-lit generate``: continue prompts with a checkpoint (KV cache; greedy or sampled).
+
+The checkpoint is a Lightning ``.ckpt`` or an exported directory; its stored tokenizer is used
+unless ``--tokenizer`` is given. Each row stops at the end-of-text token or after
+``--max-new-tokens``. ``--stream`` prints the tokens of one prompt as they come. ``--sparsity``
+runs the model with calibrated intra-expert activation sparsity (``moe_lit.inference.sparsity``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from moe_lit.errors import MoeLitError
+
+
+def add_sparsity_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--sparsity`` options shared by the commands that run a model."""
+    from moe_lit.inference.sparsity import GRANULARITIES, RULES
+
+    group = parser.add_argument_group("intra-expert activation sparsity")
+    group.add_argument("--sparsity", type=float, help="target fraction of expert neurons to skip, in [0, 1)")
+    group.add_argument("--sparsity-rule", choices=RULES, default="gate", help="neuron score (default gate)")
+    group.add_argument(
+        "--sparsity-granularity", choices=GRANULARITIES, default="layer", help="one threshold per layer or per expert"
+    )
+    group.add_argument("--calibration", type=Path, help="text file the thresholds are calibrated on")
+
+
+def sparse_from_args(model, tokenizer, args: argparse.Namespace):
+    """``model`` sparsified as ``--sparsity`` asks (itself without it)."""
+    from moe_lit.inference.sparsity import SparsityConfig, sparse_model, text_calibration
+
+    if args.sparsity is None:
+        return model
+    cfg = SparsityConfig(target=args.sparsity, rule=args.sparsity_rule, granularity=args.sparsity_granularity)
+    if args.calibration is None:
+        raise MoeLitError("--calibration: a text file is needed with --sparsity")
+    batches = text_calibration(tokenizer, args.calibration, model.config.seq_len, cfg.calibration_tokens)
+    return sparse_model(model, cfg, batches)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
+    parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int, help="sampling seed (same seed, same text)")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
+    parser.add_argument("--device", default="cpu")
+    add_sparsity_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.harness import load_tokenizer, stored_tokenizer
+    from moe_lit.inference import generate, stream
+
+    if args.stream and len(args.prompt) != 1:
+        raise MoeLitError(f"--stream: prints one prompt as it grows; got {len(args.prompt)} --prompt")
+    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    model = sparse_from_args(load_model(args.checkpoint, map_location=args.device), tokenizer, args)
+    prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
+    options = {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+        "top_p": args.top_p, "stop_tokens": _stop_tokens(tokenizer), "seed": args.seed,
+    }
+    if args.stream:
+        _print_stream(tokenizer, args.prompt[0], stream(model, prompts, **options))
+        return 0
+    for text, tokens in zip(args.prompt, generate(model, prompts, **options)):
+        print(text + tokenizer.decode(tokens))
+    return 0
+
+
+def _stop_tokens(tokenizer) -> list[int]:
+    from moe_lit.evaluation.harness import resolve_eot_id
+
+    try:
+        return [resolve_eot_id(tokenizer)]
+    except MoeLitError:
+        return []
+
+
+def _print_stream(tokenizer, prompt: str, steps) -> None:
+    """Print the prompt, then each new piece of decoded text (held back while a UTF-8 character is split)."""
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    tokens: list[int] = []
+    shown = 0
+    for step in steps:
+        if step[0] is None:
+            continue
+        tokens.append(step[0])
+        text = tokenizer.decode(tokens)
+        if not text.endswith("\ufffd"):
+            out.write(text[shown:])
+            out.flush()
+            shown = len(text)
+    out.write("\n")

@@ -1,0 +1,155 @@
+"""Token generation with the KV cache: greedy or sampled, batched prompts of unequal length.
+
+Shape legend: B batch rows, L tokens of one forward step, V vocabulary.
+
+:func:`stream` prefills every prompt once (left padded, see ``kv_cache.py``) and then feeds one
+token per row and step. The context window is ``window`` tokens (default the model's
+``seq_len``): longer prompts keep their last ``window`` tokens, and once the longest row fills
+the window every further step recomputes each row's last ``window`` tokens from scratch, exactly
+as a sliding-window recompute would. Rows end independently (a stop token, the ``stop`` predicate
+or ``max_new_tokens``); the batch ends when every row has.
+
+Dropless MoE models decode exactly as a full recompute does (up to float rounding). With token
+dropping (``capacity_factor``) each step's capacity follows that step's tokens, so which
+assignments are dropped differs from a full-window forward, as it already does between batches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from moe_lit.errors import MoeLitError
+from moe_lit.inference.kv_cache import KVCache
+
+StopRule = Callable[[list[int]], bool]
+"""Called with a row's generated tokens after each new one; True ends the row (the token is kept)."""
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    stop_tokens: Iterable[int] = (),
+    stop: Optional[StopRule] = None,
+    seed: Optional[int] = None,
+    window: Optional[int] = None,
+) -> list[list[int]]:
+    """The generated tokens of every prompt (stop tokens excluded); see :func:`stream`."""
+    generated: list[list[int]] = [[] for _ in prompts]
+    for tokens in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, stop, seed, window):
+        for row, token in enumerate(tokens):
+            if token is not None:
+                generated[row].append(token)
+    return generated
+
+
+@torch.inference_mode()
+def stream(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    stop_tokens: Iterable[int] = (),
+    stop: Optional[StopRule] = None,
+    seed: Optional[int] = None,
+    window: Optional[int] = None,
+) -> Iterator[list[Optional[int]]]:
+    """Yield, step by step, the new token of every row (None for a row that has ended).
+
+    ``temperature`` 0 decodes greedily; otherwise tokens are sampled from the softmax of
+    ``logits / temperature`` restricted to the ``top_k`` most likely and the smallest set whose
+    probability reaches ``top_p``, with a ``torch.Generator`` seeded by ``seed`` (same seed, same
+    tokens). A stop token ends its row and is not yielded.
+    """
+    window = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, window)
+    rows = [list(prompt) for prompt in prompts]
+    stop_set = set(stop_tokens)
+    device = next(model.parameters()).device
+    generator = None if seed is None else torch.Generator(device).manual_seed(seed)
+    longest = min(window, max(len(row) for row in rows))
+    cache_slots = min(window, longest + max_new_tokens - 1)
+    cache, logits_BV = _prefill(model, [row[-window:] for row in rows], cache_slots, device)
+    done = [False] * len(rows)
+    for step in range(max_new_tokens):
+        picked_B = next_tokens(logits_BV, temperature, top_k, top_p, generator).tolist()
+        emitted: list[Optional[int]] = [None] * len(rows)
+        for b, token in enumerate(picked_B):
+            if done[b]:
+                continue
+            if token in stop_set:
+                done[b] = True
+                continue
+            rows[b].append(token)
+            emitted[b] = token
+            done[b] = stop is not None and stop(rows[b][len(prompts[b]) :])
+        yield emitted
+        if all(done) or step == max_new_tokens - 1:
+            return
+        if cache.length < cache.max_slots:
+            idx_B1 = torch.tensor([[row[-1]] for row in rows], device=device)
+            logits_BV = model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
+        else:
+            windows = [row[-window:] for row in rows]
+            cache, logits_BV = _prefill(model, windows, max(len(w) for w in windows), device)
+
+
+def _prefill(model, rows: list[list[int]], max_slots: int, device) -> tuple[KVCache, torch.Tensor]:
+    """A fresh cache holding the left-padded ``rows``, and the next-token logits ``(B, V)``."""
+    length = max(len(row) for row in rows)
+    pad_B = torch.tensor([length - len(row) for row in rows], device=device)
+    idx_BL = torch.zeros(len(rows), length, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        idx_BL[b, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.config, len(rows), max(max_slots, length), pad_B, device=device, dtype=dtype)
+    return cache, model(idx_BL, kv_cache=cache).logits_BLV[:, -1]
+
+
+def next_tokens(
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_k: Optional[int],
+    top_p: Optional[float],
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
+    """``(B,)`` greedy (temperature 0) or sampled next tokens."""
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    logits_BV = logits_BV.float() / temperature
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+        probs_BV = sorted_BV.softmax(dim=-1)
+        # NOTE: drop a token when the ones before it already reach top_p; the first always stays.
+        drop_BV = probs_BV.cumsum(dim=-1) - probs_BV >= top_p
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    probs_BV = logits_BV.softmax(dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, window) -> int:
+    """Validate the arguments; returns the context window."""
+    if not prompts or any(len(prompt) == 0 for prompt in prompts):
+        raise MoeLitError("prompt: every prompt needs at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise MoeLitError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise MoeLitError(f"temperature: must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise MoeLitError(f"top_k: must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise MoeLitError(f"top_p: must be in (0, 1], got {top_p}")
+    seq_len = model.config.seq_len
+    window = seq_len if window is None else window
+    if not 0 < window <= seq_len:
+        raise MoeLitError(f"window: must be in 1..seq_len={seq_len}, got {window}")
+    return window
