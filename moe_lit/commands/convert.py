@@ -4,7 +4,8 @@ Actions: ``import-hf`` (a transformers Llama / Mixtral / OLMoE / Qwen2-MoE / Qwe
 GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`` (E -> mE experts),
 ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE) and
 ``prune`` (remove experts scored on calibration text; also writes ``pruning.json`` with the kept
-experts, scores and memory saved). Inputs are a Lightning ``.ckpt`` or an exported directory; the
+experts, scores and memory saved) and ``moe-to-dense`` (score, select, group, scale and
+concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan). Inputs are a Lightning ``.ckpt`` or an exported directory; the
 tokenizer found beside the input travels with the output.
 """
 
@@ -88,6 +89,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     pa.add_argument("--out", required=True, type=Path)
     pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _configure_prune(actions)
+    _configure_moe_to_dense(actions)
+
+
+def _configure_calibration(parser: argparse.ArgumentParser) -> None:
+    """The calibration-text options shared by prune and moe-to-dense."""
+    parser.add_argument("--calibration", default="mix",
+                        help="mix (every language), LANG[,LANG...], or a routing trace .pt (default: mix)")
+    parser.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
+    parser.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens per language")
+    parser.add_argument("--batch-size", type=int, default=8)
+
+
+def _configure_moe_to_dense(actions) -> None:
+    from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES
+
+    md = actions.add_parser("moe-to-dense", help="MoE -> dense: score, select, group, scale and concatenate experts")
+    md.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
+    # NOTE: no argparse choices: an unknown value is the config's one-line error naming the field.
+    md.add_argument("--score", default="do_acp", help=f"expert score: {' | '.join(SCORES)} (do_acp: diversity-aware)")
+    md.add_argument("--keep", type=int, required=True, help="experts K kept per MoE layer")
+    md.add_argument("--groups", type=int, help="groups k per layer (default: --keep, one expert per group)")
+    md.add_argument("--grouping", default="single", help=f"how kept experts form groups: {' | '.join(GROUPINGS)}")
+    md.add_argument("--scaling", default="gate_mass", help=f"down-projection scale of a group: {' | '.join(SCALINGS)}")
+    _configure_calibration(md)
+    md.add_argument("--feature-tokens", type=int, default=1024, help="tokens of the output features (do_acp, output)")
+    md.add_argument("--seed", type=int, default=0, help="seed of --score random")
+    md.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    md.add_argument("--out", required=True, type=Path)
 
 
 def _configure_prune(actions) -> None:
@@ -101,13 +132,7 @@ def _configure_prune(actions) -> None:
     budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
     pr.add_argument("--global", dest="global_budget", action="store_true",
                     help="one budget over all layers: layers keep different counts (never below top-k)")
-    pr.add_argument("--calibration", default="mix",
-                    help="mix (every language), LANG[,LANG...], or a routing trace .pt (default: mix)")
-    pr.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
-    pr.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
-    pr.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
-    pr.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens per language")
-    pr.add_argument("--batch-size", type=int, default=8)
+    _configure_calibration(pr)
     pr.add_argument("--damping", type=float, default=0.85, help="MAESTRO PageRank damping in (0, 1]; 1 = none")
     pr.add_argument("--weighting", choices=WEIGHTINGS, default="gate", help="MAESTRO edge weights")
     pr.add_argument("--naee-cap", type=int, default=2000, help="NAEE: exhaustive up to this many subsets, else greedy")
@@ -122,6 +147,8 @@ def _configure_prune(actions) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.action == "prune":
         return _run_prune(args)
+    if args.action == "moe-to-dense":
+        return _run_moe_to_dense(args)
     if args.action == "partition":
         from moe_lit.commands.convert_partition import run_partition
 
@@ -158,11 +185,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checked_out(out: Path, checkpoint: Path, force: bool) -> None:
-    """Refuse an --out that is (or holds) the input, or a non-empty one without --force."""
+def checked_out(out: Path, checkpoint: Path, force: bool, flag: str = "--checkpoint") -> None:
+    """Refuse an --out that is (or holds) the input ``flag``, or a non-empty one without --force."""
     out, source = out.resolve(), checkpoint.resolve()
     if out == source or out in source.parents:
-        raise MoeLitError(f"--out: {out} is or contains the input --checkpoint; write the pruned model elsewhere")
+        raise MoeLitError(f"--out: {out} is or contains the input {flag}; write the output elsewhere")
     if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
         raise MoeLitError(f"--out: {out} exists and is not empty; pass --force to replace it")
 
@@ -190,7 +217,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     from moe_lit.convert.prune import memory_saved, prune_experts
     from moe_lit.io import atomic_write_json
 
-    _checked_out(args.out, args.checkpoint, args.force)
+    checked_out(args.out, args.checkpoint, args.force)
     maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
@@ -220,4 +247,32 @@ def _run_prune(args: argparse.Namespace) -> int:
     if "converged" in details:
         print(f"maestro: damping {details['damping']}, {details['iterations']} power iterations, "
               f"residual {details['residual']:.2e} ({'converged' if details['converged'] else 'NOT converged'})")
+    return 0
+
+
+def _run_moe_to_dense(args: argparse.Namespace) -> int:
+    from moe_lit.convert.moe_to_dense import MoeToDenseConfig, check_convertible, moe_to_dense
+    from moe_lit.io import atomic_write_json
+
+    cfg = MoeToDenseConfig(
+        score=args.score, keep=args.keep, groups=args.keep if args.groups is None else args.groups,
+        grouping=args.grouping, scaling=args.scaling, seed=args.seed, max_tokens=args.feature_tokens,
+    )
+    checked_out(args.out, args.checkpoint, args.force)
+    model = load_model(args.checkpoint)
+    if not model.config.is_moe:
+        raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; moe-to-dense needs MoE layers")
+    check_convertible(model, cfg)
+    trace, calibration = _calibration(args, model, record_inputs=True)
+    dense, report = moe_to_dense(model, trace, cfg)
+    export_model(dense, args.out, find_tokenizer(args.checkpoint))
+    params = {"before": count_model_params(model).total, "after": count_model_params(dense).total}
+    atomic_write_json(
+        args.out / "moe_to_dense.json",
+        {"checkpoint": str(args.checkpoint), "calibration": calibration, "params": params, **report},
+    )
+    print(
+        f"wrote {args.out} ({cfg.name}: dense d_ff {report['width']}, parameters {params['before']:,} -> "
+        f"{params['after']:,})"
+    )
     return 0

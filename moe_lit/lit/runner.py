@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar, ThroughputMonitor
@@ -26,7 +26,10 @@ from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
+from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import RunConfig
+
+ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
 
 METRICS_FILE = "metrics.csv"
 CHECKPOINT_DIR = "checkpoints"
@@ -100,6 +103,7 @@ def train_run(
     callbacks: Iterable[Callback] = (),
     resume_from: Optional[Union[str, Path]] = None,
     init_from: Optional[Union[str, Path]] = None,
+    module_factory: ModuleFactory = MoELitModule,
 ) -> RunResult:
     """Train ``model_cfg`` (vocab size from the data, seq_len from ``run.data``) as ``run`` says.
 
@@ -108,6 +112,8 @@ def train_run(
     ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
     or exported model directory, whose model replaces ``model_cfg`` when it differs. With
     ``train.max_steps: 0`` nothing trains: the initial weights are validated and checkpointed.
+    ``module_factory(model_cfg, optim)`` builds the LightningModule (a MoELitModule subclass, e.g.
+    a distillation module holding its teacher).
     """
     from moe_lit.lit.datamodule import MoEDataModule
 
@@ -124,7 +130,7 @@ def train_run(
         data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size, num_workers=data.num_workers,
         language_weights=data.language_weights, languages=data.languages, val_batches=data.val_batches, seed=seed,
     )
-    module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from)
+    module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
     curve = ValidationCurve()
     trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
@@ -147,11 +153,12 @@ def train_run(
 
 
 def _initial_module(
-    model_cfg: ModelConfig, run: RunConfig, vocab_size: int, init_from: Optional[Union[str, Path]]
+    model_cfg: ModelConfig, run: RunConfig, vocab_size: int, init_from: Optional[Union[str, Path]],
+    module_factory: ModuleFactory,
 ) -> MoELitModule:
     cfg = model_cfg.replace(vocab_size=vocab_size, seq_len=run.data.seq_len)
     if init_from is None:
-        return MoELitModule(cfg, run.optim)
+        return module_factory(cfg, run.optim)
     from moe_lit.checkpoint import load_model
 
     model = load_model(init_from)
@@ -159,7 +166,7 @@ def _initial_module(
         raise MoeLitError(
             f"init_from: {init_from} has vocab_size {model.config.vocab_size} but the data has {vocab_size}"
         )
-    module = MoELitModule(model.config.replace(seq_len=run.data.seq_len), run.optim)
+    module = module_factory(model.config.replace(seq_len=run.data.seq_len), run.optim)
     module.model.load_state_dict(model.state_dict())
     return module
 
