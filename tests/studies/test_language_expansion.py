@@ -37,6 +37,15 @@ def test_each_arm_continues_from_its_pretrained_parent_on_all_languages():
     assert by_name["moe/base"].model.moe.num_experts == 4 and by_name["dense/base"].model.moe is None
 
 
+def test_unknown_and_missing_fields_are_named():
+    from moe_lit.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['new_language'\]"):
+        parse_study({**TINY, "new_language": ["pl"]})
+    with pytest.raises(ConfigError, match="new_languages: is required"):
+        parse_study({k: v for k, v in TINY.items() if k != "new_languages"})
+
+
 def _record(name, family, phase, losses, seed=0, **extra):
     return {"name": name, "status": "ok", "family": family, "phase": phase, "seed": seed,
             "val_loss_per_language": dict(zip(("en", "de", "ru"), losses)), **extra}

@@ -10,6 +10,7 @@ A kind module provides
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +40,21 @@ class Analysis:
     """PNG files written under the plots directory."""
 
 
+def check_fields(spec_cls: type, fields: dict[str, Any], required: tuple[str, ...] = ()) -> None:
+    """A kind's own fields: unknown keys and missing required ones are one-line errors."""
+    known = [f.name for f in dataclasses.fields(spec_cls)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
+    for name in required:
+        if name not in fields:
+            raise ConfigError(f"{name}: is required")
+
+
 def kind_module(name: Any) -> ModuleType:
     if name not in KINDS:
         raise ConfigError(f"kind: got {name!r}, allowed values: {', '.join(KINDS)}")
     return importlib.import_module(KINDS[name])
 
 
-__all__ = ["Analysis", "KINDS", "kind_module"]
+__all__ = ["Analysis", "KINDS", "check_fields", "kind_module"]

@@ -19,7 +19,7 @@ from typing import Any
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.studies.engine import Call, Point, Start
-from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 ARMS = ("dense", "moe", "moe_grown")
@@ -66,8 +66,7 @@ def default_run() -> dict[str, Any]:
 
 
 def parse(fields: dict[str, Any], header) -> LanguageExpansionSpec:
-    if "dense" not in fields:
-        raise ConfigError("dense: is required")
+    check_fields(LanguageExpansionSpec, fields, ("dense", "base_languages", "new_languages"))
     dense = ModelConfig.from_dict(dict(fields["dense"])).replace(seq_len=header.run.data.seq_len)
     return LanguageExpansionSpec(**{**fields, "dense": dense})
 

@@ -21,7 +21,6 @@ clustering > random, DOT-MoE > pruning) are tested per setting on the gaps by We
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
 from moe_lit.lit.run_config import _build
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
-from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
 
 DOT_MOE, PRUNING, DENSE = "dot_moe", "pruning", "dense"
@@ -178,13 +177,7 @@ def default_run() -> dict[str, Any]:
 
 
 def parse(fields: dict[str, Any], header) -> PartitionSpec:
-    known = [f.name for f in dataclasses.fields(PartitionSpec)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
-    for required in ("dense", "settings", "methods"):
-        if required not in fields:
-            raise ConfigError(f"{required}: is required")
+    check_fields(PartitionSpec, fields, ("dense", "settings", "methods"))
     dense = ModelConfig.from_dict(dict(fields["dense"])).replace(seq_len=header.run.data.seq_len)
     return PartitionSpec(**{
         **fields,

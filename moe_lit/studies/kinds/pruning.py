@@ -17,7 +17,6 @@ best baseline at 50% compression, lower variance across tasks), each tested agai
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.importance import METHODS
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.engine import Call, Point, Start
-from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
 
 ARMS = ("pruned", "recovered")
@@ -105,12 +104,7 @@ def default_run() -> dict[str, Any]:
 
 
 def parse(fields: dict[str, Any], header) -> PruningSpec:
-    known = [f.name for f in dataclasses.fields(PruningSpec)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
-    if "model" not in fields:
-        raise ConfigError("model: is required")
+    check_fields(PruningSpec, fields, ("model",))
     model = ModelConfig.from_dict(dict(fields["model"])).replace(seq_len=header.run.data.seq_len)
     spec = PruningSpec(**{**fields, "model": model})
     for fraction in spec.fractions:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.studies.engine import Call, Point, Start, stable_dict
-from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
@@ -105,13 +105,7 @@ def default_run() -> dict[str, Any]:
 
 
 def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
-    known = [f.name for f in dataclasses.fields(UpcyclingSpec)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
-    for required in ("model", "expand_at", "arms"):
-        if required not in fields:
-            raise ConfigError(f"{required}: is required")
+    check_fields(UpcyclingSpec, fields, ("model", "expand_at", "arms"))
     arms = fields["arms"]
     if not isinstance(arms, list) or not arms or not all(isinstance(a, dict) for a in arms):
         raise ConfigError(f"arms: must be a non-empty list of mappings, got {arms!r}")
