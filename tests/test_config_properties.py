@@ -69,7 +69,7 @@ def test_every_valid_config_builds_and_round_trips(fields):
     assert ModelConfig.from_yaml(cfg.to_yaml()) == cfg
 
 
-def _names_the_field_or_builds(build, field: str, prefix: str) -> None:
+def _check_builds_or_names_the_field(build, field: str, prefix: str) -> None:
     try:
         build()
     except ConfigError as exc:
@@ -80,14 +80,14 @@ def _names_the_field_or_builds(build, field: str, prefix: str) -> None:
 @SETTINGS
 @given(model_fields(), st.sampled_from([f for f in ModelConfig.__dataclass_fields__ if f != "moe"]), JUNK)
 def test_any_value_in_a_model_field_builds_or_is_a_config_error_naming_it(fields, field, value):
-    _names_the_field_or_builds(lambda: ModelConfig.from_dict({**fields, field: value}), field, "model.")
+    _check_builds_or_names_the_field(lambda: ModelConfig.from_dict({**fields, field: value}), field, "model.")
 
 
 @SETTINGS
 @given(model_fields(), st.sampled_from(list(MoEConfig.__dataclass_fields__)), JUNK)
 def test_any_value_in_a_moe_field_builds_or_is_a_config_error_naming_it(fields, field, value):
     moe = fields["moe"] or {"num_experts": 4, "expert_size": 8, "top_k": 2}
-    _names_the_field_or_builds(lambda: ModelConfig.from_dict({**fields, "moe": {**moe, field: value}}), field, "moe.")
+    _check_builds_or_names_the_field(lambda: ModelConfig.from_dict({**fields, "moe": {**moe, field: value}}), field, "moe.")
 
 
 @SETTINGS
