@@ -177,6 +177,12 @@ class MoEConfig:
             "moe.layer_expert_sizes",
             f"must be a non-empty list of per-layer size lists or null, got {layers!r}",
         )
+        for m, sizes in enumerate(layers):
+            _require(
+                isinstance(sizes, (list, tuple)),
+                f"moe.layer_expert_sizes[{m}]",
+                f"must be a list of expert sizes, got {sizes!r}",
+            )
         self.layer_expert_sizes = [list(sizes) for sizes in layers]
         for m, sizes in enumerate(self.layer_expert_sizes):
             _require(
@@ -296,7 +302,8 @@ class ModelConfig:
                 "model.n_kv_heads",
                 f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}",
             )
-        _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} must be even for RoPE")
+        source = "attn_head_dim" if self.attn_head_dim is not None else f"d_model={self.d_model} / n_heads={self.n_heads}"
+        _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} ({source}) must be even for RoPE")
         for name in ("rope_base", "init_std", "norm_eps"):
             _require_number(getattr(self, name), f"model.{name}", strictly_positive=True)
         _require_bool(self.tie_embeddings, "model.tie_embeddings")
