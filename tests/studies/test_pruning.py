@@ -6,7 +6,7 @@ import pytest
 from moe_lit.config import ConfigError
 from moe_lit.convert.importance import METHODS
 from moe_lit.studies.kinds.pruning import analyse
-from moe_lit.studies.stats import compare, format_comparison
+from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
 
 TINY = {
@@ -92,7 +92,7 @@ def _child(method, fraction, arm, seed, retention, **extra):
     reference = PARENT if arm == "pruned" else CONTROL
     losses = {lang: reference[lang] / r for lang, r in zip(reference, retention)}
     return {"name": f"{method}/{fraction}/{arm}/s{seed}", "status": "ok", "arm": arm, "method": method,
-            "fraction": fraction, "val_loss_per_language": losses, "val_loss": sum(losses.values()) / 2,
+            "fraction": fraction, "seed": seed, "val_loss_per_language": losses, "val_loss": sum(losses.values()) / 2,
             "reference": f"original/s{seed}" if arm == "pruned" else f"original/recovered/s{seed}", **extra}
 
 
@@ -130,11 +130,13 @@ def test_retention_tables_and_verdicts_from_hand_made_records(tmp_path):
     assert rows[("25%", "pruned", "router_weighted")]["variance across languages"] == "0.062500 ± 0.000000 (n=2)"
     mean_pruned, var_pruned, mean_recovered, var_recovered = analysis.findings
     assert "maestro vs the best baseline (frequency)" in mean_pruned  # random (retention 1.0) is not a baseline
-    assert format_comparison(compare([0.9, 0.8], [0.5, 0.45])) in mean_pruned
-    assert "(Welch t=6.71, p=0.045): significant" in mean_pruned and mean_pruned.endswith("**reproduced**.")
-    assert format_comparison(compare([0.01, 0.0], [0.0, 0.0025]), digits=6) in var_pruned
+    # paired by seed (both methods prune the same parent): differences 0.4 and 0.35
+    assert format_comparison(compare_paired([0.9, 0.8], [0.5, 0.45])) in mean_pruned
+    assert "diff 0.3750 ± 0.0250 (paired t=15.00, p=0.042): significant" in mean_pruned
+    assert mean_pruned.endswith("**reproduced**.")
+    assert format_comparison(compare_paired([0.01, 0.0], [0.0, 0.0025]), digits=6) in var_pruned
     assert var_pruned.endswith("**not reproduced**.")  # maestro's variance is the higher one
-    assert "diff 0.1500 ± 0.1500 (Welch t=1.00, p=0.5): within noise" in mean_recovered
+    assert "diff 0.1500 ± 0.1500 (paired t=1.00, p=0.5): within noise" in mean_recovered
     assert mean_recovered.endswith("**not reproduced**.")
     assert var_recovered.endswith("**not reproduced**.")  # equal variances (0 and 0)
     (memory,) = analysis.tables["Memory saved (parameters and persistent buffers)"]

@@ -12,7 +12,8 @@ nothing lost) on the same validation batches. The reference of a pruned model is
 final validation; that of a recovered one is the control ``original/recovered``: the unpruned
 parent fine-tuned with the same recovery run, so the extra training is not counted as retention.
 Its mean and its variance across languages are MAESTRO's two claims (better retention than the
-best baseline at 50% compression, lower variance across tasks), each tested against the seed noise.
+best baseline at 50% compression, lower variance across tasks), each tested against the seed
+noise (paired t-test: every method prunes the same seed's parent).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from moe_lit.convert.importance import METHODS
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis, check_fields
-from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
+from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 ARMS = ("pruned", "recovered")
 """pruned: evaluated as it is; recovered: after the recovery fine-tune."""
@@ -244,7 +245,8 @@ def retention_values(records: list[dict[str, Any]]) -> dict[tuple[float, str, st
             continue
         mean, variance = _retention(reference, record)
         group = values.setdefault((record["fraction"], record["arm"], record["method"]),
-                                  {"mean": [], "variance": [], "val_loss": []})
+                                  {"mean": [], "variance": [], "val_loss": [], "seed": []})
+        group["seed"].append(record["seed"])
         group["mean"].append(mean)
         group["variance"].append(variance)
         group["val_loss"].append(record["val_loss"])
@@ -268,6 +270,13 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _by_seed(a: dict[str, list], b: dict[str, list], key: str) -> tuple[list[float], list[float]]:
+    """``key`` of two methods for the seeds both finished, seed by seed (both prune the same parent)."""
+    a_by, b_by = dict(zip(a["seed"], a[key])), dict(zip(b["seed"], b[key]))
+    seeds = sorted(set(a_by) & set(b_by))
+    return [a_by[s] for s in seeds], [b_by[s] for s in seeds]
+
+
 def _claim_findings(values, arm: str) -> list[str]:
     """MAESTRO vs the best other method at 50% removed: the highest mean retention over the seeds
     (random excluded; a baseline picked after the fact, which favours the baseline)."""
@@ -282,8 +291,8 @@ def _claim_findings(values, arm: str) -> list[str]:
         return -math.inf if math.isnan(mean) else mean
 
     best = max(baselines, key=mean_retention)
-    mean_cmp = compare(at["maestro"]["mean"], baselines[best]["mean"])
-    var_cmp = compare(at["maestro"]["variance"], baselines[best]["variance"])
+    mean_cmp = compare_paired(*_by_seed(at["maestro"], baselines[best], "mean"))
+    var_cmp = compare_paired(*_by_seed(at["maestro"], baselines[best], "variance"))
     better = mean_cmp.significant and mean_cmp.diff > 0
     steadier = var_cmp.significant and var_cmp.diff < 0
     return [
