@@ -11,7 +11,7 @@ def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| point")]
     assert len(rows) == 27 and all(row.endswith("| pending |") for row in rows)
     assert rows[0].startswith("| S/dense | ")
-    assert f"27 points, " in out and f" training FLOPs in all -> {tmp_path}" in out
+    assert "27 points, " in out and f" training FLOPs in all -> {tmp_path}" in out
 
 
 def test_report_action_rebuilds_the_report(tmp_path, capsys):
