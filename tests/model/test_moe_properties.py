@@ -32,7 +32,7 @@ def layers(draw):
     )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(layers())
 def test_dropless_layer_equals_the_reference_loop(case):
     cfg, d_model, batch, seq, seed = case
