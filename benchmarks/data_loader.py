@@ -18,8 +18,8 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from benchmarks.common import interleaved_times, median, paired_ratio, report, set_threads
 from benchmarks.train_step import BATCH, SEQ, SHAPES, our_config, step_fn

@@ -23,7 +23,7 @@ tokens on which our KV-cache decode agrees with the recompute path and with tran
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -40,9 +40,16 @@ def hf_llama(cfg: ModelConfig, seed: int):
 
     torch.manual_seed(seed)
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq_len,
-        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_base, tie_word_embeddings=False,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_base,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(hf_cfg).float().eval()
 
@@ -64,8 +71,12 @@ def kv_greedy(model: Transformer, prompt_BL: torch.Tensor, new_tokens: int) -> t
 def hf_greedy(hf_model, prompt_BL: torch.Tensor, new_tokens: int) -> torch.Tensor:
     with torch.inference_mode():
         out = hf_model.generate(
-            prompt_BL, attention_mask=torch.ones_like(prompt_BL), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0,
+            prompt_BL,
+            attention_mask=torch.ones_like(prompt_BL),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
         )
     return out[:, prompt_BL.shape[1] :]
 
@@ -84,8 +95,12 @@ def bench(models: dict[str, Callable[[torch.Tensor, int], torch.Tensor]], prompt
     result = {
         "tokens_per_s": {name: tokens / median(t) for name, t in times.items()},
         "median_s": {name: median(t) for name, t in times.items()},
-        "speedup_over_recompute": {name: paired_ratio(times, "recompute", name) for name in times if name != "recompute"},
-        "kv_cache_agrees_with": {name: agreement(outputs["kv_cache"], out) for name, out in outputs.items() if name != "kv_cache"},
+        "speedup_over_recompute": {
+            name: paired_ratio(times, "recompute", name) for name in times if name != "recompute"
+        },
+        "kv_cache_agrees_with": {
+            name: agreement(outputs["kv_cache"], out) for name, out in outputs.items() if name != "kv_cache"
+        },
     }
     if "hf_generate" in times:
         result["kv_cache_over_hf_time"] = paired_ratio(times, "kv_cache", "hf_generate")
@@ -116,13 +131,20 @@ def main() -> None:
 
     seq_len = args.prompt_tokens + args.new_tokens
     dense_cfg = ModelConfig(
-        vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-        n_kv_heads=args.kv_heads, seq_len=seq_len, d_ff=args.d_ff,
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        seq_len=seq_len,
+        d_ff=args.d_ff,
     )
     hf_model = hf_llama(dense_cfg, seed=0)
     dense = from_hf_llama(hf_model, seq_len=seq_len)
     torch.manual_seed(0)
-    moe_cfg = dense_cfg.replace(moe=MoEConfig(num_experts=args.experts, expert_size=args.d_ff // args.top_k, top_k=args.top_k))
+    moe_cfg = dense_cfg.replace(
+        moe=MoEConfig(num_experts=args.experts, expert_size=args.d_ff // args.top_k, top_k=args.top_k)
+    )
     moe = Transformer(moe_cfg).eval()
     gen = torch.Generator().manual_seed(1)
     results = {}

@@ -17,8 +17,9 @@ import argparse
 import datetime as _dt
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -36,13 +37,27 @@ BACKENDS = ("megablocks", "grouped", "batched")
 MODELS: dict[str, tuple[ModelConfig, int]] = {
     # name: (config, batch size in sequences)
     "moe-180m": (
-        ModelConfig(vocab_size=32768, d_model=768, n_layers=8, n_heads=12, seq_len=1024, d_ff=2048,
-                    moe=MoEConfig(num_experts=8, expert_size=768, top_k=2)),
+        ModelConfig(
+            vocab_size=32768,
+            d_model=768,
+            n_layers=8,
+            n_heads=12,
+            seq_len=1024,
+            d_ff=2048,
+            moe=MoEConfig(num_experts=8, expert_size=768, top_k=2),
+        ),
         16,
     ),
     "moe-720m": (
-        ModelConfig(vocab_size=32768, d_model=1024, n_layers=12, n_heads=16, seq_len=1024, d_ff=2816,
-                    moe=MoEConfig(num_experts=16, expert_size=1024, top_k=2)),
+        ModelConfig(
+            vocab_size=32768,
+            d_model=1024,
+            n_layers=12,
+            n_heads=16,
+            seq_len=1024,
+            d_ff=2816,
+            moe=MoEConfig(num_experts=16, expert_size=1024, top_k=2),
+        ),
         8,
     ),
 }
@@ -98,8 +113,14 @@ def measured_matmul_flops() -> float:
 def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> dict[str, Any]:
     cfg, batch = MODELS[name]
     counts = count_config_params(cfg)
-    row: dict[str, Any] = {"model": name, "backend": backend, "params_total": counts.total,
-                           "params_active": counts.active, "batch": batch, "seq_len": cfg.seq_len}
+    row: dict[str, Any] = {
+        "model": name,
+        "backend": backend,
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "batch": batch,
+        "seq_len": cfg.seq_len,
+    }
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
@@ -112,9 +133,14 @@ def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> d
     tokens_per_s = batch * cfg.seq_len / seconds
     flops_per_s = training_flops_per_token(cfg) * tokens_per_s
     del model
-    return {**row, "step_ms": round(seconds * 1e3, 2), "tokens_per_s": round(tokens_per_s),
-            "mfu": round(flops_per_s / DATASHEET_BF16_FLOPS, 4), "mfu_vs_measured_matmul": round(flops_per_s / peak, 4),
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+    return {
+        **row,
+        "step_ms": round(seconds * 1e3, 2),
+        "tokens_per_s": round(tokens_per_s),
+        "mfu": round(flops_per_s / DATASHEET_BF16_FLOPS, 4),
+        "mfu_vs_measured_matmul": round(flops_per_s / peak, 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+    }
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -122,8 +148,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["model"] for r in rows):
         speeds = {r["backend"]: r["tokens_per_s"] for r in rows if r["model"] == name and "tokens_per_s" in r}
-        summary: dict[str, Any] = {f"{b}_vs_batched": round(s / speeds["batched"], 3) for b, s in speeds.items()
-                                   if "batched" in speeds and b != "batched"}
+        summary: dict[str, Any] = {
+            f"{b}_vs_batched": round(s / speeds["batched"], 3)
+            for b, s in speeds.items()
+            if "batched" in speeds and b != "batched"
+        }
         summary["fastest"] = max(speeds, key=speeds.get) if speeds else None
         out[name] = summary
     return out
@@ -141,12 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput needs a CUDA device")
     peak = measured_matmul_flops()
-    rows = [run_case(name, backend, args.warmup, args.steps, peak)
-            for name in args.models.split(",") for backend in args.backends.split(",")]
+    rows = [
+        run_case(name, backend, args.warmup, args.steps, peak)
+        for name in args.models.split(",")
+        for backend in args.backends.split(",")
+    ]
     result = {
         "benchmark": "gpu_throughput",
-        "environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                        "date": _dt.datetime.now().isoformat(timespec="seconds")},
+        "environment": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        },
         "measured_bf16_matmul_tflops": round(peak / 1e12, 1),
         "results": rows,
         "summary": summarize(rows),

@@ -32,7 +32,11 @@ from moe_lit.model import Transformer
 def moe_model(args: argparse.Namespace, layers: int) -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(
-        vocab_size=args.vocab, d_model=args.d_model, n_layers=layers, n_heads=args.heads, seq_len=args.seq_len,
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=layers,
+        n_heads=args.heads,
+        seq_len=args.seq_len,
         d_ff=args.expert_size * args.top_k,
         moe=MoEConfig(num_experts=args.experts, expert_size=args.expert_size, top_k=args.top_k),
     )

@@ -14,7 +14,7 @@ dense FFN; 2*T*D*d_ff for the matmul.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Markdown tables of saved benchmark results (the README's Performance section).
+"""Markdown tables of saved benchmark results (docs/performance.md).
 
     .venv/bin/python -m benchmarks.table [RESULT.json ...]
 

@@ -16,7 +16,7 @@ the parameter count) and runs its experts with transformers' default ``grouped_m
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,8 +78,6 @@ def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module
     model = OlmoeForCausalLM(cfg)
     model.set_experts_implementation(experts_implementation)
     return model
-
-
 
 
 def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callable[[], None]:

@@ -15,8 +15,9 @@ All counts come from the config alone and are tested to equal the built model's.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Literal
 
 from torch import nn
 
@@ -126,7 +127,7 @@ def matched_moe_config(
     top_k: int,
     match: MatchMode = "active",
     shared_fraction: float = 0.0,
-    size_profile: Optional[Sequence[float]] = None,
+    size_profile: Sequence[float] | None = None,
     **moe_fields,
 ) -> ModelConfig:
     """An MoE config matched to a dense one on active (or total) parameters.
@@ -160,13 +161,11 @@ def matched_moe_config(
     return dense.replace(moe=moe)
 
 
-def _expert_sizes(mean_size: float, num_experts: int, profile: Optional[Sequence[float]]):
+def _expert_sizes(mean_size: float, num_experts: int, profile: Sequence[float] | None):
     if profile is None:
         return max(1, round(mean_size))
     if len(profile) != num_experts or min(profile) <= 0:
-        raise ConfigError(
-            f"size_profile: needs {num_experts} positive relative sizes, got {list(profile)}"
-        )
+        raise ConfigError(f"size_profile: needs {num_experts} positive relative sizes, got {list(profile)}")
     scale = mean_size * num_experts / sum(profile)
     return [max(1, round(p * scale)) for p in profile]
 

@@ -20,7 +20,7 @@ import pickle
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -38,7 +38,7 @@ hyper-parameters became plain dicts keep the dataclasses) and paths (a datamodul
 _UNSUPPORTED = re.compile(r"(?:[Uu]nsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
-def export_model(model, out_dir: Union[str, Path], tokenizer_file: Optional[Union[str, Path]] = None) -> Path:
+def export_model(model, out_dir: str | Path, tokenizer_file: str | Path | None = None) -> Path:
     """Write ``model`` (a Transformer) to ``out_dir`` atomically; returns the directory."""
     from safetensors.torch import save_file
 
@@ -67,7 +67,7 @@ def _config_from(value: Any, path: Path) -> ModelConfig:
         raise MoeLitError(f"checkpoint {path}: its model config is invalid ({exc})") from exc
 
 
-def read_lightning_checkpoint(path: Union[str, Path]) -> dict[str, Any]:
+def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     """The raw checkpoint dict, loaded without running code (a MoeLitError naming the file if not)."""
     path = _existing(path)
     if path.is_dir():
@@ -101,14 +101,14 @@ def _refusal(message: str) -> str:
     return "not a readable checkpoint (truncated or another format)"
 
 
-def load_config(path: Union[str, Path]) -> ModelConfig:
+def load_config(path: str | Path) -> ModelConfig:
     path = _existing(path)
     if path.is_dir():
         return _exported_config(path)
     return _config_from(read_lightning_checkpoint(path).get("hyper_parameters", {}).get("model"), path)
 
 
-def load_model(path: Union[str, Path], map_location: str = "cpu"):
+def load_model(path: str | Path, map_location: str = "cpu"):
     """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory."""
     from moe_lit.model import Transformer
 
@@ -119,7 +119,7 @@ def load_model(path: Union[str, Path], map_location: str = "cpu"):
     else:
         ckpt = read_lightning_checkpoint(path)
         cfg = _config_from(ckpt.get("hyper_parameters", {}).get("model"), path)
-        state = {k[len(STATE_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)}
+        state = {k[len(STATE_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)}
     model = Transformer(cfg)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -158,7 +158,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def find_tokenizer(path: Union[str, Path]) -> Optional[Path]:
+def find_tokenizer(path: str | Path) -> Path | None:
     """The tokenizer stored with a checkpoint: beside an export, or in the datamodule's data_dir."""
     path = _existing(path)
     if path.is_dir():
@@ -171,7 +171,7 @@ def find_tokenizer(path: Union[str, Path]) -> Optional[Path]:
     return None
 
 
-def _existing(path: Union[str, Path]) -> Path:
+def _existing(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise MoeLitError(f"checkpoint: no such file or directory {path}")

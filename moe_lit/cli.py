@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from moe_lit.errors import MoeLitError
 
@@ -23,11 +23,17 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
     "data": ("moe_lit.commands.data", "prepare the multilingual corpus, tokenizer and litdata token chunks"),
-    "demo": ("moe_lit.commands.demo", "the README's main job on the bundled default data"),
-    "convert": ("moe_lit.commands.convert", "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune, moe-to-dense"),
+    "demo": ("moe_lit.commands.demo", "the main job (make demo) on the bundled default data"),
+    "convert": (
+        "moe_lit.commands.convert",
+        "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune, moe-to-dense",
+    ),
     "distill": ("moe_lit.commands.distill", "train a student on a frozen teacher's logits (MoE -> dense, recovery)"),
     "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
-    "study": ("moe_lit.commands.study", "studies of every kind on one engine: run (resumable, workers, SLURM), report, list"),
+    "study": (
+        "moe_lit.commands.study",
+        "studies of every kind on one engine: run (resumable, workers, SLURM), report, list",
+    ),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
     "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
     "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
@@ -39,12 +45,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in LIGHTNING_SUBCOMMANDS:
         sub.add_parser(name, help=f"LightningCLI {name} (moe-lit {name} --help)", add_help=False)
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
     if not argv or argv[0] in ("-h", "--help"):

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import yaml
 
@@ -72,7 +72,7 @@ class MoEConfig:
 
     num_experts: int = 8
     """Number of routed experts E per MoE layer."""
-    expert_size: Union[int, list[int]] = 256
+    expert_size: int | list[int] = 256
     """Hidden size F of each expert (granularity). One int for equal experts, or a list of E ints
     for heterogeneous experts inside one layer."""
     top_k: int = 2
@@ -102,7 +102,7 @@ class MoEConfig:
     """Step size u of the aux-loss-free bias update b_e += u*sign(mean_load - load_e)."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss mean(logsumexp(logits)^2); 0 disables it."""
-    capacity_factor: Optional[float] = None
+    capacity_factor: float | None = None
     """Token dropping: each expert takes at most ceil(cf*T*k/E) tokens; null = dropless."""
     first_dense_layers: int = 0
     """The first n layers keep a dense FFN (DeepSeek style)."""
@@ -110,7 +110,7 @@ class MoEConfig:
     """After the first dense layers, every n-th layer is MoE (1 = all of them)."""
     backend: Backend = "auto"
     """Expert implementation: auto (MegaBlocks on CUDA when supported, else torch) | torch | megablocks."""
-    layer_expert_sizes: Optional[list[list[int]]] = None
+    layer_expert_sizes: list[list[int]] | None = None
     """Per MoE layer (model order), the hidden sizes of its experts, for models whose layers keep
     different experts (pruning under one global budget); null = every MoE layer has num_experts
     experts of expert_size. When set, num_experts and expert_size describe the widest layer."""
@@ -199,7 +199,7 @@ class MoEConfig:
             f"must be the widest layer's count {widest} when layer_expert_sizes is set, got {self.num_experts}",
         )
 
-    def layer(self, slot: int) -> "MoEConfig":
+    def layer(self, slot: int) -> MoEConfig:
         """The config of the ``slot``-th MoE layer: itself, or its entry of ``layer_expert_sizes``."""
         if self.layer_expert_sizes is None:
             return self
@@ -229,7 +229,7 @@ class MoEConfig:
         """Expected routed hidden size per token: k * mean(F_e) (exact for equal experts)."""
         return self.top_k * self.total_expert_size / self.num_experts
 
-    def capacity(self, num_tokens: int) -> Optional[int]:
+    def capacity(self, num_tokens: int) -> int | None:
         """Tokens each expert may take for a batch of ``num_tokens``; None when dropless."""
         if self.capacity_factor is None:
             return None
@@ -248,9 +248,9 @@ class ModelConfig:
     """Number of transformer blocks."""
     n_heads: int = 4
     """Attention query heads; d_model must be divisible by it."""
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; null = n_heads (multi-head attention)."""
-    attn_head_dim: Optional[int] = None
+    attn_head_dim: int | None = None
     """Width Dh of one attention head; null = d_model / n_heads. Set it to decouple the two
     (Qwen3-MoE: n_heads * Dh may differ from d_model)."""
     qk_norm: QKNorm = "none"
@@ -264,7 +264,7 @@ class ModelConfig:
     """RoPE frequency base theta."""
     d_ff: int = 1024
     """Hidden size of the dense SwiGLU FFN (dense model, and dense layers of an MoE model)."""
-    moe: Optional[MoEConfig] = None
+    moe: MoEConfig | None = None
     """MoE settings; null = a dense model."""
     tie_embeddings: bool = False
     """Share the input embedding and the output head weights."""
@@ -302,7 +302,9 @@ class ModelConfig:
                 "model.n_kv_heads",
                 f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}",
             )
-        source = "attn_head_dim" if self.attn_head_dim is not None else f"d_model={self.d_model} / n_heads={self.n_heads}"
+        source = (
+            "attn_head_dim" if self.attn_head_dim is not None else f"d_model={self.d_model} / n_heads={self.n_heads}"
+        )
         _require(self.head_dim % 2 == 0, "model.n_heads", f"head_dim={self.head_dim} ({source}) must be even for RoPE")
         for name in ("rope_base", "init_std", "norm_eps"):
             _require_number(getattr(self, name), f"model.{name}", strictly_positive=True)
@@ -354,7 +356,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -372,7 +374,7 @@ class ModelConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_yaml(cls, text_or_path: Union[str, Path]) -> "ModelConfig":
+    def from_yaml(cls, text_or_path: str | Path) -> ModelConfig:
         text = Path(text_or_path).read_text() if isinstance(text_or_path, Path) else text_or_path
         data = yaml.safe_load(text)
         if isinstance(data, dict) and "model" in data and isinstance(data["model"], dict):
@@ -381,7 +383,7 @@ class ModelConfig:
             raise ConfigError(f"model: expected a mapping of model fields, got {type(data).__name__}")
         return cls.from_dict(data)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed (``moe`` may be a dict of MoE field changes)."""
         if isinstance(changes.get("moe"), dict):
             changes["moe"] = dataclasses.replace(self.moe or MoEConfig(), **changes["moe"])
@@ -393,7 +395,7 @@ def dense_config(**kwargs: Any) -> ModelConfig:
     return ModelConfig(moe=None, **kwargs)
 
 
-def moe_config(moe: Optional[dict[str, Any]] = None, **kwargs: Any) -> ModelConfig:
+def moe_config(moe: dict[str, Any] | None = None, **kwargs: Any) -> ModelConfig:
     """Shorthand for an MoE model config: ``moe`` holds MoEConfig fields."""
     return ModelConfig(moe=MoEConfig(**(moe or {})), **kwargs)
 

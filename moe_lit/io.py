@@ -11,13 +11,14 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any
 
 from moe_lit.errors import MoeLitError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def atomic_write_text(path: PathLike, text: str) -> Path:

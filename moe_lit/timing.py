@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 """``wall``: elapsed time (what the goals are stated in); ``cpu``: this process's CPU time, which
@@ -40,7 +40,7 @@ def median(values: list[float]) -> float:
 
 def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
     """Median over rounds of ``time[num] / time[den]`` (same round, same machine load)."""
-    return statistics.median(a / b for a, b in zip(times[num], times[den]))
+    return statistics.median(a / b for a, b in zip(times[num], times[den], strict=False))
 
 
 __all__ = ["CLOCKS", "interleaved_times", "median", "paired_ratio"]

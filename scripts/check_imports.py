@@ -4,9 +4,27 @@ import importlib
 import sys
 
 MODULES = [
-    "torch", "lightning", "lightning.pytorch", "jsonargparse", "docstring_parser", "torchmetrics", "litdata",
-    "tokenizers", "lxml.etree", "yaml", "safetensors.torch", "matplotlib", "rich", "tqdm",
-    "tensorboard", "lm_eval", "scipy", "transformers", "gguf", "accelerate", "moe_lit",
+    "torch",
+    "lightning",
+    "lightning.pytorch",
+    "jsonargparse",
+    "docstring_parser",
+    "torchmetrics",
+    "litdata",
+    "tokenizers",
+    "lxml.etree",
+    "yaml",
+    "safetensors.torch",
+    "matplotlib",
+    "rich",
+    "tqdm",
+    "tensorboard",
+    "lm_eval",
+    "scipy",
+    "transformers",
+    "gguf",
+    "accelerate",
+    "moe_lit",
 ]
 
 failed = []

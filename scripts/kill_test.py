@@ -56,29 +56,92 @@ def write_corpus(root: Path, seed: int = 0) -> Path:
 
 
 def prepare_command(corpus: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "moe_lit.cli", "data", "prepare", "--source", str(corpus), "--out", str(out),
-            "--vocab-size", "300", "--quiet"]
+    return [
+        sys.executable,
+        "-m",
+        "moe_lit.cli",
+        "data",
+        "prepare",
+        "--source",
+        str(corpus),
+        "--out",
+        str(out),
+        "--vocab-size",
+        "300",
+        "--quiet",
+    ]
 
 
 def fit_command(data: Path, out: Path) -> list[str]:
-    tiny = ["--model.model.d_model", "32", "--model.model.n_layers", "2", "--model.model.d_ff", "64",
-            "--model.model.moe.num_experts", "4", "--model.model.moe.expert_size", "16",
-            "--model.model.moe.balancing", "bias", "--data.seq_len", "16", "--data.batch_size", "4",
-            "--data.val_batches", "1"]
-    return [sys.executable, "-m", "moe_lit.cli", "fit", "--config", str(REPO / "configs/experiments/tiny-moe.yaml"),
-            "--data.data_dir", str(data), *tiny, "--trainer.max_steps", str(STEPS),
-            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),
-            "--trainer.logger", "false", "--checkpoint.dirpath", str(out / "checkpoints"),
-            "--checkpoint.every_n_train_steps", "1", "--ckpt_path", "last"]
+    tiny = [
+        "--model.model.d_model",
+        "32",
+        "--model.model.n_layers",
+        "2",
+        "--model.model.d_ff",
+        "64",
+        "--model.model.moe.num_experts",
+        "4",
+        "--model.model.moe.expert_size",
+        "16",
+        "--model.model.moe.balancing",
+        "bias",
+        "--data.seq_len",
+        "16",
+        "--data.batch_size",
+        "4",
+        "--data.val_batches",
+        "1",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "moe_lit.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs/experiments/tiny-moe.yaml"),
+        "--data.data_dir",
+        str(data),
+        *tiny,
+        "--trainer.max_steps",
+        str(STEPS),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.default_root_dir",
+        str(out),
+        "--trainer.logger",
+        "false",
+        "--checkpoint.dirpath",
+        str(out / "checkpoints"),
+        "--checkpoint.every_n_train_steps",
+        "1",
+        "--ckpt_path",
+        "last",
+    ]
 
 
 STUDY = {
-    "name": "kill_test", "kind": "upcycling", "seeds": [0],
-    "run": {"data": {"seq_len": 16, "batch_size": 2, "val_batches": 1}, "optim": {"lr": 3e-3, "warmup_steps": 1},
-            "train": {"max_steps": 6, "val_every": 2}, "trainer": {"enable_progress_bar": False, "accelerator": "cpu"}},
-    "model": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
-              "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"}},
-    "expand_at": 4, "utility_batches": 2, "separation_every": 1, "timing_rounds": 2,
+    "name": "kill_test",
+    "kind": "upcycling",
+    "seeds": [0],
+    "run": {
+        "data": {"seq_len": 16, "batch_size": 2, "val_batches": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"max_steps": 6, "val_every": 2},
+        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
+    },
+    "model": {
+        "vocab_size": 300,
+        "d_model": 32,
+        "n_layers": 1,
+        "n_heads": 2,
+        "d_ff": 64,
+        "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"},
+    },
+    "expand_at": 4,
+    "utility_batches": 2,
+    "separation_every": 1,
+    "timing_rounds": 2,
     "arms": [{"name": "utility_copy", "selection": "utility"}],
 }
 STUDY_FIELDS = ("status", "val_loss", "val_loss_per_language", "curve", "steps")
@@ -199,32 +262,66 @@ def main() -> int:
         run(prepare_command(corpus, out))
         ok = tree_digest(out) == data_ref and complete_if_there
         failures += not ok
-        print(json.dumps({"job": "prepare", "trial": trial, "kill_after_s": round(delay, 2), "killed": rc != 0,
-                          "output_after_kill": existed, "complete_if_there": complete_if_there,
-                          "temporaries_left": leftovers, "equal": ok}))
+        print(
+            json.dumps(
+                {
+                    "job": "prepare",
+                    "trial": trial,
+                    "kill_after_s": round(delay, 2),
+                    "killed": rc != 0,
+                    "output_after_kill": existed,
+                    "complete_if_there": complete_if_there,
+                    "temporaries_left": leftovers,
+                    "equal": ok,
+                }
+            )
+        )
 
         run_dir = work / f"fit_{trial}"
         after_checkpoint = trial % 2 == 1
         delay = rng.uniform(0.0, fit_s - first_ckpt_s if after_checkpoint else fit_s)
-        starts, resumed_from = killed_then_rerun(fit_command(work / "data_ref", run_dir), delay, run_dir / LAST,
-                                                 after_checkpoint)
+        starts, resumed_from = killed_then_rerun(
+            fit_command(work / "data_ref", run_dir), delay, run_dir / LAST, after_checkpoint
+        )
         ok = same_training(training_result(run_dir), fit_ref)
         failures += not ok
-        print(json.dumps({"job": "fit", "trial": trial, "kill_after_s": round(delay, 2),
-                          "counted_from": "first checkpoint" if after_checkpoint else "start", "starts": starts,
-                          "resumed_from_step": resumed_from, "equal": ok}))
+        print(
+            json.dumps(
+                {
+                    "job": "fit",
+                    "trial": trial,
+                    "kill_after_s": round(delay, 2),
+                    "counted_from": "first checkpoint" if after_checkpoint else "start",
+                    "starts": starts,
+                    "resumed_from_step": resumed_from,
+                    "equal": ok,
+                }
+            )
+        )
 
         out = work / f"study_{trial}"
         delay = rng.uniform(0.0, study_s)
         starts, _ = killed_then_rerun(study_command(spec, work / "data_ref", out), delay, out / "none", False)
         ok = study_result(out) == study_ref
         failures += not ok
-        print(json.dumps({"job": "study", "trial": trial, "kill_after_s": round(delay, 2), "starts": starts,
-                          "equal": ok}))
-    print(json.dumps({"trials": args.trials, "jobs": ["prepare", "fit", "study"], "failures": failures,
-                      "uninterrupted_s": {"prepare": round(prepare_s, 1), "fit": round(fit_s, 1),
-                                         "fit_first_checkpoint": round(first_ckpt_s, 1),
-                                         "study": round(study_s, 1)}}))
+        print(
+            json.dumps({"job": "study", "trial": trial, "kill_after_s": round(delay, 2), "starts": starts, "equal": ok})
+        )
+    print(
+        json.dumps(
+            {
+                "trials": args.trials,
+                "jobs": ["prepare", "fit", "study"],
+                "failures": failures,
+                "uninterrupted_s": {
+                    "prepare": round(prepare_s, 1),
+                    "fit": round(fit_s, 1),
+                    "fit_first_checkpoint": round(first_ckpt_s, 1),
+                    "study": round(study_s, 1),
+                },
+            }
+        )
+    )
     return 1 if failures else 0
 
 

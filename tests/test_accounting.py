@@ -34,7 +34,17 @@ HF_IDS = ["qk-norm-head", "qk-norm-full", "qkv-bias-gated-shared-no-bias", "dens
         tiny(num_experts=4, expert_size=16, top_k=1, n_layers=3, layer_expert_sizes=[[16] * 4, [8, 24], [16]]),
         *HF_FEATURES,
     ],
-    ids=["dense", "dense-tied-gqa", "uniform", "hetero", "shared", "interleaved-hetero", "bias-tied", "per-layer", *HF_IDS],
+    ids=[
+        "dense",
+        "dense-tied-gqa",
+        "uniform",
+        "hetero",
+        "shared",
+        "interleaved-hetero",
+        "bias-tied",
+        "per-layer",
+        *HF_IDS,
+    ],
 )
 def test_analytic_counts_equal_built_model(cfg):
     assert count_config_params(cfg) == count_model_params(Transformer(cfg))

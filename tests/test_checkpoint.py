@@ -145,8 +145,13 @@ def _case(name, tmp_path, files):
 
 
 CASES = [
-    "missing", "truncated ckpt", "truncated safetensors", "not a checkpoint", "another lightning module",
-    "export without config.json", "weights of another shape",
+    "missing",
+    "truncated ckpt",
+    "truncated safetensors",
+    "not a checkpoint",
+    "another lightning module",
+    "export without config.json",
+    "weights of another shape",
 ]
 
 
@@ -160,7 +165,10 @@ def test_bad_checkpoint_files_are_one_line_naming_the_file(capsys, tmp_path, fil
 
 
 def test_a_dense_model_is_the_wrong_kind_for_expansion_and_routing(capsys, tmp_path, files):
-    err = _one_line_exit_2(capsys, ["convert", "expand", "--checkpoint", str(files["dense"]), "--factor", "2", "--out", str(tmp_path / "o")])
+    err = _one_line_exit_2(
+        capsys,
+        ["convert", "expand", "--checkpoint", str(files["dense"]), "--factor", "2", "--out", str(tmp_path / "o")],
+    )
     assert "dense" in err
     err = _one_line_exit_2(capsys, ["analyze", "routing", "--checkpoint", str(files["dense"]), "--data", str(tmp_path)])
     assert "dense" in err or str(tmp_path) in err
@@ -189,7 +197,9 @@ def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_not
     out = tmp_path / "out"
     out.mkdir()
     (out / "previous.txt").write_text("kept")
-    err = _one_line_exit_2(capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out)])
+    err = _one_line_exit_2(
+        capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out)]
+    )
     assert f"{out}: cannot write ({os.strerror(error)})" in err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temporary left
     assert (out / "previous.txt").read_text() == "kept"  # the previous output is untouched

@@ -21,8 +21,11 @@ from moe_lit.config import ConfigError, ModelConfig, MoEConfig
         (dict(num_experts=0), "moe.num_experts", "positive integer"),
         (dict(layer_interval=0), "moe.layer_interval", "positive integer"),
         (dict(shared_expert_gate=True), "moe.shared_expert_gate", "shared_expert_size > 0"),
-        (dict(num_experts=3, top_k=2, layer_expert_sizes=[[8, 8, 8], [8]]), "moe.layer_expert_sizes[1]",
-         "fewer than top_k=2"),
+        (
+            dict(num_experts=3, top_k=2, layer_expert_sizes=[[8, 8, 8], [8]]),
+            "moe.layer_expert_sizes[1]",
+            "fewer than top_k=2",
+        ),
         (dict(num_experts=3, top_k=1, layer_expert_sizes=[[8, 0]]), "moe.layer_expert_sizes[0][1]", "positive integer"),
         (dict(num_experts=4, top_k=1, layer_expert_sizes=[[8, 8, 8]]), "moe.num_experts", "widest layer's count 3"),
         (dict(layer_expert_sizes=[]), "moe.layer_expert_sizes", "non-empty list"),
@@ -46,8 +49,11 @@ def test_bad_moe_config_names_the_field(fields, field_name, fragment):
         (dict(qk_norm="layer"), "model.qk_norm", "allowed values: none, head, full"),
         (dict(attn_head_dim=0), "model.attn_head_dim", "positive integer"),
         (dict(d_model=30, n_heads=4), "model.n_heads", "or set attn_head_dim"),
-        (dict(n_layers=3, moe=MoEConfig(num_experts=2, top_k=1, layer_expert_sizes=[[4, 4], [4]])),
-         "moe.layer_expert_sizes", "one list per MoE layer (3), got 2"),
+        (
+            dict(n_layers=3, moe=MoEConfig(num_experts=2, top_k=1, layer_expert_sizes=[[4, 4], [4]])),
+            "moe.layer_expert_sizes",
+            "one list per MoE layer (3), got 2",
+        ),
     ],
 )
 def test_bad_model_config_names_the_field(fields, field_name, fragment):

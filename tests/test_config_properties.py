@@ -13,8 +13,13 @@ from moe_lit.config import BACKENDS, BALANCING, SCORE_FUNCS, ConfigError, ModelC
 # derandomize=False locally to search further.
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 JUNK = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=3), st.lists(st.integers(-1, 2), max_size=3), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.lists(st.integers(-1, 2), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
 )
 positive = st.integers(1, 6)
 rate = st.floats(0, 1, allow_nan=False)
@@ -89,7 +94,9 @@ def test_any_value_in_a_model_field_builds_or_is_a_config_error_naming_it(fields
 @given(model_fields(), st.sampled_from(list(MoEConfig.__dataclass_fields__)), JUNK)
 def test_any_value_in_a_moe_field_builds_or_is_a_config_error_naming_it(fields, field, value):
     moe = fields["moe"] or {"num_experts": 4, "expert_size": 8, "top_k": 2}
-    _check_builds_or_names_the_field(lambda: ModelConfig.from_dict({**fields, "moe": {**moe, field: value}}), field, "moe.")
+    _check_builds_or_names_the_field(
+        lambda: ModelConfig.from_dict({**fields, "moe": {**moe, field: value}}), field, "moe."
+    )
 
 
 @SETTINGS

@@ -5,8 +5,8 @@ Shape legend: G languages, M MoE layers, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -44,8 +45,16 @@ LANGUAGE_FAMILIES: dict[str, str] = {
     **dict.fromkeys(("tr", "az", "kk", "uz", "ky"), "Turkic"),
     **dict.fromkeys(("zh", "zh-cn", "zh_cn", "zh-tw", "zh_tw"), "Sinitic"),
     **dict.fromkeys(("ta", "te", "kn", "ml"), "Dravidian"),
-    "el": "Hellenic", "ja": "Japonic", "ko": "Koreanic", "eu": "Basque (isolate)", "sq": "Albanian",
-    "hy": "Armenian", "ka": "Kartvelian", "vi": "Austroasiatic", "th": "Kra-Dai", "id": "Austronesian",
+    "el": "Hellenic",
+    "ja": "Japonic",
+    "ko": "Koreanic",
+    "eu": "Basque (isolate)",
+    "sq": "Albanian",
+    "hy": "Armenian",
+    "ka": "Kartvelian",
+    "vi": "Austroasiatic",
+    "th": "Kra-Dai",
+    "id": "Austronesian",
 }
 """Language family of each language code; a code not listed is its own family."""
 
@@ -207,13 +216,17 @@ def family_comparison(js_GG: torch.Tensor, languages: Sequence[str], permutation
     families = [family_of(lang) for lang in languages]
     pairs = list(itertools.combinations(range(len(languages)), 2))
 
-    def within_across(labels: Sequence[str]) -> tuple[Optional[float], Optional[float]]:
+    def within_across(labels: Sequence[str]) -> tuple[float | None, float | None]:
         within = [float(js_GG[i, j]) for i, j in pairs if labels[i] == labels[j]]
         across = [float(js_GG[i, j]) for i, j in pairs if labels[i] != labels[j]]
         return _mean(within), _mean(across)
 
     within, across = within_across(families)
-    result: dict[str, Any] = {"families": dict(zip(languages, families)), "within_js": within, "across_js": across}
+    result: dict[str, Any] = {
+        "families": dict(zip(languages, families, strict=False)),
+        "within_js": within,
+        "across_js": across,
+    }
     if within is None or across is None:
         result.update(gap=None, p_value=None)
         return result
@@ -229,7 +242,7 @@ def family_comparison(js_GG: torch.Tensor, languages: Sequence[str], permutation
     return result
 
 
-def _mean(values: list[float]) -> Optional[float]:
+def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
@@ -246,7 +259,7 @@ def cluster_order(js_GG: torch.Tensor) -> list[int]:
     return [int(i) for i in leaves_list(linkage(squareform(distances.numpy(), checks=False), method="average"))]
 
 
-def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Optional[Sequence[str]] = None) -> dict:
+def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Sequence[str] | None = None) -> dict:
     """Every statistic of the module docstring, as plain JSON-ready data."""
     languages = list(languages or dict.fromkeys(trace.labels["language"]))
     usage_GME = usage_by_language(trace, languages)
@@ -263,7 +276,9 @@ def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Optional
         "usage": {lang: usage_GME[g].tolist() for g, lang in enumerate(languages)},
         "js_divergence": {"per_layer": js_MGG.tolist(), "mean": js_GG.tolist()},
         "cluster_order": [languages[i] for i in cluster_order(js_GG)],
-        "mean_js_to_others": dict(zip(languages, (js_GG.sum(dim=1) / max(len(languages) - 1, 1)).tolist())),
+        "mean_js_to_others": dict(
+            zip(languages, (js_GG.sum(dim=1) / max(len(languages) - 1, 1)).tolist(), strict=False)
+        ),
         "expert_language_entropy": [[None if math.isnan(x) else x for x in row] for row in entropy_ME.tolist()],
         "experts": classify_experts(usage_GME, languages, cfg.used_fraction),
         "family_comparison": family_comparison(js_GG, languages, cfg.permutations, cfg.seed),

@@ -11,7 +11,7 @@ dense ``w2`` says nothing exact about a shard of it scaled by the granularity.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +36,7 @@ class DenseToMoEUpcycling(ModelSwapCallback):
         drop_fraction: float = 0.5,
         optimizer_state: str = "copy",
         seed: int = 0,
-        moe: Optional[dict[str, Any]] = None,
+        moe: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:

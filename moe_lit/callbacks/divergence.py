@@ -17,7 +17,8 @@ good checkpoint is never overwritten by non-finite weights.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,7 +35,7 @@ class DivergenceError(MoeLitError):
     """Training diverged (non-finite loss, gradient or weight); the message names step and tensor."""
 
 
-def first_non_finite(named_tensors: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
+def first_non_finite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
     """Name of the first tensor holding a nan or inf (None when all are finite or absent)."""
     for name, tensor in named_tensors:
         if tensor is None or not torch.is_tensor(tensor) or not tensor.is_floating_point():
@@ -64,7 +65,7 @@ class DivergenceGuard(pl.Callback):
             raise ConfigError(f"DivergenceGuard.check_grads: must be true or false, got {check_grads!r}")
         self.policy, self.max_skips, self.check_grads = policy, max_skips, check_grads
         self.skipped_steps: list[int] = []
-        self._bad_loss: Optional[float] = None
+        self._bad_loss: float | None = None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

@@ -12,7 +12,8 @@ starts with its source's AdamW moments.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -47,7 +48,7 @@ class ExpertUpcycling(ModelSwapCallback):
         utility_metric: str = "grad_sq",
         max_copies: int = 3,
         noise: float = 1e-3,
-        balancing: Optional[str] = "bias",
+        balancing: str | None = "bias",
         seed: int = 0,
         router_noise: float = 0.0,
         drop_fraction: float = 0.0,
@@ -104,7 +105,11 @@ class ExpertUpcycling(ModelSwapCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         step = self.pending_step()
-        if self.selection == "utility" and step is not None and step - self.utility_batches <= trainer.global_step < step:
+        if (
+            self.selection == "utility"
+            and step is not None
+            and step - self.utility_batches <= trainer.global_step < step
+        ):
             # NOTE: callbacks run before the module's hook, so this finishes the step's routing
             # statistics (all ranks, bias step included); the module's own call is then a no-op.
             pl_module.model.update_router_biases()
@@ -120,9 +125,7 @@ class ExpertUpcycling(ModelSwapCallback):
             # the current batch then stands in for the window.
             utility = self._utility.result() if self._utility.num_batches else expert_utility(model, [batch_BL1], 1)
         self._utility = UtilityAccumulator()
-        plan = plan_expansion(
-            model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies
-        )
+        plan = plan_expansion(model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies)
         new = apply_expansion(
             model, plan, self.noise, self.balancing, self.seed + step, self.router_noise, self.drop_fraction
         )

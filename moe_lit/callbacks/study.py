@@ -9,8 +9,9 @@ Shape legend: E experts, S stacked expert rows, D d_model (see ``model/experts/l
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -73,7 +74,7 @@ class ValidationProbe(pl.Callback):
         super().__init__()
         self.step = _steps([step], "ValidationProbe")[0]
         self.key = key
-        self.value: Optional[float] = None
+        self.value: float | None = None
 
     @override
     @torch.no_grad()
@@ -124,7 +125,7 @@ class CopySeparation(pl.Callback):
         return {"copy_separation": self.series}
 
 
-def _first_swap(trainer: pl.Trainer) -> Optional[dict[str, Any]]:
+def _first_swap(trainer: pl.Trainer) -> dict[str, Any] | None:
     from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 
     for callback in trainer.callbacks:
@@ -141,8 +142,12 @@ def _separation(model, sources: Mapping[str, list[int]]) -> dict[str, Any]:
     for block, src in sources.items():
         ffn = model.blocks[int(block)].ffn
         layout = ffn.experts.layout
-        rows = [torch.cat([w[layout.rows(e)].flatten() for w in (ffn.experts.mlp.w1, ffn.experts.mlp.v1, ffn.experts.mlp.w2)])
-                for e in range(layout.num_experts)]
+        rows = [
+            torch.cat(
+                [w[layout.rows(e)].flatten() for w in (ffn.experts.mlp.w1, ffn.experts.mlp.v1, ffn.experts.mlp.w2)]
+            )
+            for e in range(layout.num_experts)
+        ]
         num_sources = len(set(src))
         cosine = [
             float(torch.nn.functional.cosine_similarity(rows[m], rows[src[m]], dim=0))

@@ -25,7 +25,8 @@ Shape legend: R rows of a grown parameter (dim 0).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -83,7 +84,7 @@ class ModelSwapCallback(pl.Callback):
         if trainer.world_size > 1:
             raise MoeLitError(f"{name}: swapping the network mid-run is single-process only (world_size=1)")
 
-    def pending_step(self) -> Optional[int]:
+    def pending_step(self) -> int | None:
         """The next step still to transform at, if any."""
         done = {event["step"] for event in self.events}
         return next((s for s in self.at_steps if s not in done), None)
@@ -170,15 +171,15 @@ def _optimizer_state_by_name(trainer: pl.Trainer, model: Transformer) -> dict[st
 
 
 def _restore_schedule(trainer: pl.Trainer, schedulers: list[dict], groups: list[list[dict]]) -> None:
-    for config, state in zip(trainer.lr_scheduler_configs, schedulers):
+    for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=False):
         config.scheduler.load_state_dict(state)
-    for optimizer, settings in zip(trainer.optimizers, groups):
+    for optimizer, settings in zip(trainer.optimizers, groups, strict=False):
         if len(optimizer.param_groups) != len(settings):
             raise MoeLitError(
                 f"upcycling: configure_optimizers built {len(optimizer.param_groups)} param groups for the new "
                 f"network but {len(settings)} for the old one; the LR schedule cannot be carried over"
             )
-        for group, setting in zip(optimizer.param_groups, settings):
+        for group, setting in zip(optimizer.param_groups, settings, strict=False):
             group.update(setting)
 
 

@@ -18,12 +18,13 @@ from moe_lit.errors import MoeLitError
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", nargs="+", required=True, type=Path,
+        "--config",
+        nargs="+",
+        required=True,
+        type=Path,
         help="model YAML file(s) or model dir(s) (ours or transformers')",
     )
-    parser.add_argument(
-        "--match", choices=["active", "total"], help="also build an MoE matched to each (dense) config"
-    )
+    parser.add_argument("--match", choices=["active", "total"], help="also build an MoE matched to each (dense) config")
     parser.add_argument("--num-experts", type=int, default=8, help="experts of the matched MoE")
     parser.add_argument("--top-k", type=int, default=2, help="top-k of the matched MoE")
     parser.add_argument("--shared-fraction", type=float, default=0.0, help="d_ff fraction for a shared expert")

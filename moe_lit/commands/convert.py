@@ -5,7 +5,8 @@ GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`
 ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE) and
 ``prune`` (remove experts scored on calibration text; also writes ``pruning.json`` with the kept
 experts, scores and memory saved) and ``moe-to-dense`` (score, select, group, scale and
-concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan). Inputs are a Lightning ``.ckpt`` or an exported directory; the
+concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan). Inputs are a
+Lightning ``.ckpt`` or an exported directory; the
 tokenizer found beside the input travels with the output.
 """
 
@@ -39,13 +40,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     hf = actions.add_parser("import-hf", help="import a local transformers checkpoint (dir, or dir + GGUF file)")
     hf.add_argument(
-        "--model", required=True, type=Path,
+        "--model",
+        required=True,
+        type=Path,
         help="directory of a Llama, Mixtral, OLMoE, Qwen2-MoE or Qwen3-MoE causal LM (or of a GGUF file)",
     )
     hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf accelerate`)")
     hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
     hf.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
         help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
     )
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
@@ -71,18 +76,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--seed", type=int, default=0)
     ex.add_argument("--out", required=True, type=Path)
 
-    pa = actions.add_parser("partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)")
+    pa = actions.add_parser(
+        "partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)"
+    )
     pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
     pa.add_argument("--method", choices=PARTITION_METHODS, required=True)
     pa.add_argument("--experts", "--num-experts", dest="num_experts", type=int, default=8, help="E (divides d_ff)")
     pa.add_argument("--top-k", type=int, default=2)
-    pa.add_argument("--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own")
+    pa.add_argument(
+        "--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own"
+    )
     pa.add_argument("--calibration", type=Path, help="prepared data dir (moe-lit data prepare): its training stream")
     pa.add_argument("--calibration-tokens", type=int, default=16_384, help="tokens for coactivation / trained router")
     pa.add_argument("--router-steps", type=int, default=100, help="full-batch Adam steps of a trained router")
-    pa.add_argument("--train-tokens", type=int, default=65_536, help="dot_moe: training tokens (after the calibration ones)")
+    pa.add_argument(
+        "--train-tokens", type=int, default=65_536, help="dot_moe: training tokens (after the calibration ones)"
+    )
     pa.add_argument("--lr", type=float, default=1e-2, help="dot_moe: constant AdamW learning rate")
-    pa.add_argument("--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers")
+    pa.add_argument(
+        "--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers"
+    )
     pa.add_argument("--batch-size", type=int, default=8, help="sequences per calibration / training batch")
     pa.add_argument("--balancing", choices=BALANCING, default="aux_loss")
     pa.add_argument("--seed", type=int, default=0)
@@ -94,8 +107,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _configure_calibration(parser: argparse.ArgumentParser) -> None:
     """The calibration-text options shared by prune and moe-to-dense."""
-    parser.add_argument("--calibration", default="mix",
-                        help="mix (every language), LANG[,LANG...], or a routing trace .pt (default: mix)")
+    parser.add_argument(
+        "--calibration",
+        default="mix",
+        help="mix (every language), LANG[,LANG...], or a routing trace .pt (default: mix)",
+    )
     parser.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
@@ -130,18 +146,22 @@ def _configure_prune(actions) -> None:
     budget = pr.add_mutually_exclusive_group(required=True)
     budget.add_argument("--fraction", type=float, help="share of the experts removed, in [0, 1)")
     budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
-    pr.add_argument("--global", dest="global_budget", action="store_true",
-                    help="one budget over all layers: layers keep different counts (never below top-k)")
+    pr.add_argument(
+        "--global",
+        dest="global_budget",
+        action="store_true",
+        help="one budget over all layers: layers keep different counts (never below top-k)",
+    )
     _configure_calibration(pr)
     pr.add_argument("--damping", type=float, default=0.85, help="MAESTRO PageRank damping in (0, 1]; 1 = none")
     pr.add_argument("--weighting", choices=WEIGHTINGS, default="gate", help="MAESTRO edge weights")
     pr.add_argument("--naee-cap", type=int, default=2000, help="NAEE: exhaustive up to this many subsets, else greedy")
-    pr.add_argument("--clamp-top-k", action="store_true", help="lower top-k to the fewest kept experts instead of failing")
+    pr.add_argument(
+        "--clamp-top-k", action="store_true", help="lower top-k to the fewest kept experts instead of failing"
+    )
     pr.add_argument("--seed", type=int, default=0, help="seed of --method random")
     pr.add_argument("--force", action="store_true", help="replace a non-empty --out")
     pr.add_argument("--out", required=True, type=Path)
-
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,16 +187,26 @@ def run(args: argparse.Namespace) -> int:
         from moe_lit.convert.dense_to_moe import dense_to_moe
 
         model = dense_to_moe(
-            load_model(args.checkpoint), args.recipe, args.num_experts, args.top_k, args.granularity,
-            args.drop_fraction, args.seed, balancing=args.balancing,
+            load_model(args.checkpoint),
+            args.recipe,
+            args.num_experts,
+            args.top_k,
+            args.granularity,
+            args.drop_fraction,
+            args.seed,
+            balancing=args.balancing,
         )
         export_model(model, args.out, find_tokenizer(args.checkpoint))
     else:
         from moe_lit.convert.expand import expand_experts
 
         model = expand_experts(
-            load_model(args.checkpoint), factor=args.factor, counts=args.counts, noise=args.noise,
-            balancing=args.balancing, seed=args.seed,
+            load_model(args.checkpoint),
+            factor=args.factor,
+            counts=args.counts,
+            noise=args.noise,
+            balancing=args.balancing,
+            seed=args.seed,
         )
         export_model(model, args.out, find_tokenizer(args.checkpoint))
     moe = model.config.moe
@@ -224,16 +254,31 @@ def _run_prune(args: argparse.Namespace) -> int:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; pruning needs MoE layers")
     trace, calibration = _calibration(args, model, record_inputs=args.method in ("reap", "naee"))
     keep, details = plan_keep(
-        args.method, model, trace, args.fraction, args.num, args.global_budget, args.clamp_top_k, args.seed,
-        maestro, args.naee_cap,
+        args.method,
+        model,
+        trace,
+        args.fraction,
+        args.num,
+        args.global_budget,
+        args.clamp_top_k,
+        args.seed,
+        maestro,
+        args.naee_cap,
     )
     pruned = prune_experts(model, keep, args.clamp_top_k)
     export_model(pruned, args.out, find_tokenizer(args.checkpoint))
     memory = memory_saved(model, pruned)
     report = {
-        "checkpoint": str(args.checkpoint), "method": args.method, "fraction": args.fraction, "num": args.num,
-        "global": args.global_budget, "calibration": calibration, "top_k": pruned.config.moe.top_k,
-        "keep": {str(b): k for b, k in keep.items()}, "memory": memory, "details": details,
+        "checkpoint": str(args.checkpoint),
+        "method": args.method,
+        "fraction": args.fraction,
+        "num": args.num,
+        "global": args.global_budget,
+        "calibration": calibration,
+        "top_k": pruned.config.moe.top_k,
+        "keep": {str(b): k for b, k in keep.items()},
+        "memory": memory,
+        "details": details,
     }
     atomic_write_json(args.out / "pruning.json", report)
     kept = [len(k) for k in keep.values()]
@@ -245,8 +290,10 @@ def _run_prune(args: argparse.Namespace) -> int:
         f"{memory['bytes_after']:,})"
     )
     if "converged" in details:
-        print(f"maestro: damping {details['damping']}, {details['iterations']} power iterations, "
-              f"residual {details['residual']:.2e} ({'converged' if details['converged'] else 'NOT converged'})")
+        print(
+            f"maestro: damping {details['damping']}, {details['iterations']} power iterations, "
+            f"residual {details['residual']:.2e} ({'converged' if details['converged'] else 'NOT converged'})"
+        )
     return 0
 
 
@@ -255,8 +302,13 @@ def _run_moe_to_dense(args: argparse.Namespace) -> int:
     from moe_lit.io import atomic_write_json
 
     cfg = MoeToDenseConfig(
-        score=args.score, keep=args.keep, groups=args.keep if args.groups is None else args.groups,
-        grouping=args.grouping, scaling=args.scaling, seed=args.seed, max_tokens=args.feature_tokens,
+        score=args.score,
+        keep=args.keep,
+        groups=args.keep if args.groups is None else args.groups,
+        grouping=args.grouping,
+        scaling=args.scaling,
+        seed=args.seed,
+        max_tokens=args.feature_tokens,
     )
     checked_out(args.out, args.checkpoint, args.force)
     model = load_model(args.checkpoint)

@@ -12,8 +12,9 @@ unless ``--force``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -34,23 +35,41 @@ def run_partition(args: argparse.Namespace) -> int:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is already an MoE; partition needs a dense model")
     batches = (
         calibration_batches(args.calibration, dense.config, args.batch_size, args.seed)
-        if args.calibration is not None else None
+        if args.calibration is not None
+        else None
     )
     model, record = partition_dense(
-        dense, args.method, args.num_experts, args.top_k, batches, router=args.router,
-        calibration_tokens=args.calibration_tokens, router_steps=args.router_steps, train_tokens=args.train_tokens,
-        lr=args.lr, train_dense=args.train_dense, balancing=args.balancing, seed=args.seed,
+        dense,
+        args.method,
+        args.num_experts,
+        args.top_k,
+        batches,
+        router=args.router,
+        calibration_tokens=args.calibration_tokens,
+        router_steps=args.router_steps,
+        train_tokens=args.train_tokens,
+        lr=args.lr,
+        train_dense=args.train_dense,
+        balancing=args.balancing,
+        seed=args.seed,
     )
     export_model(model, args.out, find_tokenizer(args.checkpoint))
     params = count_model_params(model)
     record.update(
-        method=args.method, num_experts=args.num_experts, top_k=args.top_k, seed=args.seed,
-        checkpoint=str(args.checkpoint), total_params=params.total, active_params=params.active,
+        method=args.method,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        seed=args.seed,
+        checkpoint=str(args.checkpoint),
+        total_params=params.total,
+        active_params=params.active,
         arguments={k: v for k, v in vars(args).items() if k != "action"},
     )
     atomic_write_json(args.out / PARTITION_FILE, record)
-    print(f"wrote {args.out} ({args.method}: {args.num_experts} experts, top-{args.top_k}, "
-          f"{params.active:,} of {params.total:,} parameters active)")
+    print(
+        f"wrote {args.out} ({args.method}: {args.num_experts} experts, top-{args.top_k}, "
+        f"{params.active:,} of {params.total:,} parameters active)"
+    )
     return 0
 
 
@@ -59,9 +78,9 @@ def partition_dense(
     method: str,
     num_experts: int,
     top_k: int,
-    batches: Optional[Iterator[torch.Tensor]] = None,
+    batches: Iterator[torch.Tensor] | None = None,
     *,
-    router: Optional[str] = None,
+    router: str | None = None,
     calibration_tokens: int = 16_384,
     router_steps: int = 100,
     train_tokens: int = 65_536,
@@ -75,8 +94,18 @@ def partition_dense(
     ``batches``: the calibration / DOT-MoE training stream (:func:`calibration_batches`)."""
     if method == "dot_moe":
         return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed)
-    return _heuristic(dense, method, num_experts, top_k, batches, router or "centroid", calibration_tokens,
-                      router_steps, balancing, seed)
+    return _heuristic(
+        dense,
+        method,
+        num_experts,
+        top_k,
+        batches,
+        router or "centroid",
+        calibration_tokens,
+        router_steps,
+        balancing,
+        seed,
+    )
 
 
 def _check_out(out: Path, force: bool) -> None:
@@ -91,11 +120,15 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
     if args.method == "dot_moe" and args.router is not None:
         raise MoeLitError("--router: dot_moe learns its routers (from the k-means centroids); leave --router out")
-    needs = args.method == "dot_moe" or args.method in NEEDS_CALIBRATION["assignment"] or (
-        args.router in NEEDS_CALIBRATION["router"]
+    needs = (
+        args.method == "dot_moe"
+        or args.method in NEEDS_CALIBRATION["assignment"]
+        or (args.router in NEEDS_CALIBRATION["router"])
     )
     if needs and args.calibration is None:
-        what = f"--method {args.method}" if args.router not in NEEDS_CALIBRATION["router"] else f"--router {args.router}"
+        what = (
+            f"--method {args.method}" if args.router not in NEEDS_CALIBRATION["router"] else f"--router {args.router}"
+        )
         raise MoeLitError(f"--calibration: {what} needs calibration tokens (a dir written by `moe-lit data prepare`)")
     for name in ("calibration_tokens", "train_tokens", "batch_size", "router_steps"):
         if getattr(args, name) < 1:
@@ -154,8 +187,14 @@ def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, 
     optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
     fit_dot_moe(dense, student, taken, cfg, optim)
     tokens = sum(b[:, 1:].numel() for b in taken)
-    record = {"router": "learned", "calibration_tokens": 0, "train_tokens": tokens, "steps": len(taken),
-              "train_dense": train_dense, "lr": lr}
+    record = {
+        "router": "learned",
+        "calibration_tokens": 0,
+        "train_tokens": tokens,
+        "steps": len(taken),
+        "train_dense": train_dense,
+        "lr": lr,
+    }
     return export_dot_moe(student), record
 
 

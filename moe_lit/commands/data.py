@@ -29,10 +29,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("--vocab-size", type=int, help=f"BPE vocabulary size (default {DEFAULT_VOCAB_SIZE})")
     prep.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     prep.add_argument("--max-paragraphs", type=int, help="at most N paragraphs per language (same ids everywhere)")
-    prep.add_argument("--val-fraction", type=float, default=PrepareConfig.val_fraction,
-                      help="fraction of paragraph ids for validation")
-    prep.add_argument("--test-fraction", type=float, default=PrepareConfig.test_fraction,
-                      help="fraction of paragraph ids for test")
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=PrepareConfig.val_fraction,
+        help="fraction of paragraph ids for validation",
+    )
+    prep.add_argument(
+        "--test-fraction", type=float, default=PrepareConfig.test_fraction, help="fraction of paragraph ids for test"
+    )
     prep.add_argument(
         "--cache-dir", type=Path, help=f"package cache (default: $MOE_LIT_CACHE or {default_cache_dir()})"
     )

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_default_data(data_dir: Optional[Path]) -> Path:
+def prepare_default_data(data_dir: Path | None) -> Path:
     """``moe-lit data prepare`` with its defaults (reused when already prepared); the directory."""
     from moe_lit.data.prepare import PrepareConfig, prepare
 
@@ -143,9 +143,7 @@ def plot_curves(results: dict[str, RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(
-    results: dict[str, RunResult], settings: dict[str, object], tokenizer: Path, out: Path
-) -> None:
+def write_results(results: dict[str, RunResult], settings: dict[str, object], tokenizer: Path, out: Path) -> None:
     """``results.json``, ``results.md``, ``val_loss.png`` and ``models/`` in ``out``, all or nothing."""
     with atomic_directory(out) as tmp:
         runs = {name: dataclasses.asdict(result) for name, result in results.items()}

@@ -75,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
     steps = max(1, args.tokens // (args.seq_len * args.batch_size))
     run_cfg = RunConfig(
         data=DataConfig(
-            data_dir=None if args.data is None else str(args.data), seq_len=args.seq_len,
-            batch_size=args.batch_size, val_batches=args.val_batches,
+            data_dir=None if args.data is None else str(args.data),
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            val_batches=args.val_batches,
         ),
         optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps),
         train=TrainConfig(max_tokens=args.tokens, val_every=max(1, steps // args.evals), seed=args.seed),

@@ -13,7 +13,6 @@ import json
 import shlex
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from moe_lit.errors import MoeLitError
 
@@ -33,7 +32,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", type=Path, help="prepared data dir for the local suite (default: the checkpoint's)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument(
-        "--task-data", action="append", default=[], metavar="TASK=FILE",
+        "--task-data",
+        action="append",
+        default=[],
+        metavar="TASK=FILE",
         help="run built-in TASK on a local JSONL in its schema (repeatable); it runs as TASK_local",
     )
     parser.add_argument("--batch-size", type=int, default=8)
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(args: argparse.Namespace) -> tuple[dict, Optional[dict]]:
+def _evaluate(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """Render the tasks into a temporary dir and run the harness: ``(results, suite manifest)``."""
     from moe_lit.evaluation.harness import MoeLitLM, evaluate
     from moe_lit.evaluation.tasks import SUITE_MANIFEST, SUITE_PREFIX, resolve_data_dir, resolve_tasks
@@ -72,19 +74,28 @@ def _evaluate(args: argparse.Namespace) -> tuple[dict, Optional[dict]]:
         data_dir = resolve_data_dir(args.checkpoint, args.data) if needs_data else None
         names, manager = resolve_tasks(tasks, Path(work), data_dir=data_dir, task_data=task_data)
         lm = MoeLitLM(
-            checkpoint=args.checkpoint, tokenizer=args.tokenizer, batch_size=args.batch_size, device=args.device,
-            sparsity=args.sparsity, sparsity_rule=args.sparsity_rule, sparsity_granularity=args.sparsity_granularity,
+            checkpoint=args.checkpoint,
+            tokenizer=args.tokenizer,
+            batch_size=args.batch_size,
+            device=args.device,
+            sparsity=args.sparsity,
+            sparsity_rule=args.sparsity_rule,
+            sparsity_granularity=args.sparsity_granularity,
             calibration=args.calibration,
         )
         results = evaluate(
-            lm, names, manager, limit=_limit(args.limit), num_fewshot=args.num_fewshot,
+            lm,
+            names,
+            manager,
+            limit=_limit(args.limit),
+            num_fewshot=args.num_fewshot,
             bootstrap_iters=args.bootstrap_iters,
         )
         manifest = Path(work) / SUITE_MANIFEST
         return results, json.loads(manifest.read_text()) if manifest.is_file() else None
 
 
-def _write(out: Path, results: dict, suite: Optional[dict], markdown: str) -> Path:
+def _write(out: Path, results: dict, suite: dict | None, markdown: str) -> Path:
     """``results.json`` (the harness's dict), ``results.md`` and ``suite.json``, atomically."""
     from lm_eval.utils import handle_non_serializable
 
@@ -101,7 +112,7 @@ def _write(out: Path, results: dict, suite: Optional[dict], markdown: str) -> Pa
 
 
 def results_markdown(
-    name: str, command: str, rows: list[dict], languages: dict[str, str], suite: Optional[dict] = None
+    name: str, command: str, rows: list[dict], languages: dict[str, str], suite: dict | None = None
 ) -> str:
     """The local suite by language (when it ran; with chance accuracy), then every metric."""
     from moe_lit.accounting import markdown_table
@@ -164,9 +175,12 @@ def _limit(limit):
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["moe-lit", "eval", "--checkpoint", str(args.checkpoint), "--tasks", *args.tasks]
-    sparsity = (("--sparsity", args.sparsity), ("--sparsity-rule", args.sparsity_rule if args.sparsity is not None else None),
-                ("--sparsity-granularity", args.sparsity_granularity if args.sparsity is not None else None),
-                ("--calibration", args.calibration))
+    sparsity = (
+        ("--sparsity", args.sparsity),
+        ("--sparsity-rule", args.sparsity_rule if args.sparsity is not None else None),
+        ("--sparsity-granularity", args.sparsity_granularity if args.sparsity is not None else None),
+        ("--calibration", args.calibration),
+    )
     for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--name", args.name), *sparsity):
         if value is not None:
             parts += [flag, str(value)]

@@ -30,8 +30,14 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint)
     tokenizer = args.tokenizer or find_tokenizer(args.checkpoint)
     export_hf(
-        model, args.format, args.out, tokenizer, eos_token=args.eos_token, dtype=args.dtype,
-        max_shard_size=args.max_shard_size, force=args.force,
+        model,
+        args.format,
+        args.out,
+        tokenizer,
+        eos_token=args.eos_token,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        force=args.force,
     )
     files = sorted(path.name for path in args.out.iterdir())
     print(f"wrote {args.out} ({args.format}, {args.dtype}): {', '.join(files)}")

@@ -66,13 +66,17 @@ def run(args: argparse.Namespace) -> int:
     model = sparse_from_args(load_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
     options = {
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-        "top_p": args.top_p, "stop_tokens": _stop_tokens(tokenizer), "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "stop_tokens": _stop_tokens(tokenizer),
+        "seed": args.seed,
     }
     if args.stream:
         _print_stream(tokenizer, args.prompt[0], stream(model, prompts, **options))
         return 0
-    for text, tokens in zip(args.prompt, generate(model, prompts, **options)):
+    for text, tokens in zip(args.prompt, generate(model, prompts, **options), strict=False):
         print(text + tokenizer.decode(tokens))
     return 0
 

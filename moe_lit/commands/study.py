@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from moe_lit.errors import MoeLitError
 
@@ -80,18 +80,20 @@ def _points_table(study, out_dir: Path) -> str:
         resumed = point.start is not None and point.start.mode == "resume"
         steps = point.run.steps - ((point.start.step or 0) if resumed else 0)
         flops += training_flops_per_token(point.model) * steps * point.run.data.tokens_per_step
-        rows.append({
-            "point": point.name,
-            "hash": point.hash,
-            "from": f"{point.start.parent}@{point.start.step or 'final'}" if point.start else "",
-            "E": info["num_experts"],
-            "k": info["top_k"],
-            "total": info["total_params"],
-            "active": info["active_params"],
-            "fwd FLOPs/tok": info["flops_per_token"],
-            "steps": steps,
-            "status": point_status(out_dir, point),
-        })
+        rows.append(
+            {
+                "point": point.name,
+                "hash": point.hash,
+                "from": f"{point.start.parent}@{point.start.step or 'final'}" if point.start else "",
+                "E": info["num_experts"],
+                "k": info["top_k"],
+                "total": info["total_params"],
+                "active": info["active_params"],
+                "fwd FLOPs/tok": info["flops_per_token"],
+                "steps": steps,
+                "status": point_status(out_dir, point),
+            }
+        )
     return f"{markdown_table(rows)}\n\n{len(rows)} points, {flops:.3g} training FLOPs in all -> {out_dir}"
 
 

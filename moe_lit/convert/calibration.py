@@ -11,7 +11,7 @@ co-activation clustering, the trained router and the structured-pruning ranking 
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

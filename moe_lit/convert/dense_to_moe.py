@@ -31,7 +31,8 @@ Only the FFNs of the blocks that the new config makes MoE (``first_dense_layers`
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -141,7 +142,7 @@ def set_router(layer: MoELayer, rows_ED: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Optional[Sequence[int]] = None) -> None:
+def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Sequence[int] | None = None) -> None:
     """Re-initialise ``round(fraction * f)`` random neurons of each expert (default: every expert)
     from that expert's own weight statistics (drop-upcycling)."""
     layout, mlp = layer.experts.layout, layer.experts.mlp
@@ -152,7 +153,7 @@ def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Optional[
         for w_SD in (mlp.w1, mlp.v1, mlp.w2):
             w_fD = w_SD[rows]
             fresh = torch.randn(len(dropped), w_SD.shape[1], generator=generator)
-            w_SD[dropped.to(w_SD.device)] = (fresh.to(w_SD) * w_fD.std() + w_fD.mean())
+            w_SD[dropped.to(w_SD.device)] = fresh.to(w_SD) * w_fD.std() + w_fD.mean()
 
 
 __all__ = ["RECIPES", "copy_neurons", "dense_to_moe", "set_router", "upcycled_config"]

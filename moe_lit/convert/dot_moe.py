@@ -137,8 +137,14 @@ class DotMoELayer(MoELayer):
     """
 
     def __init__(
-        self, dense: SwiGLU, cfg: MoEConfig, num_moe_layers: int, affinity_FE: torch.Tensor, router_ED: torch.Tensor,
-        sinkhorn_iterations: int, temperature: float,
+        self,
+        dense: SwiGLU,
+        cfg: MoEConfig,
+        num_moe_layers: int,
+        affinity_FE: torch.Tensor,
+        router_ED: torch.Tensor,
+        sinkhorn_iterations: int,
+        temperature: float,
     ) -> None:
         # NOTE: an MoE layer to the Transformer (auxiliary losses, router, moe_layers()) whose
         # experts are the dense FFN under a mask: MoELayer's expert tensors are never built.
@@ -202,8 +208,9 @@ def dot_moe_student(
     student = rebuild(dense, moe_cfg)
     layer_ids = moe_cfg.moe_layer_ids
     generator = torch.Generator().manual_seed(seed)
-    init = assign_neurons(dense, "kmeans" if cfg.affinity_init == "kmeans" else "random", num_experts, seed=seed,
-                          layer_ids=layer_ids)
+    init = assign_neurons(
+        dense, "kmeans" if cfg.affinity_init == "kmeans" else "random", num_experts, seed=seed, layer_ids=layer_ids
+    )
     routers = build_routers(dense, init, "centroid", num_experts)
     for layer_id in layer_ids:
         if cfg.affinity_init == "kmeans":
@@ -211,8 +218,13 @@ def dot_moe_student(
         else:
             affinity_FE = torch.randn(dense.config.d_ff, num_experts, generator=generator) * cfg.affinity_scale
         student.blocks[layer_id].ffn = DotMoELayer(
-            dense.blocks[layer_id].ffn, moe_cfg.moe, len(layer_ids), affinity_FE, routers[layer_id],
-            cfg.sinkhorn_iterations, cfg.temperature_start,
+            dense.blocks[layer_id].ffn,
+            moe_cfg.moe,
+            len(layer_ids),
+            affinity_FE,
+            routers[layer_id],
+            cfg.sinkhorn_iterations,
+            cfg.temperature_start,
         )
     student.requires_grad_(cfg.train_dense)
     for layer in dot_layers(student):
@@ -232,7 +244,8 @@ def export_dot_moe(student: Transformer) -> Transformer:
     for layer_id, layer in layers.items():
         dense.blocks[layer_id].ffn.load_state_dict(layer.dense.state_dict())
     fields = {
-        k: v for k, v in dataclasses.asdict(moe).items()
+        k: v
+        for k, v in dataclasses.asdict(moe).items()
         if k not in ("num_experts", "expert_size", "top_k", "shared_expert_size")
     }
     assignment = {i: layer.assignment() for i, layer in layers.items()}
@@ -292,8 +305,13 @@ def fit_dot_moe(
     module = DistillModule.from_models(student, dense, optim, distill or DistillConfig())
     trainer = pl.Trainer(
         accelerator="cpu" if next(dense.parameters()).device.type == "cpu" else "auto",
-        max_steps=len(batches), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
         callbacks=[SinkhornAnnealing(cfg)],
     )
     # NOTE: Lightning keeps the modules' train/eval mode as it finds them.

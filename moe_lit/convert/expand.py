@@ -34,8 +34,8 @@ instance ``u(e) / n(e)``, and no expert gets more than ``max_copies`` (3) copies
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -94,12 +94,9 @@ class UtilityAccumulator:
             expert_of_row_S = layer.experts.layout.expert_of_row().to(g_w1.device)
             mlp = layer.experts.mlp
 
-            def per_expert(*tensors_SD: torch.Tensor) -> torch.Tensor:
-                rows_S = sum(t.float().square().sum(-1) for t in tensors_SD)
-                return torch.zeros(layer.cfg.num_experts, device=rows_S.device).index_add_(0, expert_of_row_S, rows_S)
-
-            grad_sq_E = per_expert(g_w1, g_v1, g_w2)
-            weight_sq_E = per_expert(mlp.w1, mlp.v1, mlp.w2)
+            num_experts = layer.cfg.num_experts
+            grad_sq_E = _squared_norm_per_expert((g_w1, g_v1, g_w2), expert_of_row_S, num_experts)
+            weight_sq_E = _squared_norm_per_expert((mlp.w1, mlp.v1, mlp.w2), expert_of_row_S, num_experts)
             frequency_E = layer.router.stats().frequency_E
             for name, value in (
                 ("grad_sq", grad_sq_E),
@@ -113,8 +110,18 @@ class UtilityAccumulator:
     def result(self) -> ExpertUtility:
         if self.num_batches == 0:
             raise MoeLitError("utility: no batch was accumulated; utility needs at least one batch of gradients")
-        averaged = {name: {b: v / self.num_batches for b, v in per_block.items()} for name, per_block in self.sums.items()}
+        averaged = {
+            name: {b: v / self.num_batches for b, v in per_block.items()} for name, per_block in self.sums.items()
+        }
         return ExpertUtility(**averaged, num_batches=self.num_batches)
+
+
+def _squared_norm_per_expert(
+    tensors_SD: Sequence[torch.Tensor], expert_of_row_S: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Sum over each expert's rows of the squared entries of every tensor in ``tensors_SD``."""
+    rows_S = sum(t.float().square().sum(-1) for t in tensors_SD)
+    return torch.zeros(num_experts, device=rows_S.device).index_add_(0, expert_of_row_S, rows_S)
 
 
 def expert_gradients(model: Transformer) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -141,7 +148,7 @@ def expert_utility(model: Transformer, batches: Iterable[torch.Tensor], num_batc
     was_training = model.training
     model.train()  # NOTE: routers record their counts (the routing frequency) only in training mode
     try:
-        for _, batch_BL1 in zip(range(num_batches), batches):
+        for _, batch_BL1 in zip(range(num_batches), batches, strict=False):
             grads = torch.autograd.grad(next_token_loss(model, batch_BL1), params)
             finish_routing_step([layer.router for layer in model.moe_layers()], update_biases=False)
             accumulator.add(model, {b: grads[3 * i : 3 * i + 3] for i, b in enumerate(blocks)})
@@ -206,10 +213,10 @@ def _source_rows(layout: ExpertLayout, src: Sequence[int]) -> torch.Tensor:
 
 def plan_expansion(
     model: Transformer,
-    factor: Optional[int] = None,
-    counts: Optional[Sequence[int]] = None,
+    factor: int | None = None,
+    counts: Sequence[int] | None = None,
     selection: str = "uniform",
-    utility: Optional[ExpertUtility] = None,
+    utility: ExpertUtility | None = None,
     metric: str = "grad_sq",
     max_copies: int = 3,
 ) -> ExpertExpansion:
@@ -269,7 +276,7 @@ def apply_expansion(
     model: Transformer,
     plan: ExpertExpansion,
     noise: float = 1e-3,
-    balancing: Optional[str] = "bias",
+    balancing: str | None = "bias",
     seed: int = 0,
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,
@@ -346,14 +353,14 @@ def _expand_layer(old: MoELayer, new: MoELayer, src: tuple[int, ...], noise: flo
 
 def expand_experts(
     model: Transformer,
-    factor: Optional[int] = None,
-    counts: Optional[Sequence[int]] = None,
+    factor: int | None = None,
+    counts: Sequence[int] | None = None,
     selection: str = "uniform",
-    utility: Optional[ExpertUtility] = None,
+    utility: ExpertUtility | None = None,
     metric: str = "grad_sq",
     max_copies: int = 3,
     noise: float = 1e-3,
-    balancing: Optional[str] = "bias",
+    balancing: str | None = "bias",
     seed: int = 0,
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,

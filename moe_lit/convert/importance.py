@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +216,9 @@ def stationary_distribution(weights_SS: torch.Tensor, damping: float, tol: float
     """Power iteration for ``pi = pi G``, ``G = damping * P + (1 - damping) / S`` (rows without edges uniform)."""
     states = weights_SS.shape[0]
     out_S = weights_SS.sum(-1, keepdim=True)
-    transition_SS = torch.where(out_S > 0, weights_SS / out_S.clamp_min(1e-300), torch.full_like(weights_SS, 1 / states))
+    transition_SS = torch.where(
+        out_S > 0, weights_SS / out_S.clamp_min(1e-300), torch.full_like(weights_SS, 1 / states)
+    )
     pi_S = torch.full((states,), 1 / states, dtype=torch.float64)
     residual = math.inf
     for iteration in range(1, max_iterations + 1):
@@ -229,7 +232,7 @@ def stationary_distribution(weights_SS: torch.Tensor, damping: float, tol: float
     return Stationary(pi_S / pi_S.sum(), max_iterations, residual, False)
 
 
-def maestro_scores(trace: RoutingTrace, cfg: Optional[MaestroConfig] = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def maestro_scores(trace: RoutingTrace, cfg: MaestroConfig | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """``(M, E)`` MAESTRO importance ``M * pi`` and the chain's report."""
     cfg = cfg or MaestroConfig()
     result = stationary_distribution(
@@ -248,9 +251,9 @@ def maestro_scores(trace: RoutingTrace, cfg: Optional[MaestroConfig] = None) -> 
 def expert_scores(
     method: str,
     trace: RoutingTrace,
-    model: Optional[Transformer] = None,
+    model: Transformer | None = None,
     seed: int = 0,
-    maestro: Optional[MaestroConfig] = None,
+    maestro: MaestroConfig | None = None,
 ) -> ExpertScores:
     """The ``(M, E)`` importance of ``method`` (NAEE is a subset search: :func:`naee_keep`)."""
     if method not in SCORE_METHODS:
@@ -323,7 +326,9 @@ def naee_keep(
 
 def _combine(outputs_PED: torch.Tensor, indices_PK: torch.Tensor, weights_PK: torch.Tensor) -> torch.Tensor:
     """``sum_k w_pk * out[p, e_pk]``."""
-    picked_PKD = outputs_PED.gather(1, indices_PK.to(outputs_PED.device)[..., None].expand(-1, -1, outputs_PED.shape[-1]))
+    picked_PKD = outputs_PED.gather(
+        1, indices_PK.to(outputs_PED.device)[..., None].expand(-1, -1, outputs_PED.shape[-1])
+    )
     return (weights_PK.to(picked_PKD)[..., None] * picked_PKD).sum(1)
 
 
@@ -347,7 +352,9 @@ class _SubsetError:
     def _router(self, size: int) -> Router:
         if size not in self._routers:
             cfg = self.layer.cfg
-            sub = dataclasses.replace(cfg, num_experts=size, expert_size=cfg.expert_sizes[0], top_k=min(cfg.top_k, size))
+            sub = dataclasses.replace(
+                cfg, num_experts=size, expert_size=cfg.expert_sizes[0], top_k=min(cfg.top_k, size)
+            )
             # NOTE: a throw-away init: it must not advance the caller's RNG (pure function).
             with torch.random.fork_rng(devices=[]):
                 self._routers[size] = Router(self.x_PD.shape[-1], sub).to(self.x_PD)
@@ -379,7 +386,7 @@ def calibration_trace(
     model: Transformer,
     data_dir,
     tokenizer,
-    languages: Optional[Sequence[str]] = None,
+    languages: Sequence[str] | None = None,
     split: str = "val",
     max_tokens: int = 4096,
     batch_size: int = 8,
@@ -401,12 +408,12 @@ def plan_keep(
     method: str,
     model: Transformer,
     trace: RoutingTrace,
-    fraction: Optional[float] = None,
-    num: Optional[int] = None,
+    fraction: float | None = None,
+    num: int | None = None,
     global_budget: bool = False,
     clamp_top_k: bool = False,
     seed: int = 0,
-    maestro: Optional[MaestroConfig] = None,
+    maestro: MaestroConfig | None = None,
     naee_cap: int = 2000,
 ) -> tuple[dict[int, list[int]], dict[str, Any]]:
     """Kept experts per block for ``method`` and a JSON-ready report (scores, MAESTRO chain, NAEE errors).

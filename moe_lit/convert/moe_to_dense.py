@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +178,9 @@ def taylor_scores(model: Transformer, trace: RoutingTrace, max_tokens: int = 409
                 tokens_1L = tokens_L[None].to(device)
                 out = torch.func.functional_call(model, leaves, (tokens_1L[:, :-1], tokens_1L[:, 1:]))
                 weight = (tokens_L.numel() - 1) / sum(s.numel() - 1 for s in sequences)
-                for name, grad in zip(leaves, torch.autograd.grad(out.ce * weight, list(leaves.values()))):
+                for name, grad in zip(
+                    leaves, torch.autograd.grad(out.ce * weight, list(leaves.values())), strict=False
+                ):
                     grads[name] += grad
     finally:
         model.train(was_training)
@@ -262,8 +265,10 @@ def weight_features(layer: MoELayer, experts: list[int]) -> torch.Tensor:
     """``(C, 3*F*D)`` the flattened w1/v1/w2 rows of each expert (fp64)."""
     mlp, layout = layer.experts.mlp, layer.experts.layout
     return torch.stack(
-        [torch.cat([getattr(mlp, w)[layout.rows(e)].detach().double().flatten().cpu() for w in ("w1", "v1", "w2")])
-         for e in experts]
+        [
+            torch.cat([getattr(mlp, w)[layout.rows(e)].detach().double().flatten().cpu() for w in ("w1", "v1", "w2")])
+            for e in experts
+        ]
     )
 
 
@@ -298,7 +303,7 @@ def kmeans_groups(features_CX: torch.Tensor, groups: int, iterations: int) -> li
 
 
 def plan_groups(
-    layer: MoELayer, kept: list[int], features_CX: Optional[torch.Tensor], cfg: MoeToDenseConfig
+    layer: MoELayer, kept: list[int], features_CX: torch.Tensor | None, cfg: MoeToDenseConfig
 ) -> list[list[int]]:
     """Expert ids of each group (each group ordered best score first, groups by their best)."""
     if cfg.grouping == "single":
@@ -369,7 +374,8 @@ def _merged(layer: MoELayer, group: list[int], scores_E: torch.Tensor) -> dict[s
     alpha_G = scores_E[group].double().clamp_min(0)
     alpha_G = alpha_G / alpha_G.sum() if alpha_G.sum() > 0 else torch.full_like(alpha_G, 1 / len(group))
     return {
-        w: sum(float(a) * getattr(mlp, w)[layout.rows(e)] for a, e in zip(alpha_G, group)) for w in ("w1", "v1", "w2")
+        w: sum(float(a) * getattr(mlp, w)[layout.rows(e)] for a, e in zip(alpha_G, group, strict=False))
+        for w in ("w1", "v1", "w2")
     }
 
 
@@ -386,7 +392,7 @@ def _layer_plan(model, trace, m, block, scores_E, cfg) -> dict[str, Any]:
 
 @torch.no_grad()
 def moe_to_dense(
-    model: Transformer, trace: RoutingTrace, cfg: MoeToDenseConfig, scores_ME: Optional[torch.Tensor] = None
+    model: Transformer, trace: RoutingTrace, cfg: MoeToDenseConfig, scores_ME: torch.Tensor | None = None
 ) -> tuple[Transformer, dict[str, Any]]:
     """The dense model of ``cfg`` and a JSON-ready report (scores, kept experts, groups, scales).
 
@@ -412,7 +418,7 @@ def moe_to_dense(
         layer, target = model.blocks[block].ffn, new.blocks[block].ffn
         experts = model.config.moe_layer_config(block).num_experts
         parts = []
-        for group, scale in zip(plan["groups"], plan["scales"]):
+        for group, scale in zip(plan["groups"], plan["scales"], strict=False):
             merged = _merged(layer, group, scores_ME[m, :experts])
             parts.append({**merged, "w2": merged["w2"] * scale})
         if layer.shared_expert is not None:
@@ -449,10 +455,18 @@ def screen(
         dense.eval()
         with torch.no_grad():
             loss = sum(float(next_token_loss(dense, batch_BL1)) for batch_BL1 in batches) / len(batches)
-        rows.append({
-            "config": cfg.name, "score": cfg.score, "grouping": cfg.grouping, "scaling": cfg.scaling,
-            "keep": cfg.keep, "groups": cfg.groups, "params": count_model_params(dense).total, "loss": loss,
-        })
+        rows.append(
+            {
+                "config": cfg.name,
+                "score": cfg.score,
+                "grouping": cfg.grouping,
+                "scaling": cfg.scaling,
+                "keep": cfg.keep,
+                "groups": cfg.groups,
+                "params": count_model_params(dense).total,
+                "loss": loss,
+            }
+        )
     return sorted(rows, key=lambda row: row["loss"])
 
 

@@ -37,7 +37,8 @@ share of the activation mass ``sum_{i in e} |H_ti|`` (cross-entropy to that dist
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ def partition_ffn(
     assignment: Mapping[int, torch.Tensor],
     num_experts: int,
     top_k: int,
-    routers: Optional[Mapping[int, torch.Tensor]] = None,
+    routers: Mapping[int, torch.Tensor] | None = None,
     seed: int = 0,
     **moe_fields: Any,
 ) -> Transformer:
@@ -84,7 +85,9 @@ def partition_ffn(
         if rows_ED is None:
             rows_ED = torch.randn(num_experts, cfg.d_model, generator=generator) * cfg.init_std
         elif tuple(rows_ED.shape) != (num_experts, cfg.d_model):
-            raise MoeLitError(f"routers: block {layer_id} needs ({num_experts}, {cfg.d_model}) rows, got {tuple(rows_ED.shape)}")
+            raise MoeLitError(
+                f"routers: block {layer_id} needs ({num_experts}, {cfg.d_model}) rows, got {tuple(rows_ED.shape)}"
+            )
         set_router(layer, rows_ED)
     return new
 
@@ -106,7 +109,9 @@ def partitioned_config(cfg: ModelConfig, num_experts: int, top_k: int, **moe_fie
 def _checked_assignment(experts_F: torch.Tensor, d_ff: int, num_experts: int, layer_id: int) -> torch.Tensor:
     experts_F = torch.as_tensor(experts_F).long().cpu()
     if experts_F.shape != (d_ff,):
-        raise MoeLitError(f"assignment: block {layer_id} needs one expert id per neuron ({d_ff}), got {tuple(experts_F.shape)}")
+        raise MoeLitError(
+            f"assignment: block {layer_id} needs one expert id per neuron ({d_ff}), got {tuple(experts_F.shape)}"
+        )
     in_range = bool(((experts_F >= 0) & (experts_F < num_experts)).all())
     counts_E = torch.bincount(experts_F, minlength=num_experts) if in_range else None
     if counts_E is None or (counts_E != d_ff // num_experts).any():
@@ -181,9 +186,9 @@ def assign_neurons(
     model: Transformer,
     method: str,
     num_experts: int,
-    calibration: Optional[Mapping[int, torch.Tensor]] = None,
+    calibration: Mapping[int, torch.Tensor] | None = None,
     seed: int = 0,
-    layer_ids: Optional[tuple[int, ...]] = None,
+    layer_ids: tuple[int, ...] | None = None,
 ) -> dict[int, torch.Tensor]:
     """``{block: (F,) expert ids}`` for every dense FFN (or ``layer_ids``) by ``method``.
 
@@ -212,7 +217,7 @@ def build_routers(
     assignment: Mapping[int, torch.Tensor],
     kind: str,
     num_experts: int,
-    calibration: Optional[Mapping[int, torch.Tensor]] = None,
+    calibration: Mapping[int, torch.Tensor] | None = None,
     seed: int = 0,
     steps: int = 100,
     lr: float = 1e-2,

@@ -27,7 +27,7 @@ Top-k stays unless a layer keeps fewer than k experts: that is refused, or with
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ EXPERT_MATRICES = ("w1", "v1", "w2")
 
 
 # ----------------------------------------------------------------------------- plan
-def removal_counts(num_experts: int, fraction: Optional[float] = None, num: Optional[int] = None) -> int:
+def removal_counts(num_experts: int, fraction: float | None = None, num: int | None = None) -> int:
     """Experts to remove out of ``num_experts``: ``round(fraction * num_experts)`` or ``num``."""
     if (fraction is None) == (num is None):
         raise ConfigError("fraction/num: give exactly one of fraction (in [0, 1)) or num (experts to remove)")
@@ -56,8 +56,8 @@ def removal_counts(num_experts: int, fraction: Optional[float] = None, num: Opti
 
 def plan_pruning(
     scores: Mapping[int, torch.Tensor],
-    fraction: Optional[float] = None,
-    num: Optional[int] = None,
+    fraction: float | None = None,
+    num: int | None = None,
     global_budget: bool = False,
     min_keep: int = 1,
 ) -> dict[int, list[int]]:
@@ -79,7 +79,7 @@ def plan_pruning(
     }
 
 
-def kept_count(num_experts: int, block: int, fraction: Optional[float] = None, num: Optional[int] = None) -> int:
+def kept_count(num_experts: int, block: int, fraction: float | None = None, num: int | None = None) -> int:
     """Experts a layer keeps under a per-layer budget (at least one)."""
     remove = removal_counts(num_experts, fraction, num)
     if remove >= num_experts:

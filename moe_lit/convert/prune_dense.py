@@ -15,7 +15,7 @@ neurons that are zero on every input (e.g. zero v1 rows) leaves the logits uncha
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

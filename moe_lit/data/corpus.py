@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
 
 from moe_lit.data.layout import SPLITS
 from moe_lit.errors import MoeLitError
@@ -50,7 +50,7 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
-def clean(paragraphs: Iterable[Paragraph], fallback: Optional[dict[str, str]] = None) -> list[Paragraph]:
+def clean(paragraphs: Iterable[Paragraph], fallback: dict[str, str] | None = None) -> list[Paragraph]:
     """Normalise whitespace, drop empty paragraphs, untranslated fallbacks and duplicates.
 
     ``fallback`` maps paragraph ids to the source-language (English) text: a paragraph whose text
@@ -90,7 +90,7 @@ def split_paragraphs(
     return splits
 
 
-def cap(corpus: dict[str, list[Paragraph]], max_paragraphs: Optional[int]) -> dict[str, list[Paragraph]]:
+def cap(corpus: dict[str, list[Paragraph]], max_paragraphs: int | None) -> dict[str, list[Paragraph]]:
     """At most ``max_paragraphs`` per language, preferring ids that more languages share.
 
     Ids are ranked by how many languages have them, then by a hash of the id, so a capped parallel

@@ -14,8 +14,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from moe_lit.data.corpus import LOCAL_FOLDER_HINT, Paragraph, normalize
 from moe_lit.errors import MoeLitError
@@ -77,7 +77,7 @@ def available_languages() -> list[str]:
     proc = _run(["apt-cache", "pkgnames", PACKAGE_PREFIX])
     if proc.returncode != 0:
         raise MoeLitError(f"apt-cache pkgnames failed: {_last_error_line(proc)}; {LOCAL_FOLDER_HINT}")
-    suffixes = {name[len(PACKAGE_PREFIX):] for name in proc.stdout.split()} - set(NOT_LANGUAGES)
+    suffixes = {name[len(PACKAGE_PREFIX) :] for name in proc.stdout.split()} - set(NOT_LANGUAGES)
     aliases = {short for short, full in ALIASES.items() if full in suffixes}
     return sorted(suffixes | aliases)
 

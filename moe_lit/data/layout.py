@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from moe_lit.checkpoint import TOKENIZER_FILE
 from moe_lit.errors import MoeLitError
@@ -24,7 +24,7 @@ from moe_lit.errors import MoeLitError
 META_FILE = "meta.json"
 SPLITS = ("train", "val", "test")
 FORMAT_VERSION = 1
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def default_data_dir() -> Path:

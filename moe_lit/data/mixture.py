@@ -11,7 +11,8 @@ and remembers how many it has yielded, so resuming continues with the very next 
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from moe_lit.data.layout import import_litdata
 
@@ -48,7 +49,7 @@ class MixtureLoader(litdata.StreamingDataLoader):
         super().__init__(combined, batch_size=batch_size, num_workers=0, collate_fn=collate_fn)
         self.batches_per_epoch = epoch_samples(weights, [len(d) for d in datasets], seed) // batch_size
         self._batches = 0
-        self._resume_from: Optional[int] = None
+        self._resume_from: int | None = None
 
     def __len__(self) -> int:
         return self.batches_per_epoch

@@ -11,9 +11,9 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 import numpy as np
 
@@ -51,21 +51,21 @@ class PrepareConfig:
 
     source: str = "debian"
     """``debian`` (LibreOffice help from Debian packages), a folder ``DIR/<lang>/*.txt`` or ``hf:NAME``."""
-    languages: Optional[list[str]] = None
+    languages: list[str] | None = None
     """Language codes; default: nine languages for ``debian``, every folder for a local source."""
-    out: Optional[Path] = None
+    out: Path | None = None
     """Output directory; default ``$MOE_LIT_DATA`` or ``data_cache/default`` in the checkout."""
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     """BPE vocabulary size (default 8192); must match ``tokenizer`` when one is given."""
-    tokenizer: Optional[Path] = None
+    tokenizer: Path | None = None
     """Reuse this ``tokenizer.json`` instead of training one (e.g. to tokenize new data for a model)."""
-    max_paragraphs: Optional[int] = None
+    max_paragraphs: int | None = None
     """Keep at most this many paragraphs per language (the same ids in every language)."""
     val_fraction: float = 0.05
     """Fraction of paragraph ids in the validation split."""
     test_fraction: float = 0.05
     """Fraction of paragraph ids in the test split (a parallel corpus for a parallel source)."""
-    cache_dir: Optional[Path] = None
+    cache_dir: Path | None = None
     """Package / paragraph cache; default ``$MOE_LIT_CACHE`` or ``~/.cache/moe_lit``."""
     force: bool = False
     """Rebuild even when ``out`` was prepared with the same settings."""
@@ -133,7 +133,7 @@ def _raw_paragraphs(cfg: PrepareConfig, lang: str) -> Iterator[Paragraph]:
     if kind == "local":
         return corpus.local_paragraphs(Path(cfg.source), lang)
     # NOTE: a hub dataset may be huge: stream only what the cap keeps.
-    return itertools.islice(corpus.hf_paragraphs(cfg.source[len(corpus.HF_PREFIX):], lang), cfg.max_paragraphs)
+    return itertools.islice(corpus.hf_paragraphs(cfg.source[len(corpus.HF_PREFIX) :], lang), cfg.max_paragraphs)
 
 
 def _debian_corpus(cfg: PrepareConfig, languages: list[str]) -> dict[str, list[Paragraph]]:
@@ -148,8 +148,7 @@ def _debian_corpus(cfg: PrepareConfig, languages: list[str]) -> dict[str, list[P
         raw[lang] = debian.cached_paragraphs(lang, cfg.cache_dir, cfg.progress)
     fallback = {par.id: par.text for par in raw[debian.REFERENCE_LANGUAGE]}
     return {
-        lang: corpus.clean(raw[lang], None if lang == debian.REFERENCE_LANGUAGE else fallback)
-        for lang in languages
+        lang: corpus.clean(raw[lang], None if lang == debian.REFERENCE_LANGUAGE else fallback) for lang in languages
     }
 
 
@@ -227,7 +226,7 @@ def _parallel_ids(per_lang: dict[str, list[Paragraph]]) -> int:
     return len(set.intersection(*id_sets)) if id_sets else 0
 
 
-def _prepared_with(out: Path, settings: dict[str, object]) -> Optional[dict[str, object]]:
+def _prepared_with(out: Path, settings: dict[str, object]) -> dict[str, object] | None:
     """The meta of ``out`` when it was prepared (in this format) with ``settings``, else None."""
     try:
         meta = read_meta(out)

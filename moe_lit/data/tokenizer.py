@@ -6,8 +6,8 @@ is ``EOS``, written after each paragraph, so a token stream is ``para EOS para E
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,7 +35,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, 
     return tokenizer
 
 
-def read_tokenizer_file(path: Union[str, Path]):
+def read_tokenizer_file(path: str | Path):
     """A ``tokenizers.Tokenizer`` from its ``tokenizer.json``; a one-line error naming the file if unreadable."""
     from tokenizers import Tokenizer
 
@@ -47,7 +47,7 @@ def read_tokenizer_file(path: Union[str, Path]):
         raise MoeLitError(f"tokenizer {path}: not a readable tokenizer.json") from exc
 
 
-def load_tokenizer(path: Path, expected_vocab_size: Optional[int] = None):
+def load_tokenizer(path: Path, expected_vocab_size: int | None = None):
     """A saved tokenizer; a one-line error when it is missing, lacks EOS or has another vocab size."""
     tokenizer = read_tokenizer_file(path)
     if tokenizer.token_to_id(EOS) is None:

@@ -23,7 +23,7 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,14 +42,14 @@ Request = tuple[Any, list[int], list[int]]
 """``(cache key, context tokens, continuation tokens)`` as TemplateLM passes them."""
 
 
-def load_tokenizer(path: Union[str, Path]):
+def load_tokenizer(path: str | Path):
     """A HF ``tokenizers`` tokenizer from its ``tokenizer.json`` (any special tokens)."""
     from moe_lit.data.tokenizer import read_tokenizer_file
 
     return read_tokenizer_file(path)
 
 
-def resolve_eot_id(tokenizer, eot_token: Optional[str] = None) -> int:
+def resolve_eot_id(tokenizer, eot_token: str | None = None) -> int:
     """Id of ``eot_token``, else of the first known end-of-text special token the tokenizer has."""
     candidates = (eot_token,) if eot_token else EOT_CANDIDATES
     for token in candidates:
@@ -63,7 +63,7 @@ GENERIC_DIRS = ("checkpoints", "models")
 """Folder names that say nothing about the run; :func:`checkpoint_name` skips them."""
 
 
-def checkpoint_name(checkpoint: Union[str, Path]) -> str:
+def checkpoint_name(checkpoint: str | Path) -> str:
     """A results folder name: ``<run dir>-<file stem or export dir>``, e.g. ``demo-tiny-moe`` for
     ``results/demo/models/tiny-moe`` and ``<run>-last`` for ``<run>/checkpoints/last.ckpt``."""
     checkpoint = Path(checkpoint).resolve()
@@ -71,7 +71,7 @@ def checkpoint_name(checkpoint: Union[str, Path]) -> str:
     return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
 
 
-def stored_tokenizer(checkpoint: Union[str, Path]) -> Path:
+def stored_tokenizer(checkpoint: str | Path) -> Path:
     """The ``tokenizer.json`` stored with a checkpoint (beside an export, or in its data dir)."""
     from moe_lit.checkpoint import find_tokenizer
 
@@ -87,19 +87,19 @@ class MoeLitLM(TemplateLM):
 
     def __init__(
         self,
-        checkpoint: Optional[Union[str, Path]] = None,
-        tokenizer: Optional[Union[str, Path, Any]] = None,
-        batch_size: Union[int, str] = 8,
+        checkpoint: str | Path | None = None,
+        tokenizer: str | Path | Any | None = None,
+        batch_size: int | str = 8,
         device: str = "cpu",
-        max_length: Optional[int] = None,
+        max_length: int | None = None,
         max_gen_toks: int = 256,
-        eot_token: Optional[str] = None,
-        model: Optional[torch.nn.Module] = None,
-        max_batch_size: Optional[int] = None,
-        sparsity: Optional[Union[float, str]] = None,
+        eot_token: str | None = None,
+        model: torch.nn.Module | None = None,
+        max_batch_size: int | None = None,
+        sparsity: float | str | None = None,
         sparsity_rule: str = "gate",
         sparsity_granularity: str = "layer",
-        calibration: Optional[Union[str, Path]] = None,
+        calibration: str | Path | None = None,
     ) -> None:
         """
         Args:
@@ -166,7 +166,7 @@ class MoeLitLM(TemplateLM):
     def max_length(self) -> int:
         return self._max_length
 
-    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         # NOTE: our tokenizers add no BOS; the prefix token for empty contexts comes from TemplateLM.
         return self.tokenizer.encode(string, add_special_tokens=False).ids
 
@@ -187,10 +187,10 @@ class MoeLitLM(TemplateLM):
                 pieces.append((context + continuation[:start], continuation[start : start + self.max_length]))
                 owners.append(owner)
         totals = [(0.0, True)] * len(requests)
-        for owner, (score, greedy) in zip(owners, self._score_pieces(pieces, disable_tqdm)):
+        for owner, (score, greedy) in zip(owners, self._score_pieces(pieces, disable_tqdm), strict=False):
             total, all_greedy = totals[owner]
             totals[owner] = (total + score, all_greedy and greedy)
-        for (key, _, _), answer in zip(requests, totals):
+        for (key, _, _), answer in zip(requests, totals, strict=False):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return totals
@@ -229,9 +229,11 @@ class MoeLitLM(TemplateLM):
                 windows.append((None, context, continuation))
                 owners.append(owner)
         totals = [0.0] * len(requests)
-        for owner, (score, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+        for owner, (score, _) in zip(
+            owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm), strict=False
+        ):
             totals[owner] += score
-        for request, total in zip(requests, totals):
+        for request, total in zip(requests, totals, strict=False):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
@@ -248,7 +250,7 @@ class MoeLitLM(TemplateLM):
             stops, max_new = self._generation_settings(batch[0][1])
             prompts = [self.tok_encode(context) or [self.prefix_token_id] for context, _ in batch]
             texts = self._greedy(prompts, max_new, stops)
-            for args, text in zip(batch, texts):
+            for args, text in zip(batch, texts, strict=False):
                 self.cache_hook.add_partial("generate_until", args, text)
             outputs.extend(texts)
         return collator.get_original(outputs)
@@ -272,7 +274,11 @@ class MoeLitLM(TemplateLM):
             return _cut_at_stop(self.tok_decode(generated), stops)[1]
 
         generated = generate(
-            self.model, prompts, max_new, stop_tokens=[self.eot_token_id], stop=stopped if stops else None,
+            self.model,
+            prompts,
+            max_new,
+            stop_tokens=[self.eot_token_id],
+            stop=stopped if stops else None,
             window=self.max_length,
         )
         return [_cut_at_stop(self.tok_decode(tokens), stops)[0] for tokens in generated]
@@ -297,7 +303,7 @@ def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def _positive_int(value: Union[int, str], name: str) -> int:
+def _positive_int(value: int | str, name: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from moe_lit.errors import MoeLitError
 
@@ -33,15 +33,15 @@ class Retention:
 def retention(original: Mapping[str, float], pruned: Mapping[str, float], higher_is_better: bool = True) -> Retention:
     """Retention of ``pruned`` against ``original`` over their (identical) keys."""
     if set(original) != set(pruned) or not original:
-        raise MoeLitError(
-            f"retention: needs the same non-empty keys, got {sorted(original)} and {sorted(pruned)}"
-        )
+        raise MoeLitError(f"retention: needs the same non-empty keys, got {sorted(original)} and {sorted(pruned)}")
     per_key = {}
     for key in original:
         before, after = float(original[key]), float(pruned[key])
         numerator, denominator = (after, before) if higher_is_better else (before, after)
         if denominator <= 0 or not math.isfinite(numerator) or not math.isfinite(denominator):
-            raise MoeLitError(f"retention: {key!r} needs finite metrics with a positive denominator, got {before}, {after}")
+            raise MoeLitError(
+                f"retention: {key!r} needs finite metrics with a positive denominator, got {before}, {after}"
+            )
         per_key[key] = numerator / denominator
     values = list(per_key.values())
     return Retention(per_key, statistics.fmean(values), statistics.pvariance(values))

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,9 +65,9 @@ class RoutingTrace:
     """Input token id of each token (int64)."""
     labels: dict[str, list[Any]] = field(default_factory=dict)
     """Per-sequence metadata: label name -> one value per sequence (e.g. language, doc)."""
-    probs_MNE: Optional[torch.Tensor] = None
+    probs_MNE: torch.Tensor | None = None
     """Router scores of every expert (softmax or sigmoid, before bias), when recorded."""
-    inputs_MND: Optional[torch.Tensor] = None
+    inputs_MND: torch.Tensor | None = None
     """Input of each MoE layer for each token (float32, after the FFN norm), when recorded."""
 
     def __post_init__(self) -> None:
@@ -145,7 +146,7 @@ class RoutingTrace:
         values = self.labels[name]
         return [values[s] for s in self.seq_N.tolist()]
 
-    def select(self, mask_N: torch.Tensor) -> "RoutingTrace":
+    def select(self, mask_N: torch.Tensor) -> RoutingTrace:
         """The tokens where ``mask_N`` is true (sequence ids and labels are kept)."""
         return RoutingTrace(
             layer_ids=self.layer_ids,
@@ -160,7 +161,7 @@ class RoutingTrace:
             inputs_MND=None if self.inputs_MND is None else self.inputs_MND[:, mask_N],
         )
 
-    def where(self, **labels: Any) -> "RoutingTrace":
+    def where(self, **labels: Any) -> RoutingTrace:
         """The tokens of the sequences whose labels equal the given values, e.g. ``where(language="de")``."""
         keep_S = torch.ones(self.num_sequences, dtype=torch.bool)
         for name, value in labels.items():
@@ -170,7 +171,7 @@ class RoutingTrace:
         return self.select(keep_S[self.seq_N])
 
     @staticmethod
-    def concat(traces: Sequence["RoutingTrace"]) -> "RoutingTrace":
+    def concat(traces: Sequence[RoutingTrace]) -> RoutingTrace:
         """One trace of several (same layers and experts); sequence ids are renumbered."""
         if not traces:
             raise MoeLitError("routing trace: nothing to concatenate")
@@ -202,7 +203,7 @@ class RoutingTrace:
         )
 
     # ------------------------------------------------------------------ files
-    def save(self, path: Union[str, Path]) -> Path:
+    def save(self, path: str | Path) -> Path:
         """Write the trace to a ``.pt`` file (plain tensors, lists and ints) atomically."""
         path = Path(path)
         # NOTE: ids are stored narrow (int16 experts, int32 tokens/positions) and widened on load.
@@ -231,7 +232,7 @@ class RoutingTrace:
         return path
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "RoutingTrace":
+    def load(cls, path: str | Path) -> RoutingTrace:
         path = Path(path)
         if not path.is_file():
             raise MoeLitError(f"routing trace: no such file {path}")
@@ -368,7 +369,9 @@ def routing_trace(model: nn.Module, record_probs: bool = False, record_inputs: b
         )
         if record_inputs:
             handles.append(
-                layer.register_forward_pre_hook(lambda _module, args, slot=slot: recorder._on_layer_input(slot, args[0]))
+                layer.register_forward_pre_hook(
+                    lambda _module, args, slot=slot: recorder._on_layer_input(slot, args[0])
+                )
             )
     try:
         yield recorder

@@ -28,9 +28,10 @@ import json
 import random
 import re
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from moe_lit.errors import MoeLitError
 
@@ -49,7 +50,7 @@ class SuiteConfig:
 
     split: str = "test"
     """Split of the prepared dir to read (``text/<split>/<lang>.jsonl``)."""
-    languages: Optional[list[str]] = None
+    languages: list[str] | None = None
     """Languages to build; null = all of ``meta.json``'s languages that have a file."""
     num_distractors: int = 3
     """Distractor paragraphs per next-paragraph item (fewer when the document is short)."""
@@ -67,7 +68,7 @@ class SuiteConfig:
 
 
 # ---------------------------------------------------------------------- parallel text
-def resolve_data_dir(checkpoint: Path, data: Optional[Path] = None) -> Path:
+def resolve_data_dir(checkpoint: Path, data: Path | None = None) -> Path:
     """``data``, else the data dir a ``.ckpt`` was trained on, else the default prepared dir."""
     if data is None:
         data = _trained_on(Path(checkpoint))
@@ -80,7 +81,7 @@ def resolve_data_dir(checkpoint: Path, data: Optional[Path] = None) -> Path:
     return Path(data)
 
 
-def _trained_on(checkpoint: Path) -> Optional[Path]:
+def _trained_on(checkpoint: Path) -> Path | None:
     if not checkpoint.is_file():
         return None
     from moe_lit.checkpoint import read_lightning_checkpoint
@@ -89,7 +90,7 @@ def _trained_on(checkpoint: Path) -> Optional[Path]:
     return Path(data_dir) if data_dir else None
 
 
-def read_parallel(data_dir: Path, split: str = "test", languages: Optional[Sequence[str]] = None) -> dict[str, list]:
+def read_parallel(data_dir: Path, split: str = "test", languages: Sequence[str] | None = None) -> dict[str, list]:
     """Per language, the paragraphs whose id exists in every language, in the first language's order."""
     data_dir = Path(data_dir)
     if languages is None:
@@ -135,7 +136,7 @@ def documents(paragraphs: list[dict[str, Any]]) -> dict[Any, list[int]]:
 
 # ---------------------------------------------------------------------- items
 def build_items(
-    parallel: dict[str, list], cfg: SuiteConfig, index: Optional[ParagraphIndex] = None
+    parallel: dict[str, list], cfg: SuiteConfig, index: ParagraphIndex | None = None
 ) -> dict[str, dict[str, list[dict]]]:
     """``{kind: {lang: items}}`` for kinds ppl / next / pairs; the same items in every language.
 
@@ -170,7 +171,7 @@ class ParagraphIndex:
     """Per language, ``paragraph id -> text``."""
 
 
-def paragraph_index(data_dir: Path, languages: Sequence[str]) -> Optional[ParagraphIndex]:
+def paragraph_index(data_dir: Path, languages: Sequence[str]) -> ParagraphIndex | None:
     """Index of all splits' paragraphs; None when the records carry no ``pos`` (document order)."""
     index = ParagraphIndex({}, {lang: {} for lang in languages})
     for split_dir in sorted(p for p in (Path(data_dir) / "text").iterdir() if p.is_dir()):
@@ -185,7 +186,7 @@ def paragraph_index(data_dir: Path, languages: Sequence[str]) -> Optional[Paragr
     return index
 
 
-def _contexts(parallel: dict[str, list], positions: list[int], j: int, index: Optional[ParagraphIndex]):
+def _contexts(parallel: dict[str, list], positions: list[int], j: int, index: ParagraphIndex | None):
     """Per language, the paragraph right before test paragraph ``positions[j]``; None if unknown.
 
     With ``pos`` it is the document's previous paragraph (any split, the same id in every
@@ -200,7 +201,7 @@ def _contexts(parallel: dict[str, list], positions: list[int], j: int, index: Op
 
 
 def _next_items(
-    parallel: dict[str, list], docs: dict[Any, list[int]], cfg: SuiteConfig, index: Optional[ParagraphIndex]
+    parallel: dict[str, list], docs: dict[Any, list[int]], cfg: SuiteConfig, index: ParagraphIndex | None
 ) -> dict[str, list[dict]]:
     items: dict[str, list[dict]] = {lang: [] for lang in parallel}
     texts = {lang: [r["text"].strip() for r in paras] for lang, paras in parallel.items()}
@@ -234,7 +235,7 @@ def first_sentence(text: str) -> str:
     return _SENTENCE_END.split(text.strip(), maxsplit=1)[0]
 
 
-def shuffled(sentence: str, rng: random.Random) -> Optional[str]:
+def shuffled(sentence: str, rng: random.Random) -> str | None:
     """The sentence with all words but the first shuffled; None when no other order exists.
 
     NOTE: keeping the first word in place keeps the multiset of byte-level BPE pre-tokens
@@ -287,7 +288,7 @@ def render_template(template: str, out_file: Path, **values: str) -> Path:
     return out_file
 
 
-def render_suite(data_dir: Path, work_dir: Path, cfg: Optional[SuiteConfig] = None) -> dict[str, Any]:
+def render_suite(data_dir: Path, work_dir: Path, cfg: SuiteConfig | None = None) -> dict[str, Any]:
     """Write the local suite's items and task YAMLs under ``work_dir``; returns (and writes as
     ``suite.json``) a manifest: languages, items per kind, chance accuracy per kind, task names."""
     cfg = cfg or SuiteConfig()
@@ -367,9 +368,9 @@ def render_builtin_local(name: str, data_file: Path, work_dir: Path) -> str:
 def resolve_tasks(
     requested: Sequence[str],
     work_dir: Path,
-    data_dir: Optional[Path] = None,
-    task_data: Optional[dict[str, Path]] = None,
-    suite: Optional[SuiteConfig] = None,
+    data_dir: Path | None = None,
+    task_data: dict[str, Path] | None = None,
+    suite: SuiteConfig | None = None,
 ):
     """Render what the requested tasks need into ``work_dir``; returns ``(task names, TaskManager)``.
 

@@ -16,7 +16,7 @@ assignments are dropped differs from a full-window forward, as it already does b
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -32,12 +32,12 @@ def generate(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     stop_tokens: Iterable[int] = (),
-    stop: Optional[StopRule] = None,
-    seed: Optional[int] = None,
-    window: Optional[int] = None,
+    stop: StopRule | None = None,
+    seed: int | None = None,
+    window: int | None = None,
 ) -> list[list[int]]:
     """The generated tokens of every prompt (stop tokens excluded); see :func:`stream`."""
     generated: list[list[int]] = [[] for _ in prompts]
@@ -54,13 +54,13 @@ def stream(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 0.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
     stop_tokens: Iterable[int] = (),
-    stop: Optional[StopRule] = None,
-    seed: Optional[int] = None,
-    window: Optional[int] = None,
-) -> Iterator[list[Optional[int]]]:
+    stop: StopRule | None = None,
+    seed: int | None = None,
+    window: int | None = None,
+) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every row (None for a row that has ended).
 
     ``temperature`` 0 decodes greedily; otherwise tokens are sampled from the softmax of
@@ -79,7 +79,7 @@ def stream(
     done = [False] * len(rows)
     for step in range(max_new_tokens):
         picked_B = next_tokens(logits_BV, temperature, top_k, top_p, generator).tolist()
-        emitted: list[Optional[int]] = [None] * len(rows)
+        emitted: list[int | None] = [None] * len(rows)
         for b, token in enumerate(picked_B):
             if done[b]:
                 continue
@@ -115,9 +115,9 @@ def _prefill(model, rows: list[list[int]], max_slots: int, device) -> tuple[KVCa
 def next_tokens(
     logits_BV: torch.Tensor,
     temperature: float,
-    top_k: Optional[int],
-    top_p: Optional[float],
-    generator: Optional[torch.Generator],
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """``(B,)`` greedy (temperature 0) or sampled next tokens."""
     if temperature == 0:

@@ -16,7 +16,6 @@ L tokens of every row at slots ``cache.length .. cache.length + L - 1`` and adva
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -40,7 +39,7 @@ class StepView:
 class LayerKVCache:
     """One layer's view of a :class:`KVCache`; attention calls :meth:`update` once per step."""
 
-    def __init__(self, cache: "KVCache", layer: int) -> None:
+    def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
     @property
@@ -65,8 +64,8 @@ class KVCache:
         cfg: ModelConfig,
         batch: int,
         max_slots: int,
-        pad_B: Optional[torch.Tensor] = None,
-        device: Optional[torch.device] = None,
+        pad_B: torch.Tensor | None = None,
+        device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if not 0 < max_slots <= cfg.seq_len:
@@ -76,7 +75,7 @@ class KVCache:
         self.v_NBGSDh = torch.zeros(shape, device=device, dtype=dtype)
         self.pad_B = torch.zeros(batch, dtype=torch.long, device=device) if pad_B is None else pad_B.to(device)
         self.length = 0
-        self._step: Optional[StepView] = None
+        self._step: StepView | None = None
         self.layers = [LayerKVCache(self, i) for i in range(cfg.n_layers)]
 
     @property

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -81,10 +82,12 @@ class SparsityConfig:
                 f"sparsity.granularity: got {self.granularity!r}, allowed values: {', '.join(GRANULARITIES)}"
             )
         if not isinstance(self.calibration_tokens, int) or self.calibration_tokens <= 0:
-            raise ConfigError(f"sparsity.calibration_tokens: must be a positive integer, got {self.calibration_tokens!r}")
+            raise ConfigError(
+                f"sparsity.calibration_tokens: must be a positive integer, got {self.calibration_tokens!r}"
+            )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SparsityConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> SparsityConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
@@ -110,7 +113,9 @@ class FFNView:
 def ffn_view(module: nn.Module) -> FFNView:
     """A dense SwiGLU is one expert (its ``w2.weight`` is (D, F): transposed here, a view)."""
     if isinstance(module, SwiGLU):
-        return FFNView(ExpertLayout.of([module.w1.out_features]), module.w1.weight, module.v1.weight, module.w2.weight.t())
+        return FFNView(
+            ExpertLayout.of([module.w1.out_features]), module.w1.weight, module.v1.weight, module.w2.weight.t()
+        )
     return FFNView(module.layout, module.mlp.w1, module.mlp.v1, module.mlp.w2)
 
 
@@ -124,7 +129,7 @@ def ffn_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def expert_inputs(
-    x_TD: torch.Tensor, indices_TK: torch.Tensor, layout: ExpertLayout, capacity: Optional[int]
+    x_TD: torch.Tensor, indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None
 ) -> tuple[Dispatch, list[tuple[int, slice]]]:
     """The training path's routing plan (looped slots) and the slot range of every expert with tokens."""
     plan = plan_dispatch(indices_TK, layout, capacity, "looped")
@@ -179,7 +184,7 @@ class SparseExperts(nn.Module):
         self.register_buffer("thresholds_E", thresholds_E.to(experts.bias.device), persistent=False)
 
     def forward(
-        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, Dispatch]:
         plan, ranges = expert_inputs(x_TD, indices_TK, self.layout, capacity)
         view = ffn_view(self)
@@ -270,7 +275,9 @@ class ScoreSample:
 
 
 @torch.inference_mode()
-def collect_scores(model: nn.Module, batches: Iterable[torch.Tensor], rule: Rule, max_tokens: int, seed: int = 0) -> ScoreSample:
+def collect_scores(
+    model: nn.Module, batches: Iterable[torch.Tensor], rule: Rule, max_tokens: int, seed: int = 0
+) -> ScoreSample:
     """Run ``batches`` (``(B, L)`` token ids) through ``model`` until ``max_tokens`` tokens, keeping scores."""
     generator = torch.Generator().manual_seed(seed)
     samples: dict[tuple[str, int], list[torch.Tensor]] = {}
@@ -306,7 +313,9 @@ def thresholds_at(sample: ScoreSample, target: float, granularity: Granularity) 
     SparsityConfig(target=target, rule=sample.rule, granularity=granularity)
     values: dict[str, torch.Tensor] = {}
     for name, num_experts in sample.num_experts.items():
-        per_expert = {e: torch.cat(sample.samples[(name, e)]) for e in range(num_experts) if (name, e) in sample.samples}
+        per_expert = {
+            e: torch.cat(sample.samples[(name, e)]) for e in range(num_experts) if (name, e) in sample.samples
+        }
         if not per_expert:
             continue
         layer = _quantile(torch.cat(list(per_expert.values())), target)
@@ -343,7 +352,7 @@ def sparsify(model: nn.Module, thresholds: Thresholds) -> nn.Module:
     return out.eval()
 
 
-def sparse_model(model: nn.Module, cfg: Optional[SparsityConfig], batches: Iterable[torch.Tensor]) -> nn.Module:
+def sparse_model(model: nn.Module, cfg: SparsityConfig | None, batches: Iterable[torch.Tensor]) -> nn.Module:
     """The model as ``cfg`` asks: itself when None, else calibrated on ``batches`` and sparsified."""
     return model if cfg is None else sparsify(model, calibrate(model, batches, cfg))
 
@@ -439,15 +448,22 @@ def sparsity_loss_curve(
             mine = [r for r in stats if r["language"] == language]
             weight = sum(r["assignments"] for r in mine)
             loss = mean_loss(sparse, batches)
-            rows.append({
-                "target": target, "rule": rule, "granularity": granularity, "language": language, "loss": loss,
-                "dense_loss": dense[language], "increase": loss / dense[language] - 1.0,
-                "inactive": sum(r["inactive"] * r["assignments"] for r in mine) / max(weight, 1),
-            })
+            rows.append(
+                {
+                    "target": target,
+                    "rule": rule,
+                    "granularity": granularity,
+                    "language": language,
+                    "loss": loss,
+                    "dense_loss": dense[language],
+                    "increase": loss / dense[language] - 1.0,
+                    "inactive": sum(r["inactive"] * r["assignments"] for r in mine) / max(weight, 1),
+                }
+            )
     return rows
 
 
-def highest_target_within(rows: Sequence[Mapping[str, Any]], max_increase: float = 0.01) -> Optional[float]:
+def highest_target_within(rows: Sequence[Mapping[str, Any]], max_increase: float = 0.01) -> float | None:
     """The highest target of a :func:`sparsity_loss_curve` whose loss increase is at most
     ``max_increase`` in every language (None when none is)."""
     worst: dict[float, float] = {}

@@ -26,7 +26,8 @@ from __future__ import annotations
 import argparse
 import re
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -60,7 +61,7 @@ class MoELightningCLI(LightningCLI):
         parser.add_lightning_class_args(RoutingMonitor, "routing")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         for name, help_text in TRAIN_FIELDS.items():
-            parser.add_argument(f"--train.{name}", type=Optional[int], default=None, help=help_text)
+            parser.add_argument(f"--train.{name}", type=int | None, default=None, help=help_text)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -77,7 +78,9 @@ class MoELightningCLI(LightningCLI):
         # when it is missing, corrupt or holds code), then Lightning parses its hyper-parameters.
         section = self._section()
         if section.get("weights_only") is False:
-            raise MoeLitError("weights_only: false is refused; checkpoints load with weights_only=True (never run code)")
+            raise MoeLitError(
+                "weights_only: false is refused; checkpoints load with weights_only=True (never run code)"
+            )
         if "weights_only" in section:
             section["weights_only"] = True
         ckpt_path = section.get("ckpt_path")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,9 +43,9 @@ class MoEDataModule(LightningDataModule):
         seq_len: int = 256,
         batch_size: int = 8,
         num_workers: int = 0,
-        language_weights: Optional[dict[str, float]] = None,
-        languages: Optional[list[str]] = None,
-        val_batches: Optional[int] = None,
+        language_weights: dict[str, float] | None = None,
+        languages: list[str] | None = None,
+        val_batches: int | None = None,
         seed: int = 42,
     ) -> None:
         """
@@ -87,7 +87,7 @@ class MoEDataModule(LightningDataModule):
         self.mixture: dict[str, float] = _mixture(language_weights, self.languages, self.tokens["train"])
         """Probability of each trained language (weight > 0) in the training stream."""
         self._train_loader = None
-        self._train_state: Optional[dict[str, Any]] = None
+        self._train_state: dict[str, Any] | None = None
 
     def _check_block_fits(self) -> None:
         for split in SPLITS:
@@ -131,7 +131,7 @@ class MoEDataModule(LightningDataModule):
         self._train_loader = loader
         return loader
 
-    def _eval_loaders(self, split: str, max_batches: Optional[int]) -> list[DataLoader]:
+    def _eval_loaders(self, split: str, max_batches: int | None) -> list[DataLoader]:
         loaders = []
         for lang in self.languages:
             dataset = self._dataset(split, lang, shuffle=False)
@@ -176,7 +176,7 @@ def _require_int(value: Any, name: str, minimum: int) -> None:
         raise MoeLitError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
-def _select_languages(languages: Optional[list[str]], prepared: list[str]) -> list[str]:
+def _select_languages(languages: list[str] | None, prepared: list[str]) -> list[str]:
     if languages is None:
         return list(prepared)
     unknown = [lang for lang in languages if lang not in prepared]
@@ -185,9 +185,7 @@ def _select_languages(languages: Optional[list[str]], prepared: list[str]) -> li
     return list(languages)
 
 
-def _mixture(
-    weights: Optional[dict[str, float]], languages: list[str], train_tokens: dict[str, int]
-) -> dict[str, float]:
+def _mixture(weights: dict[str, float] | None, languages: list[str], train_tokens: dict[str, int]) -> dict[str, float]:
     """Normalised sampling probabilities of the languages with a positive weight."""
     if weights is None:
         weights = {lang: float(train_tokens[lang]) for lang in languages}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ class DistillModule(MoELitModule):
         model: ModelConfig,
         optim: OptimConfig = OptimConfig(),  # noqa: B008 - never mutated
         distill: DistillConfig = DistillConfig(),  # noqa: B008 - never mutated
-        teacher: Optional[str] = None,
+        teacher: str | None = None,
     ) -> None:
         """
         Args:
@@ -90,7 +90,7 @@ class DistillModule(MoELitModule):
         """
         super().__init__(model, optim)
         self.distill_config = distill if isinstance(distill, DistillConfig) else DistillConfig(**distill)
-        self.teacher: Optional[nn.Module] = None
+        self.teacher: nn.Module | None = None
         if teacher is not None:
             from moe_lit.checkpoint import load_model
 
@@ -103,7 +103,7 @@ class DistillModule(MoELitModule):
         teacher: nn.Module,
         optim: OptimConfig = OptimConfig(),  # noqa: B008 - never mutated
         distill: DistillConfig = DistillConfig(),  # noqa: B008 - never mutated
-    ) -> "DistillModule":
+    ) -> DistillModule:
         """A module over an already built ``student`` (trained in place) and ``teacher``."""
         # NOTE: MoELitModule builds a network from the config; it is replaced at once (the cost of
         # one initialisation), which keeps every hyper-parameter a plain config.
@@ -120,7 +120,7 @@ class DistillModule(MoELitModule):
         self.teacher = teacher.requires_grad_(False).eval()
 
     @override
-    def train(self, mode: bool = True) -> "DistillModule":
+    def train(self, mode: bool = True) -> DistillModule:
         super().train(mode)
         if self.teacher is not None:
             self.teacher.eval()
@@ -136,7 +136,9 @@ class DistillModule(MoELitModule):
         with torch.no_grad():
             teacher_BLV = self.teacher(inputs_BL).logits_BLV
         out = self.model(inputs_BL)
-        kl, ce = distill_losses(out.logits_BLV.flatten(0, 1), teacher_BLV.flatten(0, 1), targets_BL.flatten(), cfg.temperature)
+        kl, ce = distill_losses(
+            out.logits_BLV.flatten(0, 1), teacher_BLV.flatten(0, 1), targets_BL.flatten(), cfg.temperature
+        )
         aux = sum(out.aux_losses.values(), torch.zeros_like(ce))
         loss = cfg.kl_weight * kl + cfg.ce_weight * ce + cfg.aux_weight * aux
         batch_size = batch_BL1.shape[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -52,7 +52,7 @@ class MoELitModule(pl.LightningModule):
         # right after construction; a sharded strategy can move this into configure_model.
         self.model = Transformer(model)
         self.flops_per_token = training_flops_per_token(model)
-        self.flops_per_batch: Optional[int] = None
+        self.flops_per_batch: int | None = None
         """Training FLOPs of the last training batch: ThroughputMonitor reads it for flops/s and MFU."""
         # NOTE: one MeanMetric per (stage, language), created when the number of evaluation
         # dataloaders is known; metric states are not part of the state dict.

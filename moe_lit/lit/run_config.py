@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 
@@ -61,18 +61,18 @@ def _build(cls, data: Any, section: str):
 class DataConfig:
     """Which prepared tokens a run reads, and how (the ``MoEDataModule`` arguments)."""
 
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     """Directory written by ``moe-lit data prepare``; relative paths are relative to the working
     directory; null = the data pipeline's default (``$MOE_LIT_DATA`` or data_cache/default)."""
     seq_len: int = 256
     """Tokens per training sequence (also the model's seq_len)."""
     batch_size: int = 8
     """Sequences per optimizer step (per device)."""
-    val_batches: Optional[int] = None
+    val_batches: int | None = None
     """Validation batches per language in each validation (null = the whole split)."""
-    languages: Optional[list[str]] = None
+    languages: list[str] | None = None
     """Languages to train and validate on, a subset of the prepared ones (null = all)."""
-    language_weights: Optional[dict[str, float]] = None
+    language_weights: dict[str, float] | None = None
     """Relative sampling weight of each language in training (null = proportional to its tokens;
     a language left out gets weight 0: validated on, not trained on)."""
     num_workers: int = 0
@@ -85,8 +85,10 @@ class DataConfig:
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ConfigError(f"num_workers: must be an integer >= 0, got {self.num_workers!r}")
         if self.languages is not None:
-            if not isinstance(self.languages, list) or not self.languages or not all(
-                isinstance(lang, str) for lang in self.languages
+            if (
+                not isinstance(self.languages, list)
+                or not self.languages
+                or not all(isinstance(lang, str) for lang in self.languages)
             ):
                 raise ConfigError(f"languages: must be a non-empty list of language codes, got {self.languages!r}")
         if self.language_weights is not None and not isinstance(self.language_weights, dict):
@@ -109,15 +111,15 @@ class DataConfig:
 class TrainConfig:
     """How long a run trains, how often it validates and checkpoints, and its seed."""
 
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     """Token budget (rounded down to whole optimizer steps of seq_len x batch_size tokens); set
     exactly one of max_tokens and max_steps."""
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     """Step budget (optimizer steps); set exactly one of max_tokens and max_steps. 0 = no training:
     the run only validates its initial weights (e.g. a transformed model evaluated as it is)."""
-    val_every: Optional[int] = None
+    val_every: int | None = None
     """Optimizer steps between validations (and a validation at the end); null = 8 per run."""
-    checkpoint_every: Optional[int] = None
+    checkpoint_every: int | None = None
     """Optimizer steps between rewrites of checkpoints/last.ckpt (null = val_every)."""
     seed: int = 0
     """Seed of the model initialisation, the data order and the language sampling."""
@@ -192,7 +194,7 @@ class RunConfig:
         return data
 
     @classmethod
-    def from_dict(cls, data: Any) -> "RunConfig":
+    def from_dict(cls, data: Any) -> RunConfig:
         if isinstance(data, cls):
             return data
         if not isinstance(data, dict):
@@ -207,10 +209,10 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path]) -> "RunConfig":
+    def from_yaml(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(read_yaml(path, "run"))
 
-    def replace(self, **sections: Any) -> "RunConfig":
+    def replace(self, **sections: Any) -> RunConfig:
         """A copy with fields of whole sections changed: ``replace(train={"seed": 1})`` changes
         train.seed only; a new budget (max_tokens or max_steps) replaces the old one."""
         data = self.to_dict()
@@ -223,7 +225,7 @@ class RunConfig:
         return RunConfig.from_dict(data)
 
     @classmethod
-    def from_experiment(cls, path: Union[str, Path]) -> tuple[Any, "RunConfig"]:
+    def from_experiment(cls, path: str | Path) -> tuple[Any, RunConfig]:
         """(ModelConfig, RunConfig) of a LightningCLI experiment YAML (``moe-lit fit --config``):
         its ``data``, ``model.optim``, ``train`` and ``trainer`` sections, ``seed_everything`` as
         train.seed; ``model.model`` (inline or a path relative to the YAML) is the model."""
@@ -245,7 +247,7 @@ class RunConfig:
         return ModelConfig.from_dict(model), run
 
 
-def read_yaml(path: Union[str, Path], what: str) -> dict[str, Any]:
+def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a one-line ConfigError."""
     path = Path(path)
     if not path.is_file():

@@ -12,9 +12,10 @@ from __future__ import annotations
 import csv
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar, ThroughputMonitor
@@ -85,7 +86,7 @@ def throughput_monitor() -> ThroughputMonitor:
     return ThroughputMonitor(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=10)
 
 
-def read_metrics(path: Union[str, Path]) -> list[dict[str, float]]:
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """Rows of a CSVLogger file with the empty cells dropped and the values as floats."""
     with open(path, newline="") as handle:
         return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
@@ -99,10 +100,10 @@ def last_value(rows: Sequence[dict[str, float]], key: str) -> float:
 def train_run(
     model_cfg: ModelConfig,
     run: RunConfig,
-    out_dir: Union[str, Path],
+    out_dir: str | Path,
     callbacks: Iterable[Callback] = (),
-    resume_from: Optional[Union[str, Path]] = None,
-    init_from: Optional[Union[str, Path]] = None,
+    resume_from: str | Path | None = None,
+    init_from: str | Path | None = None,
     module_factory: ModuleFactory = MoELitModule,
 ) -> RunResult:
     """Train ``model_cfg`` (vocab size from the data, seq_len from ``run.data``) as ``run`` says.
@@ -127,8 +128,14 @@ def train_run(
     pl.seed_everything(seed, verbose=False)
     data = run.data
     datamodule = MoEDataModule(
-        data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size, num_workers=data.num_workers,
-        language_weights=data.language_weights, languages=data.languages, val_batches=data.val_batches, seed=seed,
+        data.resolved_dir(),
+        seq_len=data.seq_len,
+        batch_size=data.batch_size,
+        num_workers=data.num_workers,
+        language_weights=data.language_weights,
+        languages=data.languages,
+        val_batches=data.val_batches,
+        seed=seed,
     )
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
     curve = ValidationCurve()
@@ -153,7 +160,10 @@ def train_run(
 
 
 def _initial_module(
-    model_cfg: ModelConfig, run: RunConfig, vocab_size: int, init_from: Optional[Union[str, Path]],
+    model_cfg: ModelConfig,
+    run: RunConfig,
+    vocab_size: int,
+    init_from: str | Path | None,
     module_factory: ModuleFactory,
 ) -> MoELitModule:
     cfg = model_cfg.replace(vocab_size=vocab_size, seq_len=run.data.seq_len)
@@ -211,8 +221,13 @@ def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], step
 
 
 def _result(
-    module: MoELitModule, trainer: pl.Trainer, languages: list[str], tokens_per_step: int, out_dir: Path,
-    wall_s: float, curve: list[dict[str, float]],
+    module: MoELitModule,
+    trainer: pl.Trainer,
+    languages: list[str],
+    tokens_per_step: int,
+    out_dir: Path,
+    wall_s: float,
+    curve: list[dict[str, float]],
 ) -> RunResult:
     cfg = module.config
     counts = count_config_params(cfg)

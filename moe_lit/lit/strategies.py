@@ -21,7 +21,7 @@ load it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
@@ -35,7 +35,7 @@ from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
 from moe_lit.model.moe import MoELayer
 from moe_lit.model.transformer import Block
 
-MixedPrecisionName = Optional[Literal["bf16"]]
+MixedPrecisionName = Literal["bf16"] | None
 
 
 def _check_mixed_precision(value: MixedPrecisionName) -> None:
@@ -79,7 +79,7 @@ class FSDPStrategy(_LightningFSDPStrategy):
         return full_optimizer_state(self.model, optimizer)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_file():
             return super().load_checkpoint(path, weights_only=weights_only)
@@ -119,7 +119,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 checkpoint keeps the full expert layout. 1 = every rank holds every expert.
         """
         _check_mixed_precision(mixed_precision)
-        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+        if (
+            isinstance(expert_parallel_size, bool)
+            or not isinstance(expert_parallel_size, int)
+            or expert_parallel_size < 1
+        ):
             raise MoeLitError(f"strategy.expert_parallel_size: must be an integer >= 1, got {expert_parallel_size!r}")
         # NOTE: pure data parallelism: the data-parallel size is set to the world size once the
         # number of nodes and processes is known (setup_environment).
@@ -151,7 +155,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         return full_optimizer_state(self.model, optimizer)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_file():
             return super().load_checkpoint(path, weights_only=weights_only)
@@ -211,11 +215,11 @@ def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: 
         )
     names: dict[int, str] = {}
     groups = []
-    for saved, ours in zip(state["param_groups"], optimizer.param_groups):
+    for saved, ours in zip(state["param_groups"], optimizer.param_groups, strict=False):
         if len(saved["params"]) != len(ours["params"]):
             raise MoeLitError("checkpoint: optimizer parameter groups differ in size from this run's")
         group_names = [name_of[id(p)] for p in ours["params"]]
-        names.update(zip(saved["params"], group_names))
+        names.update(zip(saved["params"], group_names, strict=False))
         groups.append({**saved, "params": group_names})
     return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
 
@@ -234,18 +238,24 @@ def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, An
 
 
 def load_full_optimizer_states(
-    model: nn.Module, optimizers: list[Optimizer], states: list[dict[str, Any]], broadcast_from_rank0: bool, strict: bool
+    model: nn.Module,
+    optimizers: list[Optimizer],
+    states: list[dict[str, Any]],
+    broadcast_from_rank0: bool,
+    strict: bool,
 ) -> None:
     """Load plain (id-keyed) full optimizer states, e.g. from any strategy's checkpoint, into a sharded model."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
-    for state, optimizer in zip(states, optimizers):
+    for state, optimizer in zip(states, optimizers, strict=False):
         named = optimizer_state_by_name(state, optimizer, model)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=named, options=options)
 
 
-def load_full_checkpoint(strategy: Any, path: Path, weights_only: Optional[bool], broadcast_from_rank0: bool) -> dict[str, Any]:
+def load_full_checkpoint(
+    strategy: Any, path: Path, weights_only: bool | None, broadcast_from_rank0: bool
+) -> dict[str, Any]:
     """``load_checkpoint`` body of our sharded strategies for a one-file checkpoint (any strategy's)."""
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 

@@ -5,7 +5,7 @@ Shape legend: B batch, L sequence, D d_model, H query heads, G key/value heads, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,9 @@ def apply_rope(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return _rotate(x_BHLDh, cos[:length], sin[:length])
 
 
-def apply_rope_at(x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
+def apply_rope_at(
+    x_BHLDh: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions_BL: torch.Tensor
+) -> torch.Tensor:
     """:func:`apply_rope` at explicit per-row positions (KV-cache decoding, left-padded rows)."""
     return _rotate(x_BHLDh, cos[positions_BL].unsqueeze(1), sin[positions_BL].unsqueeze(1))
 
@@ -75,7 +77,7 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x_BLD: torch.Tensor, kv_cache: Optional["LayerKVCache"] = None) -> torch.Tensor:
+    def forward(self, x_BLD: torch.Tensor, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
         batch, length, _ = x_BLD.shape
         q = self.q_norm(self.q_proj(x_BLD)).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BLD)).view(batch, length, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -86,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
-    def _attend_cached(self, q, k, v, kv_cache: "LayerKVCache") -> torch.Tensor:
+    def _attend_cached(self, q, k, v, kv_cache: LayerKVCache) -> torch.Tensor:
         """This step's queries against the cached keys/values plus its own (see ``inference/kv_cache.py``)."""
         batch, _, length, _ = q.shape
         step = kv_cache.step

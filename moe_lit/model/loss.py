@@ -11,8 +11,6 @@ matmuls run at once. The backward only scales the saved gradients by the incomin
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +87,7 @@ def _loss_only(x_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Ten
 
 
 def linear_cross_entropy(
-    x_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: Optional[int] = 256
+    x_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, chunk_tokens: int | None = 256
 ) -> torch.Tensor:
     """Mean cross-entropy of ``x_ND @ weight_VD.T`` against ``targets_N`` (fp32), chunked.
 

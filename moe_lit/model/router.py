@@ -21,8 +21,8 @@ runner read), nudges the selection biases from them and resets the pending sums.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,7 +102,7 @@ class Router(nn.Module):
         # partial sums between micro-batches.
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("step_totals", torch.zeros(PENDING_EXTRA), persistent=False)
-        self._pending: Optional[torch.Tensor] = None
+        self._pending: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         logits_TE = self.layer(x_TD).float()
@@ -150,7 +150,7 @@ class Router(nn.Module):
             return torch.zeros_like(self.tokens_per_expert)
         return self._pending[: self.num_experts].to(self.tokens_per_expert.dtype)
 
-    def take_pending(self) -> Optional[torch.Tensor]:
+    def take_pending(self) -> torch.Tensor | None:
         """The pending sums (counts E, dropped, entropy sum, tokens), reset to nothing."""
         pending, self._pending = self._pending, None
         return pending
@@ -166,7 +166,9 @@ class Router(nn.Module):
     def stats(self) -> RoutingStats:
         """The statistics of the last finished step."""
         dropped, entropy_sum, tokens = self.step_totals.tolist()
-        return RoutingStats(self.tokens_per_expert.clone(), dropped, entropy_sum / tokens if tokens else 0.0, int(tokens))
+        return RoutingStats(
+            self.tokens_per_expert.clone(), dropped, entropy_sum / tokens if tokens else 0.0, int(tokens)
+        )
 
     @torch.no_grad()
     def update_bias(self) -> None:
@@ -190,24 +192,27 @@ def straight_through_ones(scores: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def finish_routing_step(
-    routers: Sequence[Router], group: Optional[dist.ProcessGroup] = None, update_biases: bool = True
+    routers: Sequence[Router], group: dist.ProcessGroup | None = None, update_biases: bool = True
 ) -> bool:
     """End an optimizer step's routing: one all-reduce of every router's pending sums over ``group``
-    (default: all ranks, when torch.distributed is initialized), stats stored, biases updated
-    (unless ``update_biases`` is false), sums reset. A no-op returning False when nothing was routed since the last call, so that a
-    second call in the same step (a callback that needed the step's stats first) changes nothing.
+        (default: all ranks, when torch.distributed is initialized), stats stored, biases updated
+        (unless ``update_biases`` is false), sums reset. A no-op returning False when nothing was routed
+    since the last call, so that a
+        second call in the same step (a callback that needed the step's stats first) changes nothing.
 
-    Every rank must call it at the same point: the statistics, and so the biases, then agree."""
+        Every rank must call it at the same point: the statistics, and so the biases, then agree."""
     pending = [router.take_pending() for router in routers]
     if not routers or all(p is None for p in pending):
         return False
     like = next(p for p in pending if p is not None)
-    pending = [torch.zeros(r.num_experts + PENDING_EXTRA, dtype=like.dtype, device=like.device) if p is None else p
-               for r, p in zip(routers, pending)]
+    pending = [
+        torch.zeros(r.num_experts + PENDING_EXTRA, dtype=like.dtype, device=like.device) if p is None else p
+        for r, p in zip(routers, pending, strict=False)
+    ]
     flat = torch.cat(pending)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
-    for router, totals in zip(routers, flat.split([p.numel() for p in pending])):
+    for router, totals in zip(routers, flat.split([p.numel() for p in pending]), strict=False):
         router.finish_step(totals, update_biases)
     return True
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,11 +25,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class LMOutput:
-    logits_BLV: Optional[torch.Tensor]
+    logits_BLV: torch.Tensor | None
     """Next-token logits; None when the forward got targets and computed ``ce`` without them."""
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     """Weighted auxiliary losses summed over layers, by name (load_balancing, z_loss)."""
-    ce: Optional[torch.Tensor] = None
+    ce: torch.Tensor | None = None
     """Mean next-token cross-entropy (fp32) when the forward got targets."""
 
     @property
@@ -55,7 +55,7 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoELayer)
 
     def forward(
-        self, x_BLD: torch.Tensor, kv_cache: Optional["LayerKVCache"] = None
+        self, x_BLD: torch.Tensor, kv_cache: LayerKVCache | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), kv_cache)
         if self.is_moe:
@@ -94,7 +94,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(param, std=std)
 
     def forward(
-        self, idx_BL: torch.Tensor, targets_BL: Optional[torch.Tensor] = None, kv_cache: Optional["KVCache"] = None
+        self, idx_BL: torch.Tensor, targets_BL: torch.Tensor | None = None, kv_cache: KVCache | None = None
     ) -> LMOutput:
         """Logits, or with ``targets_BL`` the mean cross-entropy through the chunked head (no logits).
 

@@ -30,13 +30,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json
 
 CLAIMS_DIR = "claims"
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 _GENERATION = re.compile(r"^(\d{6,})\.json$")
 # NOTE: why generations instead of renaming a stale claim file away and re-creating it: two runners
 # that both read the same stale file race on a rename by *path*, so the slower one can move away the
@@ -73,13 +73,13 @@ class Claim:
     """``host:pid:uuid`` written in the file."""
     ttl_s: float
     """Seconds without a heartbeat after which other runners may take the point over."""
-    _heartbeat: Optional[Heartbeat] = field(default=None, init=False, repr=False, compare=False)
+    _heartbeat: Heartbeat | None = field(default=None, init=False, repr=False, compare=False)
 
     def owned(self) -> bool:
         """Whether this claim is still the point's current, unreleased claim."""
         return self._owned_content() is not None
 
-    def _owned_content(self) -> Optional[dict[str, Any]]:
+    def _owned_content(self) -> dict[str, Any] | None:
         if _generation_path(self.path.parent, self.generation + 1).exists():
             return None
         content = _read(self.path)
@@ -128,7 +128,7 @@ class Heartbeat:
     ``OSError`` such as a transient NFS error) is a missed beat, not the end of the claim.
     """
 
-    def __init__(self, claim: Claim, interval_s: Optional[float] = None) -> None:
+    def __init__(self, claim: Claim, interval_s: float | None = None) -> None:
         self.claim = claim
         self.interval_s = claim.ttl_s / 3 if interval_s is None else interval_s
         self.lost = False
@@ -154,7 +154,7 @@ class Heartbeat:
                 continue
 
 
-def try_claim(out_dir: PathLike, point_hash: str, ttl_s: float) -> Optional[Claim]:
+def try_claim(out_dir: PathLike, point_hash: str, ttl_s: float) -> Claim | None:
     """Claim ``point_hash`` for this process, or None when another live runner holds it.
 
     A claim whose heartbeat is older than ``ttl_s``, or that was released, is taken over; of several
@@ -170,7 +170,7 @@ def try_claim(out_dir: PathLike, point_hash: str, ttl_s: float) -> Optional[Clai
     return _create(directory, 0 if current is None else current + 1, ttl_s)
 
 
-def current_generation(directory: Path) -> Optional[int]:
+def current_generation(directory: Path) -> int | None:
     """The highest claim generation in ``directory``; None when the point was never claimed."""
     numbers = [int(m.group(1)) for m in map(_GENERATION.match, os.listdir(directory)) if m]
     return max(numbers, default=None)
@@ -180,7 +180,7 @@ def _generation_path(directory: Path, generation: int) -> Path:
     return directory / f"{generation:06d}.json"
 
 
-def _create(directory: Path, generation: int, ttl_s: float) -> Optional[Claim]:
+def _create(directory: Path, generation: int, ttl_s: float) -> Claim | None:
     """Exclusive create of ``generation`` with our content; None if another runner created it."""
     path, owner, now = _generation_path(directory, generation), new_owner(), time.time()
     try:
@@ -192,7 +192,7 @@ def _create(directory: Path, generation: int, ttl_s: float) -> Optional[Claim]:
     return Claim(path=path, generation=generation, owner=owner, ttl_s=float(ttl_s))
 
 
-def _read(path: Path) -> Optional[dict[str, Any]]:
+def _read(path: Path) -> dict[str, Any] | None:
     """The claim's content, or None when it is missing or cannot be parsed."""
     try:
         content = json.loads(path.read_text())

@@ -36,10 +36,11 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.config import ConfigError, ModelConfig
@@ -122,7 +123,7 @@ class Start:
 
     parent: str
     """Name of the parent point (same study)."""
-    step: Optional[int] = None
+    step: int | None = None
     """The parent's checkpoint after this many optimizer steps (null: its final weights)."""
     mode: str = "resume"
     """resume: continue the parent's run (weights, optimizer, schedule, data position, step) up to
@@ -149,18 +150,18 @@ class Point:
     """The run's settings (data, optim, budget, cadence, Trainer arguments)."""
     info: dict[str, Any] = field(default_factory=dict)
     """The kind's axes of this point (copied into its record; not part of its identity)."""
-    start: Optional[Start] = None
+    start: Start | None = None
     """Fork from a parent point's checkpoint instead of starting from scratch."""
-    transform: Optional[Call] = None
+    transform: Call | None = None
     """A pure ``model -> model`` function applied to the start weights (needs ``start.mode: init``)."""
     callbacks: tuple[Call, ...] = ()
     """Lightning callbacks of the run; one with a ``study_record() -> dict`` method adds its dict to the record."""
-    measure: Optional[Call] = None
+    measure: Call | None = None
     """``fn(point, result, run_dir) -> dict`` run after training; its dict joins the record."""
     hash: str = ""
     """Filled by :func:`finalize`."""
 
-    def identity(self, parent_hash: Optional[str]) -> dict[str, Any]:
+    def identity(self, parent_hash: str | None) -> dict[str, Any]:
         return {
             "model": stable_dict(self.model),
             "run": stable_dict(self.run),
@@ -218,7 +219,7 @@ def run_dir(out_dir: Path, point: Point) -> Path:
     return Path(out_dir) / RUNS_DIR / point.hash
 
 
-def fork_checkpoint(out_dir: Path, parent: Point, step: Optional[int]) -> Path:
+def fork_checkpoint(out_dir: Path, parent: Point, step: int | None) -> Path:
     """Where a parent keeps the checkpoint a child starts from."""
     from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
 
@@ -226,7 +227,7 @@ def fork_checkpoint(out_dir: Path, parent: Point, step: Optional[int]) -> Path:
     return run_dir(out_dir, parent) / CHECKPOINT_DIR / name
 
 
-def read_record(path: Path) -> Optional[dict[str, Any]]:
+def read_record(path: Path) -> dict[str, Any] | None:
     """A finished point's record, or None when there is none (or it is unreadable)."""
     try:
         return json.loads(Path(path).read_text())
@@ -316,7 +317,7 @@ def run_point(
     out_dir: Path,
     parents: dict[str, Point],
     save_at: Sequence[int] = (),
-    train_fn: Optional[TrainFn] = None,
+    train_fn: TrainFn | None = None,
 ) -> dict[str, Any]:
     """Run one point and write its record atomically; a failure is recorded, never raised.
 
@@ -332,7 +333,9 @@ def run_point(
     try:
         callbacks = _callbacks(point, save_at, out_dir)
         train = train_fn or default_train_fn()
-        result = train(point.model, point.run, workdir, callbacks=callbacks, **_start_arguments(point, parents, out_dir))
+        result = train(
+            point.model, point.run, workdir, callbacks=callbacks, **_start_arguments(point, parents, out_dir)
+        )
         record.update(status=STATUS_OK, error=None, **_result_fields(result))
         for callback in callbacks:
             if hasattr(callback, "study_record"):
@@ -355,9 +358,9 @@ def run_claimed(
     out_dir: Path,
     parents: dict[str, Point],
     save_at: Sequence[int] = (),
-    train_fn: Optional[TrainFn] = None,
+    train_fn: TrainFn | None = None,
     ttl_s: float = CLAIM_TTL_S,
-) -> Optional[dict[str, Any]]:
+) -> dict[str, Any] | None:
     """:func:`run_point` under an exclusive claim (:mod:`moe_lit.studies.claims`); None when another
     runner holds the point or finished it meanwhile. The claim is taken in the process that trains,
     so a dead submitter leaves no point claimed and a point submitted twice costs an empty job."""
@@ -374,7 +377,7 @@ def run_claimed(
         return run_point(point, out_dir, parents, save_at, train_fn)
 
 
-def run_claimed_item(item: tuple) -> Optional[dict[str, Any]]:
+def run_claimed_item(item: tuple) -> dict[str, Any] | None:
     """:func:`run_claimed` on one packed item: the job function the submitit executors run."""
     return run_claimed(*item)
 
@@ -430,7 +433,7 @@ class _Schedule:
             return STATUS_PENDING
         return point_status(self.out_dir, parent)
 
-    def take_ready(self, on_blocked: Callable[[Point], None]) -> Optional[Point]:
+    def take_ready(self, on_blocked: Callable[[Point], None]) -> Point | None:
         for point in list(self.todo):
             status = self.parent_status(point)
             if status == STATUS_FAILED:
@@ -449,8 +452,8 @@ def run_points(
     *,
     parallel: int = 1,
     retry_failed: bool = False,
-    train_fn: Optional[TrainFn] = None,
-    executor: Optional[Any] = None,
+    train_fn: TrainFn | None = None,
+    executor: Any | None = None,
     log: Log = print,
     label: str = "study",
 ) -> list[dict[str, Any]]:
@@ -474,7 +477,7 @@ def run_points(
     schedule = _Schedule(points, todo, out_dir)
     done, elsewhere = 0, []
 
-    def on_done(point: Point, record: Optional[dict[str, Any]]) -> None:
+    def on_done(point: Point, record: dict[str, Any] | None) -> None:
         nonlocal done
         schedule.running.discard(point.name)
         if record is None:
@@ -506,8 +509,10 @@ def run_points(
     records = [r for r in (read_record(record_path(out_dir, p)) for p in points) if r is not None]
     failed = sum(r["status"] == STATUS_FAILED for r in records)
     waiting = len(points) - len(records)
-    log(f"{label}: {len(records)}/{len(points)} points finished, {failed} failed, {waiting} not finished"
-        + (f" ({len(elsewhere)} claimed by other runners: run again once they are done)" if elsewhere else ""))
+    log(
+        f"{label}: {len(records)}/{len(points)} points finished, {failed} failed, {waiting} not finished"
+        + (f" ({len(elsewhere)} claimed by other runners: run again once they are done)" if elsewhere else "")
+    )
     return records
 
 

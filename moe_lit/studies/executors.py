@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Literal
 
 import submitit
 
@@ -24,7 +25,7 @@ from moe_lit.errors import MoeLitError
 ExecutorKind = Literal["local", "slurm", "submitit_local"]
 EXECUTOR_KINDS = ("local", "slurm", "submitit_local")
 SUBMITIT_CLUSTERS = {"slurm": "slurm", "submitit_local": "local"}
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
 @dataclass
@@ -36,25 +37,25 @@ class ExecutorConfig:
     submitit | submitit_local: submitit's local executor (the slurm code path on this machine)."""
     parallel: int = 1
     """Worker processes at once for kind=local."""
-    folder: Optional[str] = None
+    folder: str | None = None
     """submitit's folder for job pickles and logs (on the shared filesystem for slurm); null =
     <out_dir>/submitit."""
-    partition: Optional[str] = None
+    partition: str | None = None
     """SLURM partition; null = the cluster's default."""
     gpus_per_node: int = 0
     """GPUs per job. With submitit_local, 0 hides the GPUs from the jobs (CUDA_VISIBLE_DEVICES='')
     and n > 0 gives every job GPUs 0..n-1 (jobs share them: it does not schedule GPUs)."""
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: int | None = None
     """CPU cores per job; null = the cluster's default."""
-    mem_gb: Optional[float] = None
+    mem_gb: float | None = None
     """Memory per job in GB; null = the cluster's default."""
     timeout_min: int = 240
     """Wall-clock limit of one job in minutes (a job past it is killed and reported failed)."""
     array_parallelism: int = 256
     """Jobs of the array SLURM runs at once (sbatch --array=0-N%this)."""
-    account: Optional[str] = None
+    account: str | None = None
     """SLURM account to charge; null = the user's default."""
-    qos: Optional[str] = None
+    qos: str | None = None
     """SLURM quality of service; null = the default."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before each job (e.g. 'module load cuda', 'source .venv/bin/activate')."""
@@ -130,13 +131,13 @@ class JobOutcome:
     """submitit's job id (SLURM: ``<array id>_<task>``; local: the process id)."""
     ok: bool
     """True when the function returned."""
-    result: Optional[dict[str, Any]]
+    result: dict[str, Any] | None
     """The function's return value when ok."""
-    error: Optional[str]
+    error: str | None
     """One line when failed: the exception raised, or how the job died (killed, timed out)."""
-    traceback: Optional[str] = None
+    traceback: str | None = None
     """The job's traceback when the function raised."""
-    log: Optional[str] = None
+    log: str | None = None
     """The job's stderr log file."""
 
 
@@ -154,7 +155,7 @@ def make_executor(cfg: ExecutorConfig, folder: PathLike, name: str = "moe_lit") 
     return executor
 
 
-def _guarded_call(fn: Callable[[Any], dict[str, Any]], item: Any) -> tuple[str, Any, Optional[str]]:
+def _guarded_call(fn: Callable[[Any], dict[str, Any]], item: Any) -> tuple[str, Any, str | None]:
     """Body of each job: ``("ok", result, None)``, or ``("failed", one-line error, traceback)``."""
     try:
         return "ok", fn(item), None
@@ -191,7 +192,7 @@ def _outcome(index: int, job: submitit.Job) -> JobOutcome:
 
 def wait_all(
     jobs: Sequence[submitit.Job],
-    on_done: Optional[Callable[[JobOutcome], None]] = None,
+    on_done: Callable[[JobOutcome], None] | None = None,
     poll_s: float = 1.0,
 ) -> list[JobOutcome]:
     """Wait for every job; ``on_done`` sees each outcome as its job finishes (in finishing order).

@@ -14,8 +14,9 @@ import io
 import os
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from moe_lit.accounting import markdown_table
 from moe_lit.errors import MoeLitError
@@ -108,8 +109,10 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = dict(runs[0])
         losses = [r[LOSS] for r in runs]
         for key, value in row.items():
-            if isinstance(value, float) and key not in ("expert_size", "capacity_factor") and all(
-                isinstance(r.get(key), float) for r in runs
+            if (
+                isinstance(value, float)
+                and key not in ("expert_size", "capacity_factor")
+                and all(isinstance(r.get(key), float) for r in runs)
             ):
                 row[key] = statistics.fmean(r[key] for r in runs)
         row["seeds"] = len(runs)
@@ -146,7 +149,10 @@ def save_figure(fig, path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- the report
 def summary_markdown(
-    plan: dict[str, Any], records: list[dict[str, Any]], analysis: Analysis, level: int = 1,
+    plan: dict[str, Any],
+    records: list[dict[str, Any]],
+    analysis: Analysis,
+    level: int = 1,
     plots_href: str = PLOTS_DIR,
 ) -> str:
     """The study's markdown summary; ``level`` is the level of its top heading, ``plots_href`` the
@@ -213,7 +219,7 @@ def _refuse_fewer(out_dir: Path, finished: int, force: bool) -> None:
         )
 
 
-def write_report(out_dir: Path, readme: Optional[Path] = None, force: bool = False) -> dict[str, Path]:
+def write_report(out_dir: Path, readme: Path | None = None, force: bool = False) -> dict[str, Path]:
     """Write runs.csv, summary.md and plots/ under ``out_dir`` (and fill the study's block in
     ``readme`` when given); returns the paths written."""
     out_dir = Path(out_dir)

@@ -12,8 +12,8 @@ two finite values (its spread is unknown). :func:`group_values` pulls the groups
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 from scipy import stats as scipy_stats
 
@@ -109,11 +109,15 @@ def compare_paired(a_values: Sequence[float], b_values: Sequence[float], alpha: 
     """
     if len(a_values) != len(b_values):
         raise MoeLitError(f"compare_paired: needs equal-length groups, got {len(a_values)} and {len(b_values)}")
-    pairs = [(float(x), float(y)) for x, y in zip(a_values, b_values) if not (math.isnan(x) or math.isnan(y))]
+    pairs = [
+        (float(x), float(y)) for x, y in zip(a_values, b_values, strict=False) if not (math.isnan(x) or math.isnan(y))
+    ]
     a, b = summarize([x for x, _ in pairs]), summarize([y for _, y in pairs])
     diffs = summarize([x - y for x, y in pairs])
     if diffs.n < 2:
-        return Comparison(a, b, diffs.mean, math.nan, math.nan, math.nan, math.nan, alpha, False, NOT_TESTABLE, "paired")
+        return Comparison(
+            a, b, diffs.mean, math.nan, math.nan, math.nan, math.nan, alpha, False, NOT_TESTABLE, "paired"
+        )
     if diffs.sem == 0.0:
         t, p_value = (math.copysign(math.inf, diffs.mean) if diffs.mean else 0.0), (0.0 if diffs.mean else 1.0)
     else:
@@ -121,7 +125,9 @@ def compare_paired(a_values: Sequence[float], b_values: Sequence[float], alpha: 
         p_value = float(2.0 * scipy_stats.t.sf(abs(t), diffs.n - 1))
     significant = p_value < alpha
     verdict = SIGNIFICANT if significant else WITHIN_NOISE
-    return Comparison(a, b, diffs.mean, diffs.sem, t, float(diffs.n - 1), p_value, alpha, significant, verdict, "paired")
+    return Comparison(
+        a, b, diffs.mean, diffs.sem, t, float(diffs.n - 1), p_value, alpha, significant, verdict, "paired"
+    )
 
 
 def format_summary(s: Summary, digits: int = 4) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Union
+from typing import Any
 
 from moe_lit.config import ConfigError
 from moe_lit.errors import MoeLitError
@@ -42,7 +42,7 @@ class StudyHeader:
     """The base run config of every point (a kind changes what its points vary)."""
     seeds: list[int] = field(default_factory=lambda: [0])
     """Seeds: every configuration runs once per seed (tables show mean ± std over them)."""
-    data: Optional[dict[str, Any]] = None
+    data: dict[str, Any] | None = None
     """How to prepare run.data.data_dir before the first run when it is missing or prepared
     otherwise: moe-lit data prepare settings (vocab_size, languages, ...); null = use it as it is."""
     executor: Any = None
@@ -55,8 +55,11 @@ class StudyHeader:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError(f"name: must be a non-empty string without '/', got {self.name!r}")
         self.run = RunConfig.from_dict(self.run)
-        if not isinstance(self.seeds, list) or not self.seeds or len(set(self.seeds)) != len(self.seeds) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in self.seeds
+        if (
+            not isinstance(self.seeds, list)
+            or not self.seeds
+            or len(set(self.seeds)) != len(self.seeds)
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds)
         ):
             raise ConfigError(f"seeds: must be a non-empty list of distinct integers, got {self.seeds!r}")
         if self.data is not None:
@@ -78,7 +81,7 @@ class StudyHeader:
         except ConfigError as exc:
             raise ConfigError(f"data.{exc}") from None
 
-    def seeded_run(self, seed: int, run: Optional[RunConfig] = None) -> RunConfig:
+    def seeded_run(self, seed: int, run: RunConfig | None = None) -> RunConfig:
         """``run`` (default: the base) with train.seed set to ``seed``."""
         return (run or self.run).replace(train={"seed": seed})
 
@@ -114,7 +117,7 @@ class Study:
         return self.header.name
 
 
-def parse_study(data: Any, data_dir: Optional[str] = None) -> Study:
+def parse_study(data: Any, data_dir: str | None = None) -> Study:
     """Validate a study mapping (``--data`` replaces run.data.data_dir) and expand its points."""
     if not isinstance(data, dict):
         raise ConfigError(f"study: expected a mapping, got {type(data).__name__}")
@@ -133,7 +136,7 @@ def parse_study(data: Any, data_dir: Optional[str] = None) -> Study:
     return Study(header, module, spec, engine.finalize(module.expand(spec, header)))
 
 
-def load_study(path: Union[str, Path], data_dir: Optional[str] = None) -> Study:
+def load_study(path: str | Path, data_dir: str | None = None) -> Study:
     return parse_study(read_yaml(path, "study"), data_dir)
 
 
@@ -175,9 +178,9 @@ def run_study(
     study: Study,
     out_dir: Path,
     *,
-    parallel: Optional[int] = None,
+    parallel: int | None = None,
     retry_failed: bool = False,
-    train_fn: Optional[engine.TrainFn] = None,
+    train_fn: engine.TrainFn | None = None,
     prepare_data: bool = True,
     command: str = "",
     log: engine.Log = print,
@@ -193,9 +196,14 @@ def run_study(
     write_plan(study, out_dir, command)
     executor = study.header.executor
     return engine.run_points(
-        study.points, out_dir, parallel=executor.parallel if parallel is None else parallel, retry_failed=retry_failed,
+        study.points,
+        out_dir,
+        parallel=executor.parallel if parallel is None else parallel,
+        retry_failed=retry_failed,
         train_fn=train_fn,
-        executor=executor, log=log, label=f"study {study.name}",
+        executor=executor,
+        log=log,
+        label=f"study {study.name}",
     )
 
 
@@ -208,4 +216,3 @@ def study_from_plan(out_dir: Path) -> dict[str, Any]:
 
 
 __all__ = ["Study", "StudyHeader", "ensure_data", "load_study", "parse_study", "run_study", "write_plan"]
-

@@ -58,8 +58,14 @@ def _fit(tmp_path, callbacks, max_steps=5, **kwargs):
     module = MoELitModule(tiny(vocab_size=64), OptimConfig(warmup_steps=0, schedule="constant"))
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_train_steps=1)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[checkpoint, *callbacks], **kwargs,
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[checkpoint, *callbacks],
+        **kwargs,
     )
     trainer.fit(module, datamodule=RandomTokenDataModule())
     return module, trainer
@@ -81,7 +87,9 @@ def test_non_finite_gradients_are_caught_only_when_checked(tmp_path):
     with pytest.raises(DivergenceError, match=f"at step 2: non-finite gradient; .*gradient of {POISONED}"):
         _fit(tmp_path / "a", [PoisonAt(at_batch=1, where="grad"), DivergenceGuard(check_grads=True)])
     # unchecked, the inf gradient reaches AdamW and makes the weight nan; the checkpoint is refused
-    with pytest.raises(DivergenceError, match=f"at step 2: weight {POISONED} is not finite; refusing to write a checkpoint"):
+    with pytest.raises(
+        DivergenceError, match=f"at step 2: weight {POISONED} is not finite; refusing to write a checkpoint"
+    ):
         _fit(tmp_path / "b", [PoisonAt(at_batch=1, where="grad"), DivergenceGuard()])
     assert torch.load(tmp_path / "b" / "last.ckpt", weights_only=True)["global_step"] == 1
 

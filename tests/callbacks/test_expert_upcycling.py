@@ -46,8 +46,14 @@ def _fit(cfg, callbacks, max_steps, ckpt_path=None, module=None):
     torch.manual_seed(0)
     module = module or MoELitModule(cfg, OPTIM)
     trainer = pl.Trainer(
-        max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
     )
     trainer.fit(module, train_dataloaders=_loader(cfg), ckpt_path=ckpt_path)
     return trainer, module
@@ -73,7 +79,9 @@ def test_expansion_mid_run_keeps_function_schedule_and_copies_moments():
     assert torch.equal(after[router]["exp_avg_sq"], before[router]["exp_avg_sq"].repeat(2, 1))
     assert torch.equal(after["tok_embeddings.weight"]["exp_avg"], before["tok_embeddings.weight"]["exp_avg"])
     assert event["row_sources"][router] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert not torch.equal(module.model.blocks[0].ffn.experts.mlp.w1[:64], module.model.blocks[0].ffn.experts.mlp.w1[64:])
+    assert not torch.equal(
+        module.model.blocks[0].ffn.experts.mlp.w1[:64], module.model.blocks[0].ffn.experts.mlp.w1[64:]
+    )
 
 
 def test_reset_starts_every_tensor_fresh():
@@ -102,7 +110,7 @@ def test_checkpoint_after_expansion_resumes_into_the_expanded_shape(tmp_path):
     _, resumed = _fit(cfg, [resumed_grow], max_steps=6, ckpt_path=tmp_path / "mid.ckpt")
     assert len(resumed_grow.events) == 1 and resumed_grow.events[0]["step"] == 2  # restored, not redone
     assert resumed.model.config.moe.num_experts == 8
-    for (name, a), b in zip(resumed.model.state_dict().items(), straight.model.state_dict().values()):
+    for (name, a), b in zip(resumed.model.state_dict().items(), straight.model.state_dict().values(), strict=False):
         assert torch.allclose(a, b, atol=1e-6), name
 
 

@@ -68,7 +68,9 @@ def test_drop_reinitialises_the_requested_fraction_of_neurons(dense):
     again = dense_to_moe(dense, "drop", num_experts=4, top_k=2, drop_fraction=0.25, seed=0)
     assert torch.equal(drop.blocks[0].ffn.experts.mlp.w1, again.blocks[0].ffn.experts.mlp.w1)
     for name in ("w1", "v1", "w2"):
-        changed_S = (getattr(drop.blocks[0].ffn.experts.mlp, name) != getattr(copy.blocks[0].ffn.experts.mlp, name)).any(-1)
+        changed_S = (
+            getattr(drop.blocks[0].ffn.experts.mlp, name) != getattr(copy.blocks[0].ffn.experts.mlp, name)
+        ).any(-1)
         assert changed_S.view(4, 64).sum(-1).tolist() == [16, 16, 16, 16]
     rows = drop.blocks[0].ffn.experts.mlp.w1.view(4, 64, 32)
     assert not torch.equal(rows[0], rows[1])  # different neurons dropped in each copy

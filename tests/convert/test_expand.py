@@ -145,7 +145,7 @@ def test_symmetry_breaking_perturbs_only_the_copies():
     model = _model(top_k=2, balancing="bias")
     plain = expand_experts(model, factor=2, noise=0.0)
     broken = expand_experts(model, factor=2, noise=0.0, router_noise=0.1, drop_fraction=0.5)
-    for block_plain, block_broken in zip(plain.blocks, broken.blocks):
+    for block_plain, block_broken in zip(plain.blocks, broken.blocks, strict=False):
         old, new = block_plain.ffn, block_broken.ffn
         w_old, w_new = old.router.layer.weight, new.router.layer.weight
         assert torch.equal(w_old[:4], w_new[:4]) and not torch.allclose(w_old[4:], w_new[4:])

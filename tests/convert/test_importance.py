@@ -28,8 +28,15 @@ def _trace(indices_MNK, weights_MNK=None, seq_N=None, num_experts=3) -> RoutingT
     seq_N = torch.zeros(n, dtype=torch.long) if seq_N is None else torch.as_tensor(seq_N)
     pos_N = torch.cat([torch.arange(int((seq_N == s).sum())) for s in seq_N.unique()])
     weights = torch.ones(indices_MNK.shape) / indices_MNK.shape[-1] if weights_MNK is None else weights_MNK
-    return RoutingTrace((0, 1, 2)[: indices_MNK.shape[0]], num_experts, indices_MNK, weights, seq_N, pos_N,
-                        torch.zeros(n, dtype=torch.long))
+    return RoutingTrace(
+        (0, 1, 2)[: indices_MNK.shape[0]],
+        num_experts,
+        indices_MNK,
+        weights,
+        seq_N,
+        pos_N,
+        torch.zeros(n, dtype=torch.long),
+    )
 
 
 def _path_trace(paths) -> RoutingTrace:
@@ -45,8 +52,12 @@ def _random_trace(renormalised: bool = True, layers=3, experts=4, top_k=2, seqs=
     indices = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(layers * n)])
     gates = torch.rand(layers * n, top_k, generator=gen) + 0.1
     gates = gates / gates.sum(-1, keepdim=True) if renormalised else gates * 0.5
-    return _trace(indices.view(layers, n, top_k), gates.view(layers, n, top_k),
-                  torch.arange(seqs).repeat_interleave(length), num_experts=experts)
+    return _trace(
+        indices.view(layers, n, top_k),
+        gates.view(layers, n, top_k),
+        torch.arange(seqs).repeat_interleave(length),
+        num_experts=experts,
+    )
 
 
 # ----------------------------------------------------------------------------- frequency scores
@@ -80,7 +91,9 @@ def test_the_trap_count_weights_without_damping_give_selection_frequency():
     scores, info = maestro_scores(trace, MaestroConfig(damping=1.0, weighting="count"))
     assert info["converged"] and info["residual"] < 1e-10 and info["iterations"] > 1
     assert torch.allclose(scores, selection_frequency(trace), atol=1e-8)
-    assert torch.allclose(torch.tensor(info["layer_mass"], dtype=torch.float64), torch.full((3,), 1 / 3, dtype=torch.float64))
+    assert torch.allclose(
+        torch.tensor(info["layer_mass"], dtype=torch.float64), torch.full((3,), 1 / 3, dtype=torch.float64)
+    )
 
 
 def test_the_trap_gate_weights_without_damping_give_router_weighted_frequency_when_gates_sum_to_one():
@@ -135,11 +148,16 @@ def test_expert_output_matches_the_layer_forward(traced):
     layer = model.blocks[0].ffn
     x_ND = trace.inputs_MND[0]
     y_ND, _ = layer.experts(x_ND, trace.weights_MNK[0], trace.indices_MNK[0], None)
-    by_hand = sum(
-        trace.weights_MNK[0][:, k, None] * torch.stack([expert_output(layer, int(e), x_ND[n : n + 1])[0]
-                                                        for n, e in enumerate(trace.indices_MNK[0][:, k])])
-        for k in range(2)
-    ) + layer.experts.bias
+    by_hand = (
+        sum(
+            trace.weights_MNK[0][:, k, None]
+            * torch.stack(
+                [expert_output(layer, int(e), x_ND[n : n + 1])[0] for n, e in enumerate(trace.indices_MNK[0][:, k])]
+            )
+            for k in range(2)
+        )
+        + layer.experts.bias
+    )
     assert (y_ND - by_hand).abs().max() < 1e-5
 
 
@@ -179,7 +197,10 @@ def test_naee_exhaustive_search_minimises_the_real_pruned_layer_error(traced):
         assert result.errors[block] == pytest.approx(measured, rel=1e-4, abs=1e-9)
         others = [[0, 1, 2], [3, 4, 5], [0, 2, 4], [1, 3, 5]]
         assert all(measured <= _pruned_layer_error(model, trace, block, m, k) + 1e-9 for k in others)
-    assert naee_keep(model, trace, {0: 6, 1: 6}).errors == {0: pytest.approx(0, abs=1e-9), 1: pytest.approx(0, abs=1e-9)}
+    assert naee_keep(model, trace, {0: 6, 1: 6}).errors == {
+        0: pytest.approx(0, abs=1e-9),
+        1: pytest.approx(0, abs=1e-9),
+    }
 
 
 def test_naee_goes_greedy_beyond_the_cap(traced):

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,9 +99,16 @@ def test_blocks_are_the_scaled_groups():
 # ----------------------------------------------------------------------------- the seven scores
 def _hand_trace(indices_MNK, weights_MNK, num_experts=3) -> RoutingTrace:
     n = indices_MNK.shape[1]
-    return RoutingTrace((0,), num_experts, indices_MNK, weights_MNK, torch.zeros(n, dtype=torch.long),
-                        torch.arange(n), torch.zeros(n, dtype=torch.long),
-                        probs_MNE=torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]]))
+    return RoutingTrace(
+        (0,),
+        num_experts,
+        indices_MNK,
+        weights_MNK,
+        torch.zeros(n, dtype=torch.long),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+        probs_MNE=torch.tensor([[[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]]),
+    )
 
 
 def test_frequency_gate_weight_and_router_probability_on_a_hand_trace():
@@ -147,7 +153,7 @@ def test_taylor_score_of_a_zeroed_expert_is_zero_and_matches_finite_difference()
             for w in ("w1", "v1", "w2"):
                 getattr(scaled.blocks[0].ffn.experts.mlp, w)[rows] *= 1 + sign * h
             logits = [scaled(s[None, :-1]).logits_BLV[0].double() for s in idx]
-            losses.append(sum(float(F.cross_entropy(z, s[1:])) for z, s in zip(logits, idx)) / 3)
+            losses.append(sum(float(F.cross_entropy(z, s[1:])) for z, s in zip(logits, idx, strict=False)) / 3)
     derivative = (losses[0] - losses[1]) / (2 * h)
     assert float(scores_ME[0, 1]) == pytest.approx(abs(derivative), rel=1e-3)
     assert all(p.grad is None for p in mlp.parameters())
@@ -209,7 +215,7 @@ def test_merged_group_is_the_score_weighted_average():
     group = report["layers"]["0"]["groups"][0]
     alpha = scores_E[group] / scores_E[group].sum()
     mlp, layout = model.blocks[0].ffn.experts.mlp, model.blocks[0].ffn.experts.layout
-    expected = sum(float(a) * mlp.w1[layout.rows(e)] for a, e in zip(alpha, group))
+    expected = sum(float(a) * mlp.w1[layout.rows(e)] for a, e in zip(alpha, group, strict=False))
     torch.testing.assert_close(dense.blocks[0].ffn.w1.weight, expected)
 
 

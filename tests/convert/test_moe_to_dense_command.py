@@ -11,13 +11,42 @@ from moe_lit.cli import main
 
 
 def _convert(exported, prepared_dir, out, *extra):
-    return main(["convert", "moe-to-dense", "--checkpoint", str(exported), "--data", str(prepared_dir),
-                 "--split", "test", "--max-tokens", "128", "--out", str(out), *extra])
+    return main(
+        [
+            "convert",
+            "moe-to-dense",
+            "--checkpoint",
+            str(exported),
+            "--data",
+            str(prepared_dir),
+            "--split",
+            "test",
+            "--max-tokens",
+            "128",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize(
-    "extra", [["--score", "do_acp", "--keep", "2"], ["--score", "router_prob", "--keep", "3", "--groups", "2",
-                                                     "--grouping", "kmeans_output", "--scaling", "gate_mean"]]
+    "extra",
+    [
+        ["--score", "do_acp", "--keep", "2"],
+        [
+            "--score",
+            "router_prob",
+            "--keep",
+            "3",
+            "--groups",
+            "2",
+            "--grouping",
+            "kmeans_output",
+            "--scaling",
+            "gate_mean",
+        ],
+    ],
 )
 def test_writes_a_loadable_dense_model_and_its_plan(exported, prepared_dir, tmp_path, capsys, extra):
     out = tmp_path / "dense"
@@ -59,4 +88,3 @@ def test_refuses_a_busy_out_unless_forced_and_never_the_input(exported, prepared
     assert _convert(exported, prepared_dir, exported, "--keep", "2", "--force") == 2
     assert "is or contains the input --checkpoint" in capsys.readouterr().err
     assert load_model(exported).config.is_moe
-

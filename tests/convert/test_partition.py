@@ -73,7 +73,9 @@ def test_balanced_assignment_is_exact_and_greedy():
     preferred = score_FE.clone()
     preferred[:, 2] += 100  # everyone prefers expert 2: its 10 best takers get it
     experts_F = balanced_assignment(preferred)
-    assert set(torch.nonzero(experts_F == 2).squeeze(1).tolist()) == set(torch.topk(score_FE[:, 2], 10).indices.tolist())
+    assert set(torch.nonzero(experts_F == 2).squeeze(1).tolist()) == set(
+        torch.topk(score_FE[:, 2], 10).indices.tolist()
+    )
 
 
 def test_kmeans_recovers_planted_clusters():

@@ -16,8 +16,16 @@ def prepared(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("partition-data")
     write_corpus(root / "corpus", files=2, paragraphs=30)
-    prepare(PrepareConfig(source=str(root / "corpus"), out=root / "data", vocab_size=300, val_fraction=0.1,
-                          test_fraction=0.1, progress=False))
+    prepare(
+        PrepareConfig(
+            source=str(root / "corpus"),
+            out=root / "data",
+            vocab_size=300,
+            val_fraction=0.1,
+            test_fraction=0.1,
+            progress=False,
+        )
+    )
     return root / "data"
 
 
@@ -39,12 +47,18 @@ def test_kmeans_partition_with_all_experts_equals_dense_and_out_is_protected(den
     idx = torch.randint(0, 300, (2, 16))
     assert (moe(idx).logits_BLV - dense(idx).logits_BLV).abs().max().item() < 1e-5
     record = json.loads((tmp_path / "moe" / "partition.json").read_text())
-    assert record["method"] == "kmeans" and record["router"] == "centroid" and record["active_params"] == record["total_params"]
+    assert (
+        record["method"] == "kmeans"
+        and record["router"] == "centroid"
+        and record["active_params"] == record["total_params"]
+    )
     capsys.readouterr()
     assert _partition(path, tmp_path / "moe", "--method", "random", "--top-k", "1") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not empty; pass --force" in err
-    assert _partition(path, tmp_path / "moe", "--method", "random", "--top-k", "1", "--router", "random", "--force") == 0
+    assert (
+        _partition(path, tmp_path / "moe", "--method", "random", "--top-k", "1", "--router", "random", "--force") == 0
+    )
     assert load_model(tmp_path / "moe").config.moe.top_k == 1
 
 
@@ -65,8 +79,22 @@ def test_bad_arguments_are_one_line_exit_2(dense_dir, tmp_path, capsys, extra, m
 
 def test_coactivation_with_a_trained_router_reads_the_calibration_tokens(dense_dir, prepared, tmp_path):
     common = ["--calibration", str(prepared), "--batch-size", "2", "--top-k", "2"]
-    assert _partition(dense_dir[0], tmp_path / "co", "--method", "coactivation", "--router", "trained",
-                      "--router-steps", "5", "--calibration-tokens", "64", *common) == 0
+    assert (
+        _partition(
+            dense_dir[0],
+            tmp_path / "co",
+            "--method",
+            "coactivation",
+            "--router",
+            "trained",
+            "--router-steps",
+            "5",
+            "--calibration-tokens",
+            "64",
+            *common,
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "co" / "partition.json").read_text())["calibration_tokens"] == 64
 
 

@@ -11,13 +11,27 @@ from moe_lit.evaluation.routing_trace import routing_trace
 
 
 def _prune(exported, prepared_dir, out, *extra):
-    return main(["convert", "prune", "--checkpoint", str(exported), "--data", str(prepared_dir), "--split", "test",
-                 "--out", str(out), *extra])
+    return main(
+        [
+            "convert",
+            "prune",
+            "--checkpoint",
+            str(exported),
+            "--data",
+            str(prepared_dir),
+            "--split",
+            "test",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("method", ["maestro", "frequency", "router_weighted", "reap", "naee", "random"])
-def test_every_method_writes_a_loadable_pruned_model_and_reports_memory(exported, prepared_dir, tmp_path, capsys,
-                                                                       method):
+def test_every_method_writes_a_loadable_pruned_model_and_reports_memory(
+    exported, prepared_dir, tmp_path, capsys, method
+):
     assert _prune(exported, prepared_dir, tmp_path / "out", "--method", method, "--fraction", "0.5") == 0
     printed = capsys.readouterr().out
     assert "kept 4 of 8 experts, per layer [2, 2], top-2" in printed
@@ -34,8 +48,21 @@ def test_every_method_writes_a_loadable_pruned_model_and_reports_memory(exported
 
 
 def test_global_budget_and_per_language_calibration(exported, prepared_dir, tmp_path, capsys):
-    assert _prune(exported, prepared_dir, tmp_path / "g", "--method", "frequency", "--num", "3", "--global",
-                  "--calibration", "de") == 0
+    assert (
+        _prune(
+            exported,
+            prepared_dir,
+            tmp_path / "g",
+            "--method",
+            "frequency",
+            "--num",
+            "3",
+            "--global",
+            "--calibration",
+            "de",
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "g" / "pruning.json").read_text())
     assert sum(len(k) for k in report["keep"].values()) == 5
     assert all(len(k) >= 2 for k in report["keep"].values())

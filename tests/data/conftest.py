@@ -46,6 +46,9 @@ def corpus_dir(tmp_path_factory):
 def prepared(corpus_dir, tmp_path_factory):
     """The prepared directory of the fixture corpus (vocab 300, 10 % val, 10 % test)."""
     out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(PrepareConfig(source=str(corpus_dir), out=out, vocab_size=VOCAB, val_fraction=0.1,
-                          test_fraction=0.1, progress=False))
+    prepare(
+        PrepareConfig(
+            source=str(corpus_dir), out=out, vocab_size=VOCAB, val_fraction=0.1, test_fraction=0.1, progress=False
+        )
+    )
     return out

@@ -44,8 +44,10 @@ def test_missing_source(capsys, tmp_path):
 
 
 def test_unknown_language_of_a_local_source(capsys, corpus_dir, tmp_path):
-    err = _error(capsys, ["data", "prepare", "--source", str(corpus_dir), "--languages", "en", "xx",
-                          "--out", str(tmp_path / "o")])
+    err = _error(
+        capsys,
+        ["data", "prepare", "--source", str(corpus_dir), "--languages", "en", "xx", "--out", str(tmp_path / "o")],
+    )
     assert "unknown code(s) xx" in err and "allowed: de en ru" in err
 
 
@@ -55,8 +57,20 @@ def test_unknown_language_of_debian(capsys, fake_apt):
 
 
 def test_apt_offline_shows_the_local_folder_alternative(capsys, fake_apt):
-    err = _error(capsys, ["data", "prepare", "--languages", "de", "--out", str(fake_apt / "o"),
-                          "--cache-dir", str(fake_apt / "cache"), "--quiet"])
+    err = _error(
+        capsys,
+        [
+            "data",
+            "prepare",
+            "--languages",
+            "de",
+            "--out",
+            str(fake_apt / "o"),
+            "--cache-dir",
+            str(fake_apt / "cache"),
+            "--quiet",
+        ],
+    )
     assert "offline" in err and "--source DIR" in err
     assert not (fake_apt / "o").exists()
 
@@ -73,23 +87,52 @@ def test_empty_package_lists_without_root(tmp_path):
 
 
 def test_tokenizer_vocab_mismatch(capsys, prepared, corpus_dir, tmp_path):
-    err = _error(capsys, ["data", "prepare", "--source", str(corpus_dir), "--tokenizer",
-                          str(prepared / "tokenizer.json"), "--vocab-size", "999", "--out", str(tmp_path / "o")])
+    err = _error(
+        capsys,
+        [
+            "data",
+            "prepare",
+            "--source",
+            str(corpus_dir),
+            "--tokenizer",
+            str(prepared / "tokenizer.json"),
+            "--vocab-size",
+            "999",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+    )
     assert "tokenizer/vocab mismatch" in err and "999" in err
 
 
 def test_bad_vocab_size(capsys, corpus_dir, tmp_path):
-    err = _error(capsys, ["data", "prepare", "--source", str(corpus_dir), "--vocab-size", "100",
-                          "--out", str(tmp_path / "o")])
+    err = _error(
+        capsys, ["data", "prepare", "--source", str(corpus_dir), "--vocab-size", "100", "--out", str(tmp_path / "o")]
+    )
     assert "vocab_size: must be an integer >= 257" in err
 
 
 def test_hf_source_offline(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_lit.cli", "data", "prepare", "--source", "hf:some/corpus", "--languages", "de",
-         "--out", str(tmp_path / "o"), "--quiet"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "moe_lit.cli",
+            "data",
+            "prepare",
+            "--source",
+            "hf:some/corpus",
+            "--languages",
+            "de",
+            "--out",
+            str(tmp_path / "o"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "hf:some/corpus" in proc.stderr and "offline" in proc.stderr

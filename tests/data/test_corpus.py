@@ -63,5 +63,7 @@ def test_local_paragraphs_split_at_blank_lines(tmp_path):
     (tmp_path / "fr" / "a.txt").write_text("zéro", encoding="utf-8")
     got = [(p.id, p.doc, p.pos, p.text) for p in local_paragraphs(tmp_path, "fr")]
     assert got == [
-        ("a.txt#0", "a.txt", 0, "zéro"), ("b.txt#0", "b.txt", 0, "un\ndeux"), ("b.txt#1", "b.txt", 1, "trois")
+        ("a.txt#0", "a.txt", 0, "zéro"),
+        ("b.txt#0", "b.txt", 0, "un\ndeux"),
+        ("b.txt#1", "b.txt", 1, "trois"),
     ]

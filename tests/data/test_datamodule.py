@@ -40,11 +40,11 @@ def test_eval_loaders_one_per_language_in_order(prepared):
     tokenizer = load_tokenizer(dm.tokenizer_path)
     val = dm.val_dataloader()
     assert len(val) == 2
-    for lang, loader in zip(["ru", "en"], val):
+    for lang, loader in zip(["ru", "en"], val, strict=False):
         batches = list(loader)
         assert len(batches) == 3 and all(b.shape == (4, SEQ + 1) for b in batches)
         assert {language_of(tokenizer.decode(row.tolist())) for b in batches for row in b} == {lang}
-    assert all(torch.equal(a, b) for a, b in zip(val[0], dm.val_dataloader()[0]))  # fixed blocks
+    assert all(torch.equal(a, b) for a, b in zip(val[0], dm.val_dataloader()[0], strict=False))  # fixed blocks
     test = dm.test_dataloader()
     blocks = read_meta(prepared)["tokens"]["test"]["en"] // (SEQ + 1)
     assert sum(len(b) for b in test[1]) == blocks
@@ -69,7 +69,9 @@ def test_mixing_weights_are_honoured(prepared):
 
 def test_deterministic_given_seed(prepared):
     first = _batches(_dm(prepared, seed=3).train_dataloader(), 3)
-    assert all(torch.equal(a, b) for a, b in zip(first, _batches(_dm(prepared, seed=3).train_dataloader(), 3)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(first, _batches(_dm(prepared, seed=3).train_dataloader(), 3), strict=False)
+    )
     assert not torch.equal(first[0], _batches(_dm(prepared, seed=4).train_dataloader(), 1)[0])
 
 
@@ -86,7 +88,7 @@ def test_state_round_trip_resumes_with_the_next_batches(prepared, num_workers):
     resumed = _dm(prepared, num_workers=num_workers)
     resumed.load_state_dict(state)
     got = _batches(resumed.train_dataloader(), 3)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=False))
     assert not torch.equal(got[0], seen[0])
 
 
@@ -136,8 +138,13 @@ class _Recorder(LightningModule):
 
 def _fit(prepared, max_steps, ckpt_path=None, save_to=None):
     trainer = Trainer(
-        max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
     module = _Recorder()
     trainer.fit(module, datamodule=_dm(prepared), ckpt_path=ckpt_path)
@@ -153,7 +160,7 @@ def test_lightning_resume_continues_the_stream(prepared, tmp_path):
     assert ckpt["datamodule_hyper_parameters"]["data_dir"] == str(prepared)
     resumed = _fit(prepared, 6, ckpt_path=tmp_path / "step3.ckpt")
     assert len(resumed) == 3
-    assert all(torch.equal(a, b) for a, b in zip(resumed, straight[3:]))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight[3:], strict=False))
 
 
 def test_epoch_has_len_full_batches_and_resumes_across_its_end(prepared):
@@ -169,4 +176,4 @@ def test_epoch_has_len_full_batches_and_resumes_across_its_end(prepared):
 
     resumed = _dm(prepared, batch_size=8)
     resumed.load_state_dict(end_state)
-    assert all(torch.equal(a, b) for a, b in zip(_batches(resumed.train_dataloader(), 2), epoch2))
+    assert all(torch.equal(a, b) for a, b in zip(_batches(resumed.train_dataloader(), 2), epoch2, strict=False))

@@ -10,8 +10,9 @@ from moe_lit.data.prepare import PrepareConfig, prepare
 
 @pytest.mark.slow
 def test_debian_source_is_parallel_and_translated(tmp_path):
-    meta = prepare(PrepareConfig(languages=["en", "de"], out=tmp_path / "out", vocab_size=512, max_paragraphs=300,
-                                 progress=False))
+    meta = prepare(
+        PrepareConfig(languages=["en", "de"], out=tmp_path / "out", vocab_size=512, max_paragraphs=300, progress=False)
+    )
     assert meta["languages"] == ["en", "de"] and meta["vocab_size"] == 512
     assert sum(meta["paragraphs"][split]["de"] for split in meta["paragraphs"]) == 300
     rows = {

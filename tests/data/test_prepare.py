@@ -85,8 +85,15 @@ def test_failure_leaves_nothing_that_looks_prepared(corpus_dir, tmp_path, monkey
 
 def test_reusing_a_tokenizer(prepared, corpus_dir, tmp_path):
     meta = prepare(
-        PrepareConfig(source=str(corpus_dir), languages=["de"], out=tmp_path / "de", tokenizer=tokenizer_file(prepared),
-                      val_fraction=0.1, test_fraction=0.1, progress=False)
+        PrepareConfig(
+            source=str(corpus_dir),
+            languages=["de"],
+            out=tmp_path / "de",
+            tokenizer=tokenizer_file(prepared),
+            val_fraction=0.1,
+            test_fraction=0.1,
+            progress=False,
+        )
     )
     assert meta["languages"] == ["de"]
     assert meta["tokens"]["train"]["de"] == read_meta(prepared)["tokens"]["train"]["de"]

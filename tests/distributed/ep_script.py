@@ -42,7 +42,12 @@ from tests.gpu import megablocks_standins  # noqa: E402
 
 # NOTE: MegaBlocks' dMoE needs num_experts * expert_size >= 128 (its sparse block size).
 CONFIG = ModelConfig(
-    vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=8, d_ff=64,
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    seq_len=8,
+    d_ff=64,
     moe=MoEConfig(num_experts=4, expert_size=32, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01, backend="torch"),
 )
 ROWS_PER_RANK = 2
@@ -71,8 +76,11 @@ def global_batch(world: int) -> torch.Tensor:
 def run(model: Transformer, tokens_BL1: torch.Tensor) -> dict:
     """Forward: logits, MoE layer outputs (forward hooks), CE, aux losses, total loss."""
     outputs = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out: outputs.append(out[0])) for m in model.modules()
-             if isinstance(m, MoELayer)]
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, out: outputs.append(out[0]))
+        for m in model.modules()
+        if isinstance(m, MoELayer)
+    ]
     out = model(tokens_BL1[:, :-1])
     for hook in hooks:
         hook.remove()
@@ -98,12 +106,15 @@ def dmoe_diff(ep_mesh, rank: int) -> float:
     use_megablocks(wrapper)
     apply_expert_parallel(wrapper, ep_mesh)
     group = ep_mesh.get_group()
-    args = megablocks_arguments(CONFIG.d_model, CONFIG.moe, layer.num_moe_layers, device=torch.device("cpu"),
-                                expert_parallel_group=group)
+    args = megablocks_arguments(
+        CONFIG.d_model, CONFIG.moe, layer.num_moe_layers, device=torch.device("cpu"), expert_parallel_group=group
+    )
     dmoe = megablocks.layers.dmoe.dMoE(args)
     rows = CONFIG.moe.total_expert_size // ep_mesh.size()
-    state = {name: value[ep_mesh.get_local_rank() * rows:][:rows] if name.startswith("experts.mlp.") else value
-             for name, value in layer.state_dict().items()}
+    state = {
+        name: value[ep_mesh.get_local_rank() * rows :][:rows] if name.startswith("experts.mlp.") else value
+        for name, value in layer.state_dict().items()
+    }
     dmoe.load_state_dict(state, strict=True)
     torch.manual_seed(10 + rank)
     x_BLD = torch.randn(ROWS_PER_RANK, CONFIG.seq_len, CONFIG.d_model)
@@ -132,12 +143,14 @@ def main() -> None:
         ep_mesh = expert_parallel_mesh("cpu", world, args.ep)
         apply_expert_parallel(model, ep_mesh["expert_parallel"])
         apply_fsdp2(model, init_device_mesh("cpu", (world,)), experts_mesh=ep_mesh["expert_data_parallel"])
-        local_rows = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if ".experts.mlp." in name}
+        local_rows = {
+            name: tuple(p.to_local().shape) for name, p in model.named_parameters() if ".experts.mlp." in name
+        }
 
         tokens_BL1 = global_batch(world)
-        ours = run(model, tokens_BL1[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK])
+        ours = run(model, tokens_BL1[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK])
         ours["loss"].backward()
-        refs = [run(ref, tokens_BL1[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]) for r in range(world)]
+        refs = [run(ref, tokens_BL1[r * ROWS_PER_RANK : (r + 1) * ROWS_PER_RANK]) for r in range(world)]
         (sum(r["loss"] for r in refs) / world).backward()
         mine = refs[rank]
 
@@ -157,8 +170,12 @@ def main() -> None:
                 p -= LR * p.grad
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"diffs": diffs, "local_shapes": local_rows, "ep_group_size": ep_mesh["expert_parallel"].size(),
-              "ep_rank": ep_mesh["expert_parallel"].get_local_rank()}
+    report = {
+        "diffs": diffs,
+        "local_shapes": local_rows,
+        "ep_group_size": ep_mesh["expert_parallel"].size(),
+        "ep_rank": ep_mesh["expert_parallel"].get_local_rank(),
+    }
     (args.out / f"diffs{rank}.json").write_text(json.dumps(report, indent=1))
     if rank == 0:
         torch.save(state, args.out / "ep_state.pt")

@@ -28,5 +28,5 @@ def run_ranks(script: Path, args: list[str], world: int, timeout_s: float) -> No
     finally:
         for proc in procs:
             proc.kill()  # no-op for finished ranks; a hung rank must not outlive the test
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=False)):
         assert proc.returncode == 0, f"{script.name} rank {rank} failed:\n{log[-4000:]}"

@@ -69,7 +69,7 @@ def test_saved_state_is_the_one_layout_and_loads_into_the_torch_backend(ep_run):
     untrained = ep_script.reference_model().state_dict()
     for name, value in ref.items():
         assert ours[name].shape == value.shape, name
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     assert not torch.equal(ours["blocks.1.ffn.experts.mlp.w2"], untrained["blocks.1.ffn.experts.mlp.w2"])  # trained
 
     model = Transformer(ep_script.CONFIG)
@@ -101,6 +101,9 @@ class _Mesh:
 def test_expert_parallelism_needs_the_megablocks_backend():
     model = ep_script.reference_model()
     backend = type(model.blocks[0].ffn.experts).__name__
-    with pytest.raises(MoeLitError, match=rf"strategy.expert_parallel_size: 2 needs the MegaBlocks backend .*"
-                                          rf"blocks.0.ffn.experts is {backend}"):
+    with pytest.raises(
+        MoeLitError,
+        match=rf"strategy.expert_parallel_size: 2 needs the MegaBlocks backend .*"
+        rf"blocks.0.ffn.experts is {backend}",
+    ):
         apply_expert_parallel(model, _Mesh())

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp1")
     launch.run_ranks(Path(fsdp1_script.__file__), ["--out", str(out)], world=2, timeout_s=300)
-    return torch.load(out / "fsdp1_optim.pt", weights_only=True), torch.load(out / "reloaded_by_name.pt", weights_only=True)
+    return torch.load(out / "fsdp1_optim.pt", weights_only=True), torch.load(
+        out / "reloaded_by_name.pt", weights_only=True
+    )
 
 
 def _plain():
@@ -48,7 +50,13 @@ def _assert_moments_equal(by_name: dict, reference: dict) -> None:
     assert by_name.keys() == reference.keys()
     for name, state in reference.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(by_name[name][key], state[key], rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}.{key}: {m}")
+            torch.testing.assert_close(
+                by_name[name][key],
+                state[key],
+                rtol=1e-4,
+                atol=1e-7,
+                msg=lambda m, name=name, key=key: f"{name}.{key}: {m}",
+            )
 
 
 def test_fsdp1_state_loads_into_a_plain_optimizer_by_name(saved, reference):

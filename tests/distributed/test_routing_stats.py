@@ -43,4 +43,6 @@ def test_biases_and_statistics_agree_on_every_rank_and_with_one_process(tmp_path
         assert torch.equal(routers[bias], single[bias])  # one process on the same global batches
         assert torch.equal(routers[counts], single[counts])
         # dropped, entropy sum, tokens: the entropy sum adds floats in another order
-        torch.testing.assert_close(routers["blocks.1.ffn.router.step_totals"], single["blocks.1.ffn.router.step_totals"])
+        torch.testing.assert_close(
+            routers["blocks.1.ffn.router.step_totals"], single["blocks.1.ffn.router.step_totals"]
+        )

@@ -64,7 +64,9 @@ def test_distributed_runs_match_one_process(checkpoints, run, reference):
         # sqrt(v), so for a weight whose gradient is near zero a 1e-7 rounding difference becomes a
         # ~1e-5 weight difference (seen: 1 of 2048 entries at 1.4e-5). A wrong shard, resume or
         # moment mapping moves weights by ~lr = 1e-2.
-        torch.testing.assert_close(ours.state_dict()[name], value, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            ours.state_dict()[name], value, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
     assert _loss(ours) == pytest.approx(_loss(ref), rel=1e-5)
     untrained = train_script.MoELitModule(train_script.CONFIG).model.eval()
     assert _loss(ref) < _loss(untrained) - 0.1  # the runs did train

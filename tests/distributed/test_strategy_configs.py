@@ -37,7 +37,9 @@ def test_trainer_yamls_build_the_strategies():
         fsdp2 = _strategy(name)
         assert isinstance(fsdp2, FSDP2Strategy)
         assert (fsdp2.mixed_precision, fsdp2._save_distributed_checkpoint, fsdp2._tensor_parallel_size) == (
-            "bf16", False, 1
+            "bf16",
+            False,
+            1,
         )
         assert fsdp2.expert_parallel_size == 1
     ep = _strategy("fsdp2-ep.yaml")
@@ -65,7 +67,7 @@ def test_optimizer_state_keys_round_trip_in_group_order():
     assert len(plain["param_groups"]) == 2  # decay / no decay: ids are NOT in module order
     named = optimizer_state_by_name(plain, optimizer, model)
     name_of = {id(p): n for n, p in model.named_parameters()}
-    for group, ours in zip(named["param_groups"], optimizer.param_groups):
+    for group, ours in zip(named["param_groups"], optimizer.param_groups, strict=False):
         assert group["params"] == [name_of[id(p)] for p in ours["params"]]
     for name, param in model.named_parameters():
         assert named["state"][name]["exp_avg"].shape == param.shape

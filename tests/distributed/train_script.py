@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -35,7 +35,12 @@ from moe_lit.lit.strategies import FSDP2Strategy  # noqa: E402
 # its "unfinished" epoch from the loader's start, so only a one-batch epoch gives every run the same data.
 GLOBAL_BATCH, SAMPLES = 8, 8
 CONFIG = ModelConfig(
-    vocab_size=64, d_model=32, n_layers=2, n_heads=4, seq_len=16, d_ff=64,
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    seq_len=16,
+    d_ff=64,
     moe=MoEConfig(num_experts=4, expert_size=16, top_k=2, aux_loss_coef=0.0, first_dense_layers=1),
 )
 
@@ -80,7 +85,7 @@ BIAS_CONFIG = CONFIG.replace(moe=dataclasses.replace(CONFIG.moe, balancing="bias
 
 
 def train(
-    strategy_name: str, steps: int, out: Path, resume: Optional[Path] = None, accumulate: int = 1, bias: bool = False
+    strategy_name: str, steps: int, out: Path, resume: Path | None = None, accumulate: int = 1, bias: bool = False
 ) -> Path:
     """Fit to ``steps`` optimizer steps (from ``resume`` if given); returns the saved checkpoint."""
     pl.seed_everything(0, verbose=False)
@@ -90,9 +95,16 @@ def train(
         tokens(), batch_size=GLOBAL_BATCH // (devices * accumulate), sampler=RankShard(SAMPLES), collate_fn=stack_rows
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strat, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, accumulate_grad_batches=accumulate,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strat,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
     routers = {n: b.detach().clone() for n, b in module.model.named_buffers() if ".router." in n}

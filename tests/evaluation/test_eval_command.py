@@ -55,7 +55,10 @@ def test_tokenizer_errors_are_one_line_naming_the_file(tmp_path, prepared_dir, c
     tokenizer = prepared_dir / "tokenizer.json"
     broken = tmp_path / "broken.json"
     broken.write_text('{"version": ')
-    for given, words in ((tokenizer, "tokens do not fit the model's vocab_size 8"), (broken, "not a readable tokenizer.json")):
+    for given, words in (
+        (tokenizer, "tokens do not fit the model's vocab_size 8"),
+        (broken, "not a readable tokenizer.json"),
+    ):
         args = ["eval", "--checkpoint", str(small), "--tokenizer", str(given), "--tasks", "moe_lit_pairs"]
         assert main([*args, "--data", str(prepared_dir), "--out-dir", str(tmp_path / "res")]) == 2
         err = capsys.readouterr().err.strip()
@@ -70,9 +73,19 @@ def test_bad_checkpoint_files_given_to_eval_and_analyze_are_one_line_naming_the_
 ):
     torch.manual_seed(0)
     model = Transformer(tiny())
-    files = {"ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model), "export": export_model(model, tmp_path / "export")}
+    files = {
+        "ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model),
+        "export": export_model(model, tmp_path / "export"),
+    }
     path, words = _case(case, tmp_path, files)
-    given = ["--checkpoint", str(path), "--data", str(prepared_dir), "--tokenizer", str(prepared_dir / "tokenizer.json")]
+    given = [
+        "--checkpoint",
+        str(path),
+        "--data",
+        str(prepared_dir),
+        "--tokenizer",
+        str(prepared_dir / "tokenizer.json"),
+    ]
     argv = ["eval", *given, "--tasks", "moe_lit_pairs"] if command == "eval" else ["analyze", "routing", *given]
     assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()

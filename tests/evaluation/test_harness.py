@@ -5,9 +5,7 @@ from lm_eval.api.instance import Instance
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.harness import MoeLitLM
 
-LONG_TEXT = " ".join(
-    ["Open the file menu and choose save. The document is written to the disk."] * 6
-)
+LONG_TEXT = " ".join(["Open the file menu and choose save. The document is written to the disk."] * 6)
 
 
 def request(kind, *args):
@@ -39,7 +37,7 @@ def test_loglikelihood_equals_the_models_summed_log_probs(lm):
         ("Insert a table with", " three rows."),
     ]
     got = lm.loglikelihood([request("loglikelihood", *pair) for pair in pairs], disable_tqdm=True)
-    for (context, continuation), (score, greedy) in zip(pairs, got):
+    for (context, continuation), (score, greedy) in zip(pairs, got, strict=False):
         whole = lm.tok_encode(context + continuation)
         context_ids = lm.tok_encode(context) if context else [lm.eot_token_id]
         continuation_ids = whole[len(lm.tok_encode(context)) :] if context else whole
@@ -54,7 +52,7 @@ def test_rolling_loglikelihood_is_the_sum_over_windows(lm):
     tokens = lm.tok_encode(LONG_TEXT)
     window = lm.max_length
     assert len(tokens) > 3 * window  # several windows, the last one partial
-    want = reference_logprob(lm.model, [lm.eot_token_id], tokens[: window])[0]
+    want = reference_logprob(lm.model, [lm.eot_token_id], tokens[:window])[0]
     for start in range(window, len(tokens), window):
         end = min(start + window, len(tokens))
         inputs = tokens[end - window - 1 : end - 1]

@@ -21,8 +21,12 @@ def test_single_key_has_zero_variance():
 
 @pytest.mark.parametrize(
     "original, pruned, message",
-    [({"a": 1.0}, {"b": 1.0}, "same non-empty keys"), ({}, {}, "same non-empty keys"),
-     ({"a": 0.0}, {"a": 1.0}, "positive denominator"), ({"a": 1.0}, {"a": float("nan")}, "finite")],
+    [
+        ({"a": 1.0}, {"b": 1.0}, "same non-empty keys"),
+        ({}, {}, "same non-empty keys"),
+        ({"a": 0.0}, {"a": 1.0}, "positive denominator"),
+        ({"a": 1.0}, {"a": float("nan")}, "finite"),
+    ],
 )
 def test_bad_inputs_are_refused(original, pruned, message):
     with pytest.raises(MoeLitError, match=message):

@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tarfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -117,7 +117,7 @@ def _scatter_wgrad(x_ND, grad_TD, indices_N, bin_ids_N, bins_E, top_k):
 def _gmm(a_ND, b_EXY, batch_sizes_E, trans_b=False):
     """One matmul per expert over its contiguous rows of ``a`` (autograd through plain torch)."""
     outs = []
-    for a_rows, b in zip(torch.split(a_ND, batch_sizes_E.tolist()), b_EXY):
+    for a_rows, b in zip(torch.split(a_ND, batch_sizes_E.tolist()), b_EXY, strict=False):
         outs.append(a_rows @ (b.t() if trans_b else b))
     return torch.cat(outs)
 
@@ -133,8 +133,12 @@ def _standins() -> dict[str, types.ModuleType]:
     gg.ops = types.SimpleNamespace(gmm=_gmm)
     gg.backend = types.SimpleNamespace()
     triton_kernels = types.ModuleType("stk.backend.triton_kernels")
-    return {"megablocks_ops": ops, "megablocks.backend.kernels": kernels, "grouped_gemm": gg,
-            "stk.backend.triton_kernels": triton_kernels}
+    return {
+        "megablocks_ops": ops,
+        "megablocks.backend.kernels": kernels,
+        "grouped_gemm": gg,
+        "stk.backend.triton_kernels": triton_kernels,
+    }
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from moe_lit.model.experts import resolve_backend
 from moe_lit.model.experts.megablocks_backend import import_megablocks, unsupported_reason
 from tests.conftest import tiny
 
-
 NO_MEGABLOCKS = pytest.mark.skipif(importlib.util.find_spec("megablocks") is not None, reason="megablocks is installed")
 
 

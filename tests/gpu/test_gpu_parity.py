@@ -39,8 +39,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _layer(**fields) -> MoELayer:
-    cfg = MoEConfig(**{"num_experts": 8, "expert_size": 128, "top_k": 2, "z_loss_coef": 1e-3, "backend": "torch",
-                       **fields})
+    cfg = MoEConfig(
+        **{"num_experts": 8, "expert_size": 128, "top_k": 2, "z_loss_coef": 1e-3, "backend": "torch", **fields}
+    )
     torch.manual_seed(0)
     layer = MoELayer(D, cfg, 1)
     with torch.no_grad():
@@ -109,7 +110,7 @@ def test_cpu_trained_checkpoint_evaluates_the_same_on_megablocks(tmp_path):
     starts = torch.randint(0, cfg.vocab_size, (64, 1))
     data_BL1 = (starts + torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
     for step in range(8):
-        batch = data_BL1[(step % 4) * 16: (step % 4 + 1) * 16]
+        batch = data_BL1[(step % 4) * 16 : (step % 4 + 1) * 16]
         out = model(batch[:, :-1])
         loss = F.cross_entropy(out.logits_BLV.flatten(0, 1), batch[:, 1:].flatten()) + out.aux_loss
         optimizer.zero_grad()

@@ -62,7 +62,7 @@ def test_grouped_geometry_matches_the_loop(capacity, skewed):
     torch.testing.assert_close(dx_g, dx_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw_g, dw_r, rtol=1e-5, atol=1e-5)
     for name, grad in grads_r.items():
-        torch.testing.assert_close(grads_g[name], grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_g[name], grad, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if skewed and capacity is None:  # the idle expert's weights get exact zeros
         assert grads_g["mlp.w1"][ExpertLayout.of([16] * E).rows(3)].abs().max().item() == 0.0
     assert (int(plan_g.dropped) > 0) == (capacity is not None)

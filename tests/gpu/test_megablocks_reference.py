@@ -58,27 +58,27 @@ def test_real_dmoe_matches_our_layer(megablocks, top_k, renormalize):
     ours = [_layer(cfg, num_layers, seed) for seed in (0, 1)]
     args = megablocks_arguments(D, cfg, num_moe_layers=num_layers, device=torch.device("cpu"))
     theirs = [megablocks.layers.dmoe.dMoE(args) for _ in ours]
-    for layer, dmoe in zip(ours, theirs):
+    for layer, dmoe in zip(ours, theirs, strict=False):
         dmoe.load_state_dict(layer.state_dict(), strict=True)  # same keys, same shapes
     torch.manual_seed(2)
     xs = [torch.randn(T, 1, D) for _ in ours]  # MegaBlocks' [sl, bs, hs]
     g_TD = torch.randn(T, 1, D)
 
     our_out, our_aux = [], {}
-    for layer, x in zip(ours, xs):
+    for layer, x in zip(ours, xs, strict=False):
         y, losses = layer(x.transpose(0, 1))
         our_out.append(y.transpose(0, 1))
         for name, value in losses.items():
             our_aux[name] = our_aux.get(name, 0) + value
     _clear_megablocks_losses(megablocks)
-    their_out = [dmoe(x) for dmoe, x in zip(theirs, xs)]
+    their_out = [dmoe(x) for dmoe, x in zip(theirs, xs, strict=False)]
     their_lbl = megablocks.layers.moe.batched_load_balancing_loss(args)
     # NOTE: MegaBlocks returns one z-loss per router, each weighted but not averaged over layers;
     # ours averages over the MoE layers (so the weight means the same for any depth).
     their_z = megablocks.layers.router.batched_router_zloss(args)
     _clear_megablocks_losses(megablocks)
 
-    for a, b in zip(our_out, their_out):
+    for a, b in zip(our_out, their_out, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(our_aux["load_balancing"], their_lbl, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(our_aux["z_loss"], their_z.sum() / num_layers, rtol=1e-5, atol=1e-7)
@@ -88,10 +88,12 @@ def test_real_dmoe_matches_our_layer(megablocks, top_k, renormalize):
 
     total(our_out, our_aux["load_balancing"], our_aux["z_loss"]).backward()
     total(their_out, their_lbl, their_z.sum() / num_layers).backward()
-    for layer, dmoe in zip(ours, theirs):
+    for layer, dmoe in zip(ours, theirs, strict=False):
         their_grads = {n: p.grad for n, p in dmoe.named_parameters()}
         for name, p in layer.named_parameters():
-            torch.testing.assert_close(p.grad, their_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                p.grad, their_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 def test_arguments_follow_the_config(megablocks):
@@ -130,7 +132,7 @@ def test_adapter_matches_torch_backend(megablocks, score_func, balancing):
     for name in loss_a:
         torch.testing.assert_close(loss_b[name], loss_a[name])
     for name, grad in grad_a.items():
-        torch.testing.assert_close(grad_b[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad_b[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert torch.equal(adapted.router.pending_tokens_per_expert(), ours.router.pending_tokens_per_expert())
     assert ours.router.pending_tokens_per_expert().sum() == T * cfg.top_k
     # the adapter never feeds MegaBlocks' module-global loss lists, in training or in eval

@@ -87,8 +87,14 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1}, "temperature"), ({"top_k": 0}, "top_k"),
-     ({"top_p": 0}, "top_p"), ({"window": 99}, "window"), ({"prompts": [[]]}, "prompt")],
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"window": 99}, "window"),
+        ({"prompts": [[]]}, "prompt"),
+    ],
 )
 def test_bad_arguments_name_the_field(model, kwargs, field):
     args = {"prompts": [[1, 2]], "max_new_tokens": 4, **kwargs}

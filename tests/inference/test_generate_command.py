@@ -39,9 +39,12 @@ def test_generate_sampling_seed_and_sparsity(exported, tmp_path, capsys):  # noq
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--prompt", "a", "--prompt", "b", "--stream"], "--stream"), (["--prompt", "a", "--sparsity", "0.5"], "--calibration"),
-     (["--prompt", "a", "--sparsity", "1.5", "--calibration", "x"], "sparsity.target"),
-     (["--prompt", "a", "--top-p", "2"], "top_p")],
+    [
+        (["--prompt", "a", "--prompt", "b", "--stream"], "--stream"),
+        (["--prompt", "a", "--sparsity", "0.5"], "--calibration"),
+        (["--prompt", "a", "--sparsity", "1.5", "--calibration", "x"], "sparsity.target"),
+        (["--prompt", "a", "--top-p", "2"], "top_p"),
+    ],
 )
 def test_generate_errors_are_one_line_exit_2(exported, capsys, extra, message):  # noqa: F811
     assert main(["generate", "--checkpoint", str(exported), *extra]) == 2

@@ -118,8 +118,12 @@ def test_sparse_model_generates_and_one_sample_serves_every_target():
 
 @pytest.mark.parametrize(
     "fields, name",
-    [({"target": 1.0}, "sparsity.target"), ({"rule": "up"}, "sparsity.rule"),
-     ({"granularity": "row"}, "sparsity.granularity"), ({"calibration_tokens": 0}, "sparsity.calibration_tokens")],
+    [
+        ({"target": 1.0}, "sparsity.target"),
+        ({"rule": "up"}, "sparsity.rule"),
+        ({"granularity": "row"}, "sparsity.granularity"),
+        ({"calibration_tokens": 0}, "sparsity.calibration_tokens"),
+    ],
 )
 def test_bad_config_names_the_field(fields, name):
     with pytest.raises(ConfigError, match=name):

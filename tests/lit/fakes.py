@@ -5,7 +5,7 @@ Shape legend: B batch, L sequence; every sample is L+1 tokens.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -17,7 +17,11 @@ class SeededTokens(Dataset):
 
     def __init__(self, vocab_size: int, seq_len: int, num_samples: int, seed: int, language: int) -> None:
         self.vocab_size, self.seq_len, self.num_samples, self.seed, self.language = (
-            vocab_size, seq_len, num_samples, seed, language,
+            vocab_size,
+            seq_len,
+            num_samples,
+            seed,
+            language,
         )
 
     def __len__(self) -> int:
@@ -47,8 +51,14 @@ class ResumableSampler(Sampler[int]):
 
 class RandomTokenDataModule(pl.LightningDataModule):
     def __init__(
-        self, vocab_size: int = 64, seq_len: int = 16, batch_size: int = 4, val_batches: int = 2,
-        num_samples: int = 10_000, seed: int = 0, languages: tuple[str, ...] = ("aa", "bb"),
+        self,
+        vocab_size: int = 64,
+        seq_len: int = 16,
+        batch_size: int = 4,
+        val_batches: int = 2,
+        num_samples: int = 10_000,
+        seed: int = 0,
+        languages: tuple[str, ...] = ("aa", "bb"),
     ) -> None:
         super().__init__()
         self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size

@@ -57,16 +57,24 @@ def test_help_shows_the_dataclass_field_docstrings(capsys):
 @pytest.mark.parametrize(
     "message, line",
     [
-        ('Parser key "model.model.moe":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
-         "[<class 'moe_lit.config.MoEConfig'>, <class 'NoneType'>]\n  Errors:\n    - Problem with given class_path "
-         "'moe_lit.MoEConfig':\n        Parser key \"top_k\":\n          Expected a <class 'int'>. Got value: abc\n"
-         "    - Expected a <class 'NoneType'>\n  Given value type: <class 'dict'>\n  Given value: {'top_k': 'abc'}",
-         "model.model.moe.top_k: expected int. Got value: abc"),
+        (
+            'Parser key "model.model.moe":\n  Does not validate against any of the Union subtypes\n  Subtypes: '
+            "[<class 'moe_lit.config.MoEConfig'>, <class 'NoneType'>]\n  Errors:\n    - Problem with given class_path "
+            "'moe_lit.MoEConfig':\n        Parser key \"top_k\":\n          Expected a <class 'int'>. Got value: abc\n"
+            "    - Expected a <class 'NoneType'>\n  Given value type: <class 'dict'>\n  Given value: {'top_k': 'abc'}",
+            "model.model.moe.top_k: expected int. Got value: abc",
+        ),
         ("Subcommand 'fit' does not accept option 'trainr.max_steps'", "trainr.max_steps: unknown key"),
-        ("usage: moe-lit fit [-h]\nunrecognized arguments: --model.model.d_modle 3",
-         "model.model.d_modle: unknown key"),
-        ("Does not validate against any of the Union subtypes\nErrors:\n  - moe.top_k: must be <= num_experts=4, got 9"
-         "\n  - Expected a <class 'NoneType'>", "moe.top_k: must be <= num_experts=4, got 9"),
+        (
+            "usage: moe-lit fit [-h]\nunrecognized arguments: --model.model.d_modle 3",
+            "model.model.d_modle: unknown key",
+        ),
+        (
+            "Does not validate against any of the Union subtypes\nErrors:\n"
+            "  - moe.top_k: must be <= num_experts=4, got 9"
+            "\n  - Expected a <class 'NoneType'>",
+            "moe.top_k: must be <= num_experts=4, got 9",
+        ),
     ],
 )
 def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):

@@ -9,10 +9,26 @@ from tests.data.conftest import write_corpus
 from tests.lit.test_cli import EXPERIMENT
 
 TINY = [
-    "--model.model.d_model", "32", "--model.model.n_layers", "2", "--model.model.d_ff", "64",
-    "--model.model.moe.num_experts", "4", "--model.model.moe.expert_size", "16",
-    "--data.seq_len", "16", "--data.batch_size", "4", "--data.val_batches", "1",
-    "--trainer.enable_progress_bar", "false", "--trainer.log_every_n_steps", "1",
+    "--model.model.d_model",
+    "32",
+    "--model.model.n_layers",
+    "2",
+    "--model.model.d_ff",
+    "64",
+    "--model.model.moe.num_experts",
+    "4",
+    "--model.model.moe.expert_size",
+    "16",
+    "--data.seq_len",
+    "16",
+    "--data.batch_size",
+    "4",
+    "--data.val_batches",
+    "1",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--trainer.log_every_n_steps",
+    "1",
 ]
 
 
@@ -20,8 +36,11 @@ TINY = [
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_runs")
     corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
-    prepare(PrepareConfig(source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1,
-                          test_fraction=0.1, progress=False))
+    prepare(
+        PrepareConfig(
+            source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False
+        )
+    )
     return root / "data"
 
 
@@ -47,7 +66,9 @@ def test_a_diverging_run_stops_with_one_line_exit_2_and_keeps_the_last_finite_ch
 ):
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
-    code = _fit(prepared, "--model.optim.lr", "1e6", "--trainer.max_steps", "30", "--checkpoint.every_n_train_steps", "1")
+    code = _fit(
+        prepared, "--model.optim.lr", "1e6", "--trainer.max_steps", "30", "--checkpoint.every_n_train_steps", "1"
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if "moe-lit fit: error:" in line]
     assert code == 2 and len(err) == 1 and "training diverged at step" in err[0], err
     last = tmp_path / "runs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"

@@ -13,8 +13,16 @@ from tests.lit.fakes import RandomTokenDataModule
 
 
 def _trainer(**kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, max_steps=2)
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        max_steps=2,
+    )
     return pl.Trainer(**{**defaults, **kwargs})
 
 
@@ -47,7 +55,9 @@ def test_training_loss_mixes_the_terms_with_the_configured_weights():
     trainer.fit(module, datamodule=RandomTokenDataModule())
     m = trainer.callback_metrics
     aux = m["train/load_balancing"] + m["train/z_loss"]
-    assert m["train/loss"].item() == pytest.approx((0.7 * m["train/kl"] + 0.3 * m["train/ce"] + 2.0 * aux).item(), rel=1e-5)
+    assert m["train/loss"].item() == pytest.approx(
+        (0.7 * m["train/kl"] + 0.3 * m["train/ce"] + 2.0 * aux).item(), rel=1e-5
+    )
     assert m["train/kl"] > 0
 
 

@@ -23,8 +23,9 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
     out = root / "data"
-    prepare(PrepareConfig(source=str(corpus), out=out, vocab_size=300, val_fraction=0.1, test_fraction=0.1,
-                          progress=False))
+    prepare(
+        PrepareConfig(source=str(corpus), out=out, vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False)
+    )
     return out
 
 
@@ -64,10 +65,21 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
 
     # the CLI on the final weights: experiment config, real datamodule; with --ckpt_path the model
     # section comes from the checkpoint's hyper-parameters (plain dicts)
-    code = main(["validate", "--config", EXPERIMENT, "--data.data_dir", str(prepared),
-                 f"--data.seq_len={SEQ_LEN}", f"--data.batch_size={BATCH}", "--data.val_batches=2",
-                 f"--trainer.logger.init_args.save_dir={tmp_path / 'cli'}", "--trainer.enable_progress_bar=false",
-                 f"--ckpt_path={full.checkpoint}"])
+    code = main(
+        [
+            "validate",
+            "--config",
+            EXPERIMENT,
+            "--data.data_dir",
+            str(prepared),
+            f"--data.seq_len={SEQ_LEN}",
+            f"--data.batch_size={BATCH}",
+            "--data.val_batches=2",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'cli'}",
+            "--trainer.enable_progress_bar=false",
+            f"--ckpt_path={full.checkpoint}",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     (metrics,) = list((tmp_path / "cli").rglob("metrics.csv"))
     cli_rows = [row for row in read_metrics(metrics) if "val/loss" in row]
@@ -93,14 +105,31 @@ def test_one_experiment_yaml_gives_the_same_run_through_fit_and_train_run(prepar
     import yaml
 
     experiment = tmp_path / "experiment.yaml"
-    experiment.write_text(yaml.safe_dump({
-        "model": {"model": tiny().to_dict() | {"vocab_size": 300, "seq_len": SEQ_LEN},
-                  "optim": {"lr": 1e-2, "warmup_steps": 2}},
-        "data": {"data_dir": str(prepared), "seq_len": SEQ_LEN, "batch_size": BATCH, "val_batches": 2, "seed": 0},
-        "train": {"max_tokens": STEPS * SEQ_LEN * BATCH, "val_every": 4, "seed": 0},  # RunConfig's names
-        "trainer": {"num_sanity_val_steps": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
-                    "accelerator": "cpu", "devices": 1},
-    }))
+    experiment.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "model": tiny().to_dict() | {"vocab_size": 300, "seq_len": SEQ_LEN},
+                    "optim": {"lr": 1e-2, "warmup_steps": 2},
+                },
+                "data": {
+                    "data_dir": str(prepared),
+                    "seq_len": SEQ_LEN,
+                    "batch_size": BATCH,
+                    "val_batches": 2,
+                    "seed": 0,
+                },
+                "train": {"max_tokens": STEPS * SEQ_LEN * BATCH, "val_every": 4, "seed": 0},  # RunConfig's names
+                "trainer": {
+                    "num_sanity_val_steps": 0,
+                    "log_every_n_steps": 1,
+                    "enable_progress_bar": False,
+                    "accelerator": "cpu",
+                    "devices": 1,
+                },
+            }
+        )
+    )
     model_cfg, run_cfg = RunConfig.from_experiment(experiment)
     assert (run_cfg.steps, run_cfg.train.seed, run_cfg.optim.lr, run_cfg.data.val_batches) == (STEPS, 0, 1e-2, 2)
     direct = train_run(model_cfg, run_cfg, tmp_path / "direct")

@@ -12,8 +12,15 @@ from tests.lit.fakes import RandomTokenDataModule
 
 
 def _trainer(**kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2)
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
     return pl.Trainer(**{**defaults, **kwargs})
 
 
@@ -36,7 +43,7 @@ def test_validation_loss_per_language_is_the_token_mean_cross_entropy():
     trainer.validate(module, datamodule=datamodule, verbose=False)
     expected = {}
     with torch.no_grad():
-        for lang, loader in zip(datamodule.languages, datamodule.val_dataloader()):
+        for lang, loader in zip(datamodule.languages, datamodule.val_dataloader(), strict=False):
             batches = torch.cat(list(loader))
             logits = module.model(batches[:, :-1]).logits_BLV
             expected[lang] = F.cross_entropy(logits.flatten(0, 1), batches[:, 1:].flatten()).item()
@@ -92,8 +99,10 @@ def test_routing_statistics_of_a_step_sum_every_micro_batch_and_drive_one_bias_u
     loader = iter(datamodule.train_dataloader())
     for _ in range(2):  # the step's two micro-batches, through the untrained weights
         reference(next(loader)[:, :-1])
-    _trainer(max_steps=1, limit_val_batches=0, accumulate_grad_batches=2).fit(module, datamodule=RandomTokenDataModule())
-    for ours, ref in zip(module.model.moe_layers(), reference.moe_layers()):
+    _trainer(max_steps=1, limit_val_batches=0, accumulate_grad_batches=2).fit(
+        module, datamodule=RandomTokenDataModule()
+    )
+    for ours, ref in zip(module.model.moe_layers(), reference.moe_layers(), strict=False):
         counts_E = ref.router.pending_tokens_per_expert()
         assert counts_E.sum() == 2 * 4 * 16 * 2  # both micro-batches: 2 x B * L * top_k
         assert torch.equal(ours.router.tokens_per_expert, counts_E)

@@ -23,8 +23,13 @@ def test_param_groups_exclude_norms_biases_and_embedding_from_decay():
     assert "norm.weight" in undecayed and "blocks.0.attn_norm.weight" in undecayed
     assert "blocks.0.ffn.experts.bias" in undecayed
     decayed = _names(model, decay["params"])
-    assert {"lm_head.weight", "blocks.0.ffn.router.layer.weight", "blocks.0.ffn.experts.mlp.w1",
-            "blocks.1.ffn.shared_expert.w2.weight", "blocks.0.attn.q_proj.weight"} <= decayed
+    assert {
+        "lm_head.weight",
+        "blocks.0.ffn.router.layer.weight",
+        "blocks.0.ffn.experts.mlp.w1",
+        "blocks.1.ffn.shared_expert.w2.weight",
+        "blocks.0.attn.q_proj.weight",
+    } <= decayed
     # every parameter in exactly one group; the 1-D ones never decayed
     assert decayed.isdisjoint(undecayed)
     assert decayed | undecayed == {name for name, _ in model.named_parameters()}
@@ -56,7 +61,7 @@ def test_cosine_schedule_warms_up_then_decays_to_the_floor():
     assert values[4] == pytest.approx(1.0)
     assert values[-1] == pytest.approx(0.1)
     assert values[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 9)))
-    assert all(a >= b for a, b in zip(values[3:], values[4:]))
+    assert all(a >= b for a, b in zip(values[3:], values[4:], strict=False))
 
 
 def test_wsd_schedule_is_flat_then_decays_linearly_over_the_last_fraction():
@@ -82,10 +87,16 @@ def test_constant_schedule_and_scheduler_follow_the_multiplier():
 
 @pytest.mark.parametrize(
     "fields, field",
-    [({"schedule": "linear"}, "optim.schedule"), ({"lr": 0.0}, "optim.lr"), ({"betas": (0.9,)}, "optim.betas"),
-     ({"warmup_steps": -1}, "optim.warmup_steps"), ({"decay_fraction": 0.0}, "optim.decay_fraction"),
-     ({"min_lr_ratio": 2.0}, "optim.min_lr_ratio"), ({"weight_decay": -0.1}, "optim.weight_decay"),
-     ({"implementation": "apex"}, "optim.implementation")],
+    [
+        ({"schedule": "linear"}, "optim.schedule"),
+        ({"lr": 0.0}, "optim.lr"),
+        ({"betas": (0.9,)}, "optim.betas"),
+        ({"warmup_steps": -1}, "optim.warmup_steps"),
+        ({"decay_fraction": 0.0}, "optim.decay_fraction"),
+        ({"min_lr_ratio": 2.0}, "optim.min_lr_ratio"),
+        ({"weight_decay": -0.1}, "optim.weight_decay"),
+        ({"implementation": "apex"}, "optim.implementation"),
+    ],
 )
 def test_optim_config_errors_name_the_field(fields, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
@@ -107,4 +118,6 @@ def test_every_adamw_implementation_takes_the_same_step(implementation):
         optimizer.step()
         results[kind] = {n: p.detach().clone() for n, p in model.named_parameters()}
     for name, value in results["for_loop"].items():
-        torch.testing.assert_close(results[implementation][name], value, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            results[implementation][name], value, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}"
+        )

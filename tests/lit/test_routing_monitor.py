@@ -58,9 +58,16 @@ def test_monitor_logs_every_n_steps_per_moe_layer_and_matches_the_router_buffers
     cfg = tiny(vocab_size=64, n_layers=3, first_dense_layers=1, capacity_factor=0.5)
     module = MoELitModule(cfg, OptimConfig(warmup_steps=1))
     monitor, logger = RoutingMonitor(every_n_steps=2), Recorder()
-    trainer = pl.Trainer(max_steps=4, logger=logger, callbacks=[monitor], limit_val_batches=0,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                         log_every_n_steps=100)
+    trainer = pl.Trainer(
+        max_steps=4,
+        logger=logger,
+        callbacks=[monitor],
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=100,
+    )
     trainer.fit(module, datamodule=RandomTokenDataModule())
     rows = [(step, m) for step, m in logger.rows if any(k.startswith("routing/") for k in m)]
     assert [step for step, _ in rows] == [2, 4]
@@ -94,7 +101,7 @@ def test_monitor_follows_a_model_swapped_mid_run():
     second.train()(torch.randint(0, 64, (2, 8)))
     second.update_router_biases()
     monitor.on_train_batch_end(trainer, holder, None, None, 0)
-    (step, metrics), = logger.rows
+    ((step, metrics),) = logger.rows
     expected = second.routing_stats()[0]
     assert step == 1 and metrics["routing/layer0/load_imbalance"] == pytest.approx(expected.load_imbalance)
     assert expected.tokens_per_expert_E.numel() == 8 and expected.num_tokens == 16

@@ -31,7 +31,10 @@ def test_replace_changes_fields_and_a_new_budget_replaces_the_old():
         ({"data": {"seq_len": 0}}, "data.seq_len: must be a positive integer, got 0"),
         ({"data": {"languages": []}}, "data.languages: must be a non-empty list"),
         ({"data": {"colour": 1}}, "data: unknown key(s) ['colour']"),
-        ({"train": {"max_tokens": 10, "max_steps": 2}}, "train.max_tokens: set exactly one of max_tokens and max_steps"),
+        (
+            {"train": {"max_tokens": 10, "max_steps": 2}},
+            "train.max_tokens: set exactly one of max_tokens and max_steps",
+        ),
         ({"train": {"max_steps": 2, "val_every": 0}}, "train.val_every: must be a positive integer"),
         ({"train": {"max_steps": -1}}, "train.max_steps: must be an integer >= 0 (0 = validate only)"),
         ({"train": {"max_tokens": 10}}, "train.max_tokens: 10 is less than one batch"),

@@ -48,7 +48,7 @@ def test_dropless_layer_equals_the_reference_loop(case):
     params = [p for p in layer.parameters() if p.requires_grad]
     grads_fast = torch.autograd.grad(y_fast.square().sum(), [x_fast, *params], allow_unused=True)
     grads_ref = torch.autograd.grad(y_ref.square().sum(), [x_ref, *params], allow_unused=True)
-    for g_fast, g_ref in zip(grads_fast, grads_ref):
+    for g_fast, g_ref in zip(grads_fast, grads_ref, strict=False):
         if g_fast is None or g_ref is None:
             assert g_fast is None or not g_fast.any(), "a gradient the reference does not have"
             continue

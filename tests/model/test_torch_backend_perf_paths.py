@@ -36,9 +36,9 @@ def _run(experts, x, weights, indices, capacity):
     weights = weights.clone().requires_grad_(True)
     y, plan = experts(x, weights, indices, capacity)
     loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
-    names, params = zip(*experts.named_parameters())
+    names, params = zip(*experts.named_parameters(), strict=False)
     grads = torch.autograd.grad(loss, [x, weights, *params])
-    return y.detach(), dict(zip(("x", "weights", *names), grads)), plan
+    return y.detach(), dict(zip(("x", "weights", *names), grads, strict=False)), plan
 
 
 @pytest.mark.parametrize("capacity", [None, 30])

@@ -25,7 +25,8 @@ def test_report_action_rebuilds_the_report(tmp_path, capsys):
 def test_bad_study_file_is_a_one_line_error(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "name: x\nkind: dense_vs_sparse\nbase: {d_model: 32, n_heads: 4}\nbudgets: [{name: S}]\ngrid: {match: [params]}\n"
+        "name: x\nkind: dense_vs_sparse\nbase: {d_model: 32, n_heads: 4}\n"
+        "budgets: [{name: S}]\ngrid: {match: [params]}\n"
     )
     assert main(["study", "run", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err

@@ -112,7 +112,11 @@ def test_shipped_studies_load_and_expand():
     tiny = load_study(CONFIGS / "dense_vs_sparse.yaml").points
     assert len(tiny) == 27
     assert {p.model.moe.num_experts if p.model.moe else 1 for p in tiny if "grid" in p.info["groups"]} == {
-        1, 4, 8, 16, 32
+        1,
+        4,
+        8,
+        16,
+        32,
     }
     gpu = load_study(CONFIGS / "dense_vs_sparse_gpu.yaml").points
     assert len(gpu) > len(tiny)

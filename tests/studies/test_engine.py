@@ -103,7 +103,9 @@ def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"format": 1, "vocab_size": 8192}))
-    with pytest.raises(MoeLitError, match=r"vocab_size: the study's models have \[97\] but data_dir .* has a tokenizer of 8192"):
+    with pytest.raises(
+        MoeLitError, match=r"vocab_size: the study's models have \[97\] but data_dir .* has a tokenizer of 8192"
+    ):
         run_study(parse_study(small_spec(), str(data)), tmp_path / "out", train_fn=fakes.fake_train, log=lambda _: None)
     with pytest.raises(MoeLitError, match="holds no prepared data"):
         study = parse_study(small_spec(), str(tmp_path / "none"))
@@ -118,9 +120,7 @@ def _family(seed_points=1):
 
     run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
     parent = Point("parent", "parent", 0, tiny(), run)
-    kids = [
-        Point(f"kid{i}", f"kid{i}", 0, tiny(), run, start=Start("parent", step=2 * i)) for i in (1, 2)
-    ]
+    kids = [Point(f"kid{i}", f"kid{i}", 0, tiny(), run, start=Start("parent", step=2 * i)) for i in (1, 2)]
     return finalize([*kids, parent])  # any order: parents are scheduled first
 
 

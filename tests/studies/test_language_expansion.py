@@ -47,8 +47,15 @@ def test_unknown_and_missing_fields_are_named():
 
 
 def _record(name, family, phase, losses, seed=0, **extra):
-    return {"name": name, "status": "ok", "family": family, "phase": phase, "seed": seed,
-            "val_loss_per_language": dict(zip(("en", "de", "ru"), losses)), **extra}
+    return {
+        "name": name,
+        "status": "ok",
+        "family": family,
+        "phase": phase,
+        "seed": seed,
+        "val_loss_per_language": dict(zip(("en", "de", "ru"), losses, strict=False)),
+        **extra,
+    }
 
 
 def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
@@ -58,8 +65,15 @@ def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
             base = f"{family}/base/s{seed}"
             records += [
                 _record(base, family, "base", (3.0, 3.0, 6.0), seed),
-                _record(f"{family}/continued/s{seed}", family, "continued", (3.0 + rise + jitter, 3.0 + rise, 4.0),
-                        seed, base_point=base, **({"routing_js_new_vs_base": {"ru": 0.4}} if family == "moe" else {})),
+                _record(
+                    f"{family}/continued/s{seed}",
+                    family,
+                    "continued",
+                    (3.0 + rise + jitter, 3.0 + rise, 4.0),
+                    seed,
+                    base_point=base,
+                    **({"routing_js_new_vs_base": {"ru": 0.4}} if family == "moe" else {}),
+                ),
             ]
     analysis = analyse({"spec": {"base_languages": ["en", "de"], "new_languages": ["ru"]}}, records, tmp_path)
     rows = {r["arm"]: r for r in analysis.tables["Switch to the new languages (mean ± std over seeds)"]}
@@ -79,10 +93,19 @@ def test_tiny_study_end_to_end(tmp_path):
     from tests.data.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(PrepareConfig(source=str(corpus), out=tmp_path / "data", vocab_size=300, val_fraction=0.2,
-                          test_fraction=0.1, progress=False))
-    records = {r["name"]: r for r in run_study(parse_study(TINY, str(tmp_path / "data")), tmp_path / "out",
-                                               log=lambda _: None)}
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=tmp_path / "data",
+            vocab_size=300,
+            val_fraction=0.2,
+            test_fraction=0.1,
+            progress=False,
+        )
+    )
+    records = {
+        r["name"]: r for r in run_study(parse_study(TINY, str(tmp_path / "data")), tmp_path / "out", log=lambda _: None)
+    }
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     grown, moe = records["moe_grown/continued"], records["moe/continued"]
     assert grown["total_params"] > moe["total_params"]  # 8 experts after the growth, top-k unchanged:

@@ -21,8 +21,12 @@ TINY = {
     },
     "dense": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
     "settings": [{"experts": 8, "top_k": 4}, {"experts": 16, "top_k": 8}, {"experts": 8, "top_k": 2}],
-    "methods": [{"method": "random", "router": "random"}, {"method": "kmeans"},
-                {"method": "coactivation", "router": "trained"}, {"method": "dot_moe"}],
+    "methods": [
+        {"method": "random", "router": "random"},
+        {"method": "kmeans"},
+        {"method": "coactivation", "router": "trained"},
+        {"method": "dot_moe"},
+    ],
     "conversion": {"calibration_tokens": 64, "train_tokens": 64, "batch_size": 2, "router_steps": 3},
     "recovery": {"steps": 2, "lr": 0.001, "warmup": 1},
 }
@@ -70,8 +74,10 @@ def test_every_conversion_forks_from_its_seeds_pretrained_dense_with_one_recover
         ({"recovery": {"steps": 2, "warmup": 2}}, "recovery.warmup: must be an integer in [0, steps)"),
         ({"conversion": {"train_tokens": 0}}, "conversion.train_tokens: must be an integer >= 1"),
         ({"recover": {"steps": 2}}, "study: unknown key(s) ['recover']"),
-        ({"dense": {**TINY["dense"], "moe": {"num_experts": 4, "expert_size": 16}}},
-         "dense.moe: the dense model must be dense"),
+        (
+            {"dense": {**TINY["dense"], "moe": {"num_experts": 4, "expert_size": 16}}},
+            "dense.moe: the dense model must be dense",
+        ),
     ],
 )
 def test_bad_fields_name_the_field(change, message):
@@ -81,11 +87,25 @@ def test_bad_fields_name_the_field(change, message):
 
 
 def _rec(config, seed, loss, method, family, phase="recovered", setting=None, active_ffn=1.0, **extra):
-    return {"name": f"{config}/s{seed}", "config_name": config, "seed": seed, "status": "ok", "val_loss": loss,
-            "method": method, "family": family, "phase": phase, "setting": setting, "active_ffn": active_ffn,
-            "router": extra.pop("router", None), "num_experts": extra.pop("experts", 1), "top_k": 1,
-            "total_params": 100, "active_params": 50, "val_loss_per_language": {"en": loss - 0.1, "de": loss + 0.1},
-            **extra}
+    return {
+        "name": f"{config}/s{seed}",
+        "config_name": config,
+        "seed": seed,
+        "status": "ok",
+        "val_loss": loss,
+        "method": method,
+        "family": family,
+        "phase": phase,
+        "setting": setting,
+        "active_ffn": active_ffn,
+        "router": extra.pop("router", None),
+        "num_experts": extra.pop("experts", 1),
+        "top_k": 1,
+        "total_params": 100,
+        "active_params": 50,
+        "val_loss_per_language": {"en": loss - 0.1, "de": loss + 0.1},
+        **extra,
+    }
 
 
 def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
@@ -94,22 +114,58 @@ def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
         records += [
             _rec("dense/pretrain", seed, 4.0, "dense", "dense", phase="pretrain"),
             _rec("dense/recovered", seed, 3.9 + jitter, "dense", "dense"),
-            _rec("E8k4/random+random", seed, 4.5 + jitter, "random", "random", setting="E8k4", active_ffn=0.5,
-                 router="random", experts=8, val_loss_converted=5.0),
-            _rec("E8k4/kmeans+centroid", seed, 4.2 + jitter, "kmeans", "clustering", setting="E8k4", active_ffn=0.5,
-                 router="centroid", experts=8, val_loss_converted=4.6 + 2 * jitter),
-            _rec("E8k4/coactivation+trained", seed, 4.3, "coactivation", "clustering", setting="E8k4",
-                 active_ffn=0.5, router="trained", experts=8),
-            _rec("E8k4/dot_moe", seed, 4.0 + 2 * jitter, "dot_moe", "dot_moe", setting="E8k4", active_ffn=0.5,
-                 experts=8),
+            _rec(
+                "E8k4/random+random",
+                seed,
+                4.5 + jitter,
+                "random",
+                "random",
+                setting="E8k4",
+                active_ffn=0.5,
+                router="random",
+                experts=8,
+                val_loss_converted=5.0,
+            ),
+            _rec(
+                "E8k4/kmeans+centroid",
+                seed,
+                4.2 + jitter,
+                "kmeans",
+                "clustering",
+                setting="E8k4",
+                active_ffn=0.5,
+                router="centroid",
+                experts=8,
+                val_loss_converted=4.6 + 2 * jitter,
+            ),
+            _rec(
+                "E8k4/coactivation+trained",
+                seed,
+                4.3,
+                "coactivation",
+                "clustering",
+                setting="E8k4",
+                active_ffn=0.5,
+                router="trained",
+                experts=8,
+            ),
+            _rec(
+                "E8k4/dot_moe", seed, 4.0 + 2 * jitter, "dot_moe", "dot_moe", setting="E8k4", active_ffn=0.5, experts=8
+            ),
             _rec("pruning/ffn0.5", seed, 4.05 + jitter, "pruning", "pruning", active_ffn=0.5),
         ]
     records.append({**_rec("E8k4/dot_moe", 2, 9.0, "dot_moe", "dot_moe", setting="E8k4"), "status": "failed"})
     analysis = analyse({"spec": {"dense": {"vocab_size": 300}}}, records, tmp_path)
     main = analysis.tables["Conversions after the same recovery budget (mean ± std over seeds)"]
     rows = {r["point"]: r for r in main}
-    assert list(rows) == ["dense/recovered", "E8k4/random+random", "E8k4/kmeans+centroid",
-                          "E8k4/coactivation+trained", "E8k4/dot_moe", "pruning/ffn0.5"]
+    assert list(rows) == [
+        "dense/recovered",
+        "E8k4/random+random",
+        "E8k4/kmeans+centroid",
+        "E8k4/coactivation+trained",
+        "E8k4/dot_moe",
+        "pruning/ffn0.5",
+    ]
     # gap per seed: kmeans (4.2 - 3.9, 4.22 - 3.92) = (0.3, 0.3); dot_moe (0.1, 0.12); random (0.6, 0.6)
     assert rows["E8k4/kmeans+centroid"]["loss gap to dense"] == "0.3000 ± 0.0000 (n=2)"
     assert rows["E8k4/dot_moe"]["loss gap to dense"] == "0.1100 ± 0.0141 (n=2)"
@@ -144,14 +200,32 @@ def test_tiny_study_end_to_end(tmp_path):
     from tests.data.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(PrepareConfig(source=str(corpus), out=tmp_path / "data", vocab_size=300, val_fraction=0.2,
-                          test_fraction=0.1, progress=False))
-    spec = {**TINY, "seeds": [0], "settings": [{"experts": 4, "top_k": 2}],
-            "methods": [{"method": "kmeans", "router": "trained"}, {"method": "dot_moe"}]}
-    records = {r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out",
-                                               log=lambda _: None)}
-    assert sorted(records) == ["E4k2/dot_moe", "E4k2/kmeans+trained", "dense/pretrain", "dense/recovered",
-                               "pruning/ffn0.5"]
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=tmp_path / "data",
+            vocab_size=300,
+            val_fraction=0.2,
+            test_fraction=0.1,
+            progress=False,
+        )
+    )
+    spec = {
+        **TINY,
+        "seeds": [0],
+        "settings": [{"experts": 4, "top_k": 2}],
+        "methods": [{"method": "kmeans", "router": "trained"}, {"method": "dot_moe"}],
+    }
+    records = {
+        r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out", log=lambda _: None)
+    }
+    assert sorted(records) == [
+        "E4k2/dot_moe",
+        "E4k2/kmeans+trained",
+        "dense/pretrain",
+        "dense/recovered",
+        "pruning/ffn0.5",
+    ]
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     dense, kmeans, pruned = records["dense/recovered"], records["E4k2/kmeans+trained"], records["pruning/ffn0.5"]
     assert all(r["steps"] == 2 for n, r in records.items() if n != "dense/pretrain")
@@ -161,7 +235,10 @@ def test_tiny_study_end_to_end(tmp_path):
     assert dense["active_params"] - pruned["active_params"] == ffn_half
     for record in (kmeans, pruned, records["E4k2/dot_moe"]):
         assert math.isfinite(record["val_loss_converted"]) and set(record["val_loss_converted_per_language"]) == {
-            "en", "de", "ru"}
+            "en",
+            "de",
+            "ru",
+        }
     assert "val_loss_converted" not in dense
     paths = write_report(tmp_path / "out")
     summary = paths["summary"].read_text()

@@ -19,8 +19,14 @@ TINY = {
         "train": {"max_steps": 4, "val_every": 4},
         "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
     },
-    "model": {"vocab_size": 300, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
-              "moe": {"num_experts": 4, "expert_size": 32, "top_k": 1}},
+    "model": {
+        "vocab_size": 300,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "d_ff": 64,
+        "moe": {"num_experts": 4, "expert_size": 32, "top_k": 1},
+    },
     "calibration_tokens": 64,
     "recovery_steps": 2,
     "recovery_warmup": 1,
@@ -40,8 +46,15 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
         assert (child.start.parent, child.start.mode, child.start.step) == ("original/s1", "init", None)
         assert child.transform.path == "moe_lit.studies.kinds.pruning:prune_by_importance"
         assert child.transform.kwargs == {
-            "method": "maestro", "fraction": 0.5, "data_dir": "some/data", "calibration_tokens": 64,
-            "languages": None, "split": "test", "damping": 0.85, "naee_cap": 2000, "seed": 1,
+            "method": "maestro",
+            "fraction": 0.5,
+            "data_dir": "some/data",
+            "calibration_tokens": 64,
+            "languages": None,
+            "split": "test",
+            "damping": 0.85,
+            "naee_cap": 2000,
+            "seed": 1,
         }
         assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_memory"
         assert child.info["method"] == "maestro" and child.info["fraction"] == 0.5
@@ -65,8 +78,10 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
     [
         ({"fractions": [0.5, 1.0]}, "fractions: each must be in (0, 1), got 1.0"),
         ({"fractions": [0.95]}, "fractions: fraction/num: removing 4 of the 4 experts"),
-        ({"fractions": [0.75], "model": {**TINY["model"], "moe": {"num_experts": 4, "expert_size": 32, "top_k": 2}}},
-         "fractions: 0.75 keeps 1 of 4 experts, fewer than top_k=2"),
+        (
+            {"fractions": [0.75], "model": {**TINY["model"], "moe": {"num_experts": 4, "expert_size": 32, "top_k": 2}}},
+            "fractions: 0.75 keeps 1 of 4 experts, fewer than top_k=2",
+        ),
         ({"methods": ["maestro", "magic"]}, "methods: unknown ['magic'], allowed values: maestro, frequency"),
         ({"model": {k: v for k, v in TINY["model"].items() if k != "moe"}}, "model.moe: the parent must be an MoE"),
         ({"calibration_split": "dev"}, "calibration_split: got 'dev', allowed values: train, val, test"),
@@ -90,19 +105,44 @@ CONTROL = {"en": 1.0, "de": 2.0}  # the recovered arms' reference
 def _child(method, fraction, arm, seed, retention, **extra):
     """A child record whose val loss per language gives the hand-chosen retention (reference / pruned)."""
     reference = PARENT if arm == "pruned" else CONTROL
-    losses = {lang: reference[lang] / r for lang, r in zip(reference, retention)}
-    return {"name": f"{method}/{fraction}/{arm}/s{seed}", "status": "ok", "arm": arm, "method": method,
-            "fraction": fraction, "seed": seed, "val_loss_per_language": losses, "val_loss": sum(losses.values()) / 2,
-            "reference": f"original/s{seed}" if arm == "pruned" else f"original/recovered/s{seed}", **extra}
+    losses = {lang: reference[lang] / r for lang, r in zip(reference, retention, strict=False)}
+    return {
+        "name": f"{method}/{fraction}/{arm}/s{seed}",
+        "status": "ok",
+        "arm": arm,
+        "method": method,
+        "fraction": fraction,
+        "seed": seed,
+        "val_loss_per_language": losses,
+        "val_loss": sum(losses.values()) / 2,
+        "reference": f"original/s{seed}" if arm == "pruned" else f"original/recovered/s{seed}",
+        **extra,
+    }
 
 
 def _records():
-    memory = {"params_before": 1000, "params_after": 600, "params_saved_fraction": 0.4, "bytes_before": 4000,
-              "bytes_after": 2400, "params_saved": 400}
-    records = [{"name": f"original/s{s}", "status": "ok", "arm": "original", "val_loss_per_language": PARENT,
-                "val_loss": 3.0} for s in (0, 1)]
-    records += [{"name": f"original/recovered/s{s}", "status": "ok", "arm": "control",
-                 "val_loss_per_language": CONTROL, "val_loss": 1.5} for s in (0, 1)]
+    memory = {
+        "params_before": 1000,
+        "params_after": 600,
+        "params_saved_fraction": 0.4,
+        "bytes_before": 4000,
+        "bytes_after": 2400,
+        "params_saved": 400,
+    }
+    records = [
+        {"name": f"original/s{s}", "status": "ok", "arm": "original", "val_loss_per_language": PARENT, "val_loss": 3.0}
+        for s in (0, 1)
+    ]
+    records += [
+        {
+            "name": f"original/recovered/s{s}",
+            "status": "ok",
+            "arm": "control",
+            "val_loss_per_language": CONTROL,
+            "val_loss": 1.5,
+        }
+        for s in (0, 1)
+    ]
     for seed, (maestro, frequency) in enumerate((((1.0, 0.8), (0.5, 0.5)), ((0.8, 0.8), (0.5, 0.4)))):
         records += [
             _child("maestro", 0.5, "pruned", seed, maestro, **memory, kept_experts=[2, 2]),
@@ -140,8 +180,13 @@ def test_retention_tables_and_verdicts_from_hand_made_records(tmp_path):
     assert mean_recovered.endswith("**not reproduced**.")
     assert var_recovered.endswith("**not reproduced**.")  # equal variances (0 and 0)
     (memory,) = analysis.tables["Memory saved (parameters and persistent buffers)"]
-    assert memory == {"removed": "50%", "experts per layer": "2, 2", "parameters": "1,000 -> 600", "saved": "40.0%",
-                      "bytes": "4,000 -> 2,400"}
+    assert memory == {
+        "removed": "50%",
+        "experts per layer": "2, 2",
+        "parameters": "1,000 -> 600",
+        "saved": "40.0%",
+        "bytes": "4,000 -> 2,400",
+    }
     assert [p.name for p in analysis.plots] == ["retention.png"] and analysis.plots[0].stat().st_size > 0
 
 
@@ -158,18 +203,29 @@ def test_tiny_study_end_to_end(tmp_path):
     from tests.data.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(PrepareConfig(source=str(corpus), out=tmp_path / "data", vocab_size=300, val_fraction=0.2,
-                          test_fraction=0.2, progress=False))
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=tmp_path / "data",
+            vocab_size=300,
+            val_fraction=0.2,
+            test_fraction=0.2,
+            progress=False,
+        )
+    )
     spec = {**TINY, "seeds": [0], "fractions": [0.5], "methods": ["maestro", "naee"]}
-    records = {r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out",
-                                               log=lambda _: None)}
+    records = {
+        r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out", log=lambda _: None)
+    }
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     original, pruned, recovered = (records[n] for n in ("original", "maestro/50%/pruned", "maestro/50%/recovered"))
     assert pruned["steps"] == 0 and recovered["steps"] == 2 and records["original/recovered"]["steps"] == 2
     assert pruned["val_loss"] != original["val_loss"]  # evaluated after pruning, not the parent again
     assert pruned["kept_experts"] == [2, 2] and records["naee/50%/recovered"]["kept_experts"] == [2, 2]
     assert pruned["params_before"] == original["total_params"]
-    assert pruned["params_saved"] == 2 * 2 * 3 * 32 * 32 + 2 * 2 * 32  # 2 layers x 2 experts x (w1, v1, w2), router rows
+    assert (
+        pruned["params_saved"] == 2 * 2 * 3 * 32 * 32 + 2 * 2 * 32
+    )  # 2 layers x 2 experts x (w1, v1, w2), router rows
     assert pruned["val_loss_per_language"].keys() == original["val_loss_per_language"].keys() == {"en", "de", "ru"}
     written = write_report(tmp_path / "out")
     summary = written["summary"].read_text()

@@ -16,8 +16,14 @@ TINY = {
         "train": {"max_steps": 6, "val_every": 2},
         "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
     },
-    "model": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
-              "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"}},
+    "model": {
+        "vocab_size": 300,
+        "d_model": 32,
+        "n_layers": 1,
+        "n_heads": 2,
+        "d_ff": 64,
+        "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"},
+    },
     "expand_at": 4,
     "utility_batches": 2,
     "separation_every": 1,
@@ -55,13 +61,24 @@ def test_spec_errors_name_the_field(change, message):
 
 
 def _record(arm, seed, loss, **extra):
-    return {"status": "ok", "arm": arm, "seed": seed, "val_loss": loss, "num_experts": 2, "expand_at": 4,
-            "total_steps": 10, "factor": 2, "curve": [{"step": 10, "val_loss": loss}], **extra}
+    return {
+        "status": "ok",
+        "arm": arm,
+        "seed": seed,
+        "val_loss": loss,
+        "num_experts": 2,
+        "expand_at": 4,
+        "total_steps": 10,
+        "factor": 2,
+        "curve": [{"step": 10, "val_loss": loss}],
+        **extra,
+    }
 
 
 def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
     records = [
-        _record("fixed_E", 0, 3.0), _record("fixed_E", 1, 3.2),
+        _record("fixed_E", 0, 3.0),
+        _record("fixed_E", 1, 3.2),
         _record("fixed_mE", 0, 2.5, step_times={"E": 1.0, "mE": 2.0}),
         _record("fixed_mE", 1, 2.6, step_times={"E": 1.0, "mE": 2.0}),
         _record("up_a", 0, 2.8, probe_before=3.0, probe_after=3.25),
@@ -88,8 +105,16 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     from tests.data.conftest import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(PrepareConfig(source=str(corpus), out=tmp_path / "data", vocab_size=300, val_fraction=0.2,
-                          test_fraction=0.1, progress=False))
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=tmp_path / "data",
+            vocab_size=300,
+            val_fraction=0.2,
+            test_fraction=0.1,
+            progress=False,
+        )
+    )
     study = parse_study(TINY, data_dir=str(tmp_path / "data"))
     records = {r["arm"]: r for r in run_study(study, tmp_path / "out", log=lambda _: None)}
     assert {arm: r["status"] for arm, r in records.items()} == dict.fromkeys(

@@ -18,10 +18,11 @@ refuses a model that uses a feature its target lacks, naming the feature and the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ class Family:
     """Keys of :data:`FEATURES` this family can express."""
     required: frozenset[str]
     """Features every model of this family has (OLMoE always normalises q and k, ...)."""
-    to_ours: Callable[[Any, Optional[int]], ModelConfig]
+    to_ours: Callable[[Any, int | None], ModelConfig]
     """transformers config (+ optional seq_len) -> our ModelConfig; refuses what it cannot map."""
     to_hf: Callable[[ModelConfig], dict[str, Any]]
     """Our ModelConfig -> keyword arguments of ``config_class`` (after the feature check)."""
@@ -111,7 +112,7 @@ def check_fields(hf_config: Any, allowed: dict[str, Any]) -> None:
             raise refuse(name, value, value_allowed)
 
 
-def base_fields(hf_config: Any, seq_len: Optional[int]) -> dict[str, Any]:
+def base_fields(hf_config: Any, seq_len: int | None) -> dict[str, Any]:
     """ModelConfig fields every family shares (attention, norms, embeddings, RoPE)."""
     check_fields(hf_config, {"hidden_act": "silu"})
     heads = hf_config.num_attention_heads
@@ -152,8 +153,12 @@ def hf_base_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 def moe_fields(num_experts: int, expert_size: int, top_k: int, renormalize: bool, aux_loss_coef: float) -> MoEConfig:
     """Our MoEConfig of a transformers sparse block: softmax top-k, no expert output bias."""
     return MoEConfig(
-        num_experts=num_experts, expert_size=expert_size, top_k=top_k, renormalize=renormalize,
-        aux_loss_coef=aux_loss_coef, expert_output_bias=False,
+        num_experts=num_experts,
+        expert_size=expert_size,
+        top_k=top_k,
+        renormalize=renormalize,
+        aux_loss_coef=aux_loss_coef,
+        expert_output_bias=False,
     )
 
 
@@ -275,8 +280,9 @@ def hf_state_to_ours(hf_state: dict[str, torch.Tensor], our_keys: list[str]) -> 
     state: dict[str, torch.Tensor] = {}
     for key in our_keys:
         if key in ("tok_embeddings.weight", "norm.weight", "lm_head.weight"):
-            state[key] = hf_state.pop({"tok_embeddings.weight": "model.embed_tokens.weight",
-                                       "norm.weight": "model.norm.weight"}.get(key, key))
+            state[key] = hf_state.pop(
+                {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(key, key)
+            )
             continue
         layer, rest = _split(key)
         prefix = f"model.layers.{layer}."
@@ -284,7 +290,7 @@ def hf_state_to_ours(hf_state: dict[str, torch.Tensor], our_keys: list[str]) -> 
             state[key] = hf_state.pop(prefix + OURS_TO_HF[rest])
         elif rest == OUR_EXPERTS[0]:
             tensors = experts_from_hf(*(hf_state.pop(prefix + name) for name in HF_EXPERTS))
-            state.update({f"blocks.{layer}.{name}": t for name, t in zip(OUR_EXPERTS, tensors)})
+            state.update({f"blocks.{layer}.{name}": t for name, t in zip(OUR_EXPERTS, tensors, strict=False)})
         elif rest not in OUR_EXPERTS and rest not in UNMAPPED:  # pragma: no cover - every tensor is mapped
             raise MoeLitError(f"hf: no transformers tensor for {key}")
     return state
@@ -305,7 +311,7 @@ def ours_to_hf_state(model) -> dict[str, torch.Tensor]:
         elif rest == OUR_EXPERTS[0]:
             num_experts = model.config.moe.num_experts
             tensors = experts_to_hf(*(ours[f"blocks.{layer}.{name}"] for name in OUR_EXPERTS), num_experts)
-            state.update({prefix + name: t for name, t in zip(HF_EXPERTS, tensors)})
+            state.update({prefix + name: t for name, t in zip(HF_EXPERTS, tensors, strict=False)})
     return state
 
 
@@ -324,7 +330,7 @@ def require_transformers(moe: bool = True):
     return transformers
 
 
-def load_hf_model(source: Union[str, Path], gguf_file: Optional[str] = None, dtype=torch.float32):
+def load_hf_model(source: str | Path, gguf_file: str | None = None, dtype=torch.float32):
     """A local transformers causal LM (directory, or directory + GGUF file), never downloading."""
     transformers = require_transformers(moe=False)
     path = Path(source)

@@ -9,7 +9,6 @@ interrupted export never leaves a directory that looks complete. The files are t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
 
 import torch
 
@@ -25,9 +24,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def export_hf(
     model,
     fmt: str,
-    out_dir: Union[str, Path],
-    tokenizer_file: Optional[Union[str, Path]],
-    eos_token: Optional[str] = None,
+    out_dir: str | Path,
+    tokenizer_file: str | Path | None,
+    eos_token: str | None = None,
     dtype: str = "float32",
     max_shard_size: str = "5GB",
     force: bool = False,

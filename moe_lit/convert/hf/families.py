@@ -9,7 +9,7 @@ logits < 1e-4; export then import is the identity on the state dict.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -29,26 +29,25 @@ from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 
 FAMILIES: dict[str, Family] = {
-    family.name: family
-    for family in (llama.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY)
+    family.name: family for family in (llama.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY)
 }
 """Export formats and importable model types, by transformers' ``model_type``."""
 
 
-def family(name: Optional[str]) -> Family:
+def family(name: str | None) -> Family:
     """The family of a format / ``model_type``; a one-line error naming the allowed ones."""
     if name not in FAMILIES:
         raise MoeLitError(f"hf: model_type={name!r} is not supported; allowed: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
-def config_from_hf(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def config_from_hf(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     """Our ModelConfig of a transformers config of any supported family."""
     return family(getattr(hf_config, "model_type", None)).to_ours(hf_config, seq_len)
 
 
 def from_hf(
-    hf_model_or_dir: Any, gguf_file: Optional[str] = None, seq_len: Optional[int] = None, dtype=torch.float32
+    hf_model_or_dir: Any, gguf_file: str | None = None, seq_len: int | None = None, dtype=torch.float32
 ) -> Transformer:
     """A Transformer (weights in ``dtype``) computing what a transformers causal LM computes.
 
@@ -74,7 +73,7 @@ def from_hf(
     return model.eval()
 
 
-def from_hf_llama(hf_model_or_dir: Any, gguf_file: Optional[str] = None, seq_len: Optional[int] = None) -> Transformer:
+def from_hf_llama(hf_model_or_dir: Any, gguf_file: str | None = None, seq_len: int | None = None) -> Transformer:
     """:func:`from_hf` restricted to ``LlamaForCausalLM`` (the original entry point)."""
     hf_model = hf_model_or_dir
     if isinstance(hf_model_or_dir, (str, Path)):
@@ -83,7 +82,7 @@ def from_hf_llama(hf_model_or_dir: Any, gguf_file: Optional[str] = None, seq_len
     return from_hf(hf_model, seq_len=seq_len)
 
 
-def to_hf(model: Transformer, fmt: str, special_ids: Optional[dict[str, int]] = None, dtype=torch.float32):
+def to_hf(model: Transformer, fmt: str, special_ids: dict[str, int] | None = None, dtype=torch.float32):
     """A transformers model of format ``fmt`` computing what ``model`` computes (eval mode).
 
     ``special_ids`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) go into its config.
@@ -106,7 +105,7 @@ def to_hf(model: Transformer, fmt: str, special_ids: Optional[dict[str, int]] = 
     return hf_model.to(dtype).eval()
 
 
-def hf_config_dir_to_ours(path: Union[str, Path]) -> ModelConfig:
+def hf_config_dir_to_ours(path: str | Path) -> ModelConfig:
     """Our ModelConfig of a transformers model directory's ``config.json`` (no weights read)."""
     transformers = require_transformers(moe=False)
     return config_from_hf(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))

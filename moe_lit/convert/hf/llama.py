@@ -11,14 +11,14 @@ Llama's ``attention_bias`` also biases ``o_proj`` (ours never does), so it is re
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert.hf.core import Family, base_fields, check_fields, hf_base_kwargs
 from moe_lit.errors import MoeLitError
 
 
-def llama_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def llama_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     """The ModelConfig of a ``transformers.LlamaConfig`` (``seq_len`` defaults to max_position_embeddings)."""
     if getattr(hf_config, "model_type", None) != "llama":
         raise MoeLitError(f"hf: model_type={getattr(hf_config, 'model_type', None)!r}; allowed: llama")

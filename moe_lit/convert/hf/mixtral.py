@@ -8,18 +8,21 @@ not carried.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert.hf.core import Family, base_fields, hf_base_kwargs, moe_fields, refuse
 
 
-def mixtral_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def mixtral_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     if getattr(hf_config, "sliding_window", None) is not None:
         raise refuse("sliding_window", hf_config.sliding_window, None)
     moe = moe_fields(
-        hf_config.num_local_experts, hf_config.intermediate_size, hf_config.num_experts_per_tok,
-        renormalize=True, aux_loss_coef=hf_config.router_aux_loss_coef,
+        hf_config.num_local_experts,
+        hf_config.intermediate_size,
+        hf_config.num_experts_per_tok,
+        renormalize=True,
+        aux_loss_coef=hf_config.router_aux_loss_coef,
     )
     return ModelConfig(**base_fields(hf_config, seq_len), d_ff=hf_config.intermediate_size, moe=moe)
 
@@ -27,8 +30,12 @@ def mixtral_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig
 def to_mixtral(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
     return dict(
-        **hf_base_kwargs(cfg), head_dim=cfg.head_dim, intermediate_size=moe.expert_sizes[0],
-        num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k, sliding_window=None,
+        **hf_base_kwargs(cfg),
+        head_dim=cfg.head_dim,
+        intermediate_size=moe.expert_sizes[0],
+        num_local_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        sliding_window=None,
         router_aux_loss_coef=moe.aux_loss_coef,
     )
 

@@ -7,18 +7,21 @@ and attention biases are refused.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert.hf.core import Family, base_fields, check_fields, hf_base_kwargs, moe_fields
 from moe_lit.errors import MoeLitError
 
 
-def olmoe_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def olmoe_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     check_fields(hf_config, {"clip_qkv": None, "attention_bias": False})
     moe = moe_fields(
-        hf_config.num_experts, hf_config.intermediate_size, hf_config.num_experts_per_tok,
-        renormalize=bool(hf_config.norm_topk_prob), aux_loss_coef=hf_config.router_aux_loss_coef,
+        hf_config.num_experts,
+        hf_config.intermediate_size,
+        hf_config.num_experts_per_tok,
+        renormalize=bool(hf_config.norm_topk_prob),
+        aux_loss_coef=hf_config.router_aux_loss_coef,
     )
     fields = base_fields(hf_config, seq_len)
     if fields["attn_head_dim"] is not None:  # pragma: no cover - OlmoeConfig has no head_dim
@@ -29,8 +32,13 @@ def olmoe_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
 def to_olmoe(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe
     return dict(
-        **hf_base_kwargs(cfg), intermediate_size=moe.expert_sizes[0], num_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k, norm_topk_prob=moe.renormalize, clip_qkv=None, attention_bias=False,
+        **hf_base_kwargs(cfg),
+        intermediate_size=moe.expert_sizes[0],
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.renormalize,
+        clip_qkv=None,
+        attention_bias=False,
         router_aux_loss_coef=moe.aux_loss_coef,
     )
 

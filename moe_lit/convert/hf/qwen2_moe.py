@@ -10,7 +10,7 @@ where they have that pattern, and are written as ``mlp_only_layers``. Sliding wi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert.hf.core import Family, base_fields, hf_base_kwargs, moe_fields, moe_layer_pattern, refuse
@@ -27,12 +27,21 @@ def qwen_moe_fields(hf_config: Any, shared_expert_size: int) -> dict[str, Any]:
     if getattr(hf_config, "use_sliding_window", False):
         raise refuse("use_sliding_window", True, False)
     moe = moe_fields(
-        hf_config.num_experts, hf_config.moe_intermediate_size, hf_config.num_experts_per_tok,
-        renormalize=bool(hf_config.norm_topk_prob), aux_loss_coef=hf_config.router_aux_loss_coef,
+        hf_config.num_experts,
+        hf_config.moe_intermediate_size,
+        hf_config.num_experts_per_tok,
+        renormalize=bool(hf_config.norm_topk_prob),
+        aux_loss_coef=hf_config.router_aux_loss_coef,
     )
     pattern = moe_layer_pattern(qwen_moe_layers(hf_config), hf_config.num_hidden_layers)
-    moe = moe.__class__(**{**moe.__dict__, **pattern, "shared_expert_size": shared_expert_size,
-                           "shared_expert_gate": shared_expert_size > 0})
+    moe = moe.__class__(
+        **{
+            **moe.__dict__,
+            **pattern,
+            "shared_expert_size": shared_expert_size,
+            "shared_expert_gate": shared_expert_size > 0,
+        }
+    )
     return {"moe": moe, "d_ff": hf_config.intermediate_size}
 
 
@@ -40,14 +49,20 @@ def to_qwen_moe(cfg: ModelConfig) -> dict[str, Any]:
     """The Qwen2/Qwen3-MoE arguments of ``cfg``'s MoE (dense layers listed in ``mlp_only_layers``)."""
     moe = cfg.moe
     return dict(
-        **hf_base_kwargs(cfg), intermediate_size=cfg.d_ff, moe_intermediate_size=moe.expert_sizes[0],
-        num_experts=moe.num_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.renormalize,
-        decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if i not in cfg.moe_layer_ids],
-        use_sliding_window=False, router_aux_loss_coef=moe.aux_loss_coef,
+        **hf_base_kwargs(cfg),
+        intermediate_size=cfg.d_ff,
+        moe_intermediate_size=moe.expert_sizes[0],
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.renormalize,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(cfg.n_layers) if i not in cfg.moe_layer_ids],
+        use_sliding_window=False,
+        router_aux_loss_coef=moe.aux_loss_coef,
     )
 
 
-def qwen2_moe_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def qwen2_moe_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     if "sliding_attention" in (getattr(hf_config, "layer_types", None) or ()):
         raise refuse("layer_types", "sliding_attention", "full_attention")
     fields = base_fields(hf_config, seq_len)
@@ -56,9 +71,7 @@ def qwen2_moe_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConf
 
 
 def to_qwen2_moe(cfg: ModelConfig) -> dict[str, Any]:
-    return dict(
-        **to_qwen_moe(cfg), qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe.shared_expert_size
-    )
+    return dict(**to_qwen_moe(cfg), qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe.shared_expert_size)
 
 
 FAMILY = Family(

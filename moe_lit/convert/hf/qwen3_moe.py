@@ -7,14 +7,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert.hf.core import Family, base_fields, check_fields
 from moe_lit.convert.hf.qwen2_moe import qwen_moe_fields, to_qwen_moe
 
 
-def qwen3_moe_config(hf_config: Any, seq_len: Optional[int] = None) -> ModelConfig:
+def qwen3_moe_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
     check_fields(hf_config, {"attention_bias": False})
     return ModelConfig(**base_fields(hf_config, seq_len), **qwen_moe_fields(hf_config, 0), qk_norm="head")
 

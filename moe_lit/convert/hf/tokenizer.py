@@ -11,24 +11,21 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Optional, Union
 
 from moe_lit.convert.hf.core import require_transformers
 from moe_lit.errors import MoeLitError
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
-def hf_tokenizer(tokenizer_file: PathLike, eos_token: Optional[str] = None):
+def hf_tokenizer(tokenizer_file: PathLike, eos_token: str | None = None):
     """A ``PreTrainedTokenizerFast`` of our ``tokenizer.json`` with EOS = BOS = pad = the end-of-text token."""
     from moe_lit.evaluation.harness import load_tokenizer, resolve_eot_id
 
     transformers = require_transformers(moe=False)
     tokenizer = load_tokenizer(tokenizer_file)
     eos = tokenizer.id_to_token(resolve_eot_id(tokenizer, eos_token))
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos
-    )
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos)
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:
@@ -40,7 +37,7 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def write_tokenizer_json(model_dir: PathLike, out_file: PathLike, gguf_file: Optional[str] = None) -> Optional[Path]:
+def write_tokenizer_json(model_dir: PathLike, out_file: PathLike, gguf_file: str | None = None) -> Path | None:
     """Write the ``tokenizer.json`` of a transformers model directory (or of its GGUF file) to ``out_file``.
 
     Returns None when the directory holds no tokenizer at all (the import then has none either).

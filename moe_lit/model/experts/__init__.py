@@ -15,7 +15,6 @@ Every backend holds the same parameters under the same names (``mlp.w1|v1|w2`` o
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ def resolve_backend(cfg: MoEConfig) -> str:
     """``'torch'`` or ``'megablocks'`` for this config on this machine (see the module docstring)."""
     if cfg.backend == "torch":
         return "torch"
-    reason: Optional[str] = unsupported_reason(cfg) or unavailable_reason()
+    reason: str | None = unsupported_reason(cfg) or unavailable_reason()
     if cfg.backend == "megablocks":
         if reason is not None:
             raise ConfigError(f"moe.backend: 'megablocks' cannot run here: {reason}; use backend: auto or torch")

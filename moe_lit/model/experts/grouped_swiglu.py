@@ -28,14 +28,14 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from moe_lit.model.experts.layout import ExpertLayout
-
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
 # expert's weights and the reduction of their gradients, plus the per-matrix overhead of a batched
@@ -48,7 +48,7 @@ ALIGN_BYTES = 16
 """Grouped GEMM kernels need every row stride to be a multiple of 16 bytes."""
 
 
-def grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
+def grouped_mm_op() -> Callable[..., torch.Tensor] | None:
     """``F.grouped_mm`` (public since torch 2.10), else ``torch._grouped_mm`` (2.8+), else None."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -63,7 +63,7 @@ class Slots:
     """How the matmuls run over the slots: grouped GEMMs, padded chunks and ``bmm``, or a loop of ``mm``."""
     chunk_rows: int
     """Slots per chunk (batched only; 0 otherwise)."""
-    chunk_expert: Optional[torch.Tensor]
+    chunk_expert: torch.Tensor | None
     """Expert of each chunk when some expert has no chunk or several; None when chunk e is expert e."""
     token_P: torch.Tensor
     """Token feeding each slot; padding slots hold T, the index of an appended zero row."""
@@ -116,7 +116,7 @@ class ExpertBlocks:
         looped = slots.geometry == "looped"
         self._block_rows = slots.rows if looped else (slots.num_slots,)
         self._block_sizes = layout.sizes if looped else (layout.sizes[0],)
-        self._cells = [r * f for r, f in zip(self._block_rows, self._block_sizes)]
+        self._cells = [r * f for r, f in zip(self._block_rows, self._block_sizes, strict=False)]
         self._uniform = len(set(self._block_sizes)) == 1
         # NOTE: the grouped GEMMs' group ends, made once per routing (not per matmul: on CUDA each
         # would be a host-to-device copy).
@@ -146,7 +146,9 @@ class ExpertBlocks:
             return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])]
         if h_PF is not None:
             return list(h_PF.split(self._block_rows))
-        return [c.view(r, f) for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes)]
+        return [
+            c.view(r, f) for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes, strict=False)
+        ]
 
     def _weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
         """Per-block weights: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather when chunks
@@ -160,7 +162,7 @@ class ExpertBlocks:
         w_BX = w_SD.view(num_experts, size * self.d_model).index_select(0, self.slots.chunk_expert)
         return [w_BX.view(-1, size, self.d_model)]
 
-    def _uniform_rows(self, h_H: torch.Tensor) -> Optional[torch.Tensor]:
+    def _uniform_rows(self, h_H: torch.Tensor) -> torch.Tensor | None:
         """The flat hidden buffer as ``(P, F)`` when every block has the same F, else None."""
         return h_H.view(-1, self._block_sizes[0]) if self._uniform else None
 
@@ -176,7 +178,7 @@ class ExpertBlocks:
             torch.matmul(xs[i], ws[i].mT, out=hs[i])
         return h_H
 
-    def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
         """``h_p @ w_e`` for every slot, as ``(P, D)`` plus a zero row P when an assignment may point
         there; with ``add_to`` the products are added into it (same shape) instead."""
         num_slots = self.slots.num_slots
@@ -230,7 +232,7 @@ class ExpertBlocks:
         if a_PF is not None:
             torch.linalg.vecdot(a_PF, b_PF, out=out_P[: a_PF.shape[0]])
             return
-        for a, b, out in zip(self._hidden(a_H), self._hidden(b_H), self._rows(out_P)):
+        for a, b, out in zip(self._hidden(a_H), self._hidden(b_H), self._rows(out_P), strict=False):
             torch.linalg.vecdot(a, b, out=out)
 
     def scale_rows_(self, h_H: torch.Tensor, scale_P: torch.Tensor) -> torch.Tensor:
@@ -239,7 +241,7 @@ class ExpertBlocks:
         if h_PF is not None:
             h_PF.mul_(scale_P[: h_PF.shape[0]].unsqueeze(-1))
             return h_H
-        for h, scale in zip(self._hidden(h_H), self._rows(scale_P)):
+        for h, scale in zip(self._hidden(h_H), self._rows(scale_P), strict=False):
             h.mul_(scale.unsqueeze(-1))
         return h_H
 
@@ -347,7 +349,7 @@ def build_slots(
     rank_N: torch.Tensor,
     kept_counts: list[int],
     geometry: Geometry,
-    capacity: Optional[int],
+    capacity: int | None,
 ) -> Slots:
     """Slot index maps from the expert-sorted assignments: ``order_N`` (flat ids), their experts and
     their rank inside their expert."""

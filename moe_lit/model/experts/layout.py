@@ -16,9 +16,9 @@ heterogeneous one (torch backend only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ class ExpertLayout:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, sizes: Sequence[int]) -> "ExpertLayout":
+    def of(cls, sizes: Sequence[int]) -> ExpertLayout:
         return cls(tuple(int(s) for s in sizes))
 
     @property

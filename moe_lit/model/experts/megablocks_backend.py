@@ -3,7 +3,7 @@
 Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size, N = T*K routed
 assignments (see ``layout.py``).
 
-What comes from MegaBlocks (megablocks 0.10.0, installed with the ``gpu`` extra, see the README):
+What comes from MegaBlocks (megablocks 0.10.0, installed with the ``gpu`` extra, see docs/gpu.md):
 ``Arguments`` built from our :class:`~moe_lit.config.MoEConfig`, the dMoE expert MLP that
 ``dmlp_registry`` builds for ``mlp_type='glu', mlp_impl='grouped'`` (``GroupedGLU``: grouped GEMMs
 through ``grouped_gemm``), and the routing ops of ``ParallelDroplessMLP.grouped_forward_once``
@@ -38,11 +38,11 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -50,7 +50,7 @@ from moe_lit.config import MoEConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
 
-INSTALL_HINT = "install the gpu extra as the README's 'GPUs, MegaBlocks and multi-node' section says"
+INSTALL_HINT = "install the gpu extra as docs/gpu.md says"
 
 
 def import_megablocks() -> Any:
@@ -68,7 +68,7 @@ def import_megablocks() -> Any:
     return megablocks
 
 
-def unsupported_reason(cfg: MoEConfig) -> Optional[str]:
+def unsupported_reason(cfg: MoEConfig) -> str | None:
     """Why MegaBlocks cannot run a layer of this config (None when it can)."""
     if not cfg.uniform:
         return "heterogeneous expert sizes (MegaBlocks' grouped GEMM needs equal experts)"
@@ -77,7 +77,7 @@ def unsupported_reason(cfg: MoEConfig) -> Optional[str]:
     return None
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why MegaBlocks cannot run on this machine (None when it can)."""
     if not torch.cuda.is_available():
         return "no CUDA device (MegaBlocks' kernels are CUDA only)"
@@ -107,8 +107,8 @@ def megablocks_arguments(
     cfg: MoEConfig,
     num_moe_layers: int = 1,
     dtype: torch.dtype = torch.float32,
-    device: Optional[torch.device] = None,
-    expert_parallel_group: Optional[dist.ProcessGroup] = None,
+    device: torch.device | None = None,
+    expert_parallel_group: dist.ProcessGroup | None = None,
 ) -> Any:
     """MegaBlocks ``Arguments`` describing one dMoE layer of this config (uniform experts).
 
@@ -154,7 +154,7 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 class MegaBlocksExperts(nn.Module):
     """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``."""
 
-    def __init__(self, d_model: int, cfg: MoEConfig, num_moe_layers: int = 1, device: Optional[torch.device] = None):
+    def __init__(self, d_model: int, cfg: MoEConfig, num_moe_layers: int = 1, device: torch.device | None = None):
         super().__init__()
         args = megablocks_arguments(d_model, cfg, num_moe_layers, device=device)
         megablocks = import_megablocks()
@@ -172,7 +172,7 @@ class MegaBlocksExperts(nn.Module):
         return self.layout.num_experts
 
     @property
-    def expert_parallel_group(self) -> Optional[dist.ProcessGroup]:
+    def expert_parallel_group(self) -> dist.ProcessGroup | None:
         """The process group the experts are split over (None: this rank holds all of them)."""
         return self.mlp.args.expert_parallel_group
 
@@ -193,7 +193,10 @@ class MegaBlocksExperts(nn.Module):
             )
         full = dict(self.mlp.named_parameters())
         args = megablocks_arguments(
-            self.mlp.args.hidden_size, self.cfg, self.num_moe_layers, device=torch.device("meta"),
+            self.mlp.args.hidden_size,
+            self.cfg,
+            self.num_moe_layers,
+            device=torch.device("meta"),
             expert_parallel_group=mesh.get_group(),
         )
         # NOTE: built on meta (no memory), then given this rank's rows of the full weights: a
@@ -207,7 +210,7 @@ class MegaBlocksExperts(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, RoutingCounts]:
         if capacity is not None:
             raise MoeLitError("moe.capacity_factor: the MegaBlocks backend is dropless; use moe.backend: torch")

@@ -15,7 +15,7 @@ contributes nothing, the residual stream carries the token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from torch import nn
@@ -82,9 +82,7 @@ def choose_geometry(
     return "grouped" if grouped_fits else "batched"
 
 
-def plan_dispatch(
-    indices_TK: torch.Tensor, layout: ExpertLayout, capacity: Optional[int], geometry: Geometry
-) -> Dispatch:
+def plan_dispatch(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None, geometry: Geometry) -> Dispatch:
     """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
     experts_N = indices_TK.reshape(-1)
     order_N = torch.argsort(experts_N, stable=True)
@@ -139,7 +137,7 @@ class TorchExperts(nn.Module):
         return self.mlp.layout
 
     def forward(
-        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: Optional[int]
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, Dispatch]:
         device_type = x_TD.device.type
         # NOTE: the Function's buffers are written with out=, which autocast cannot see: cast the

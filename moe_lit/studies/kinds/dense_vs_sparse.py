@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
@@ -92,7 +92,7 @@ class BudgetSpec:
         _check_model_fields(self.overrides, f"budgets[{self.name}].overrides")
 
     @classmethod
-    def from_yaml_entry(cls, entry: Any, index: int) -> "BudgetSpec":
+    def from_yaml_entry(cls, entry: Any, index: int) -> BudgetSpec:
         """``{name: S, d_ff: 256}``: the name plus the changed model fields, flat."""
         if not isinstance(entry, dict) or "name" not in entry:
             _fail(f"budgets[{index}]", f"must be a mapping with a 'name' and model fields, got {entry!r}")
@@ -104,7 +104,7 @@ class BudgetSpec:
 class GridSpec:
     """The main grid, run at every budget: num_experts x top_k x matching mode."""
 
-    num_experts: list[Union[int, str]] = field(default_factory=lambda: [DENSE, 4, 8, 16, 32])
+    num_experts: list[int | str] = field(default_factory=lambda: [DENSE, 4, 8, 16, 32])
     """Total routed experts E per MoE layer; the word ``dense`` adds the budget's dense model itself."""
     top_k: list[int] = field(default_factory=lambda: [2])
     """Experts per token. With active matching the expert size is about d_ff / top_k, so this is
@@ -199,9 +199,6 @@ class AblationSpec:
                 _fail("ablations.match", f"got {mode!r}, allowed values: {', '.join(MATCH_MODES)}")
 
 
-
-
-
 @dataclass
 class DenseVsSparseSpec:
     """The kind's own fields of a dense-vs-sparse study file."""
@@ -214,7 +211,7 @@ class DenseVsSparseSpec:
     """Training sequence length (run.data.seq_len)."""
     grid: GridSpec = field(default_factory=GridSpec)
     """Main grid run at every budget."""
-    ablations: Optional[AblationSpec] = None
+    ablations: AblationSpec | None = None
     """Ablations at one budget; null = none."""
 
     def __post_init__(self) -> None:
@@ -290,10 +287,18 @@ def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
     for seed in header.seeds:
         for run in runs:
             config_name = f"{run.budget}/{run.name}"
-            (point,) = finalize([Point(
-                name=header.point_name(config_name, seed), config_name=config_name, seed=seed, model=run.model,
-                run=header.seeded_run(seed), info=_info(run),
-            )])
+            (point,) = finalize(
+                [
+                    Point(
+                        name=header.point_name(config_name, seed),
+                        config_name=config_name,
+                        seed=seed,
+                        model=run.model,
+                        run=header.seeded_run(seed),
+                        info=_info(run),
+                    )
+                ]
+            )
             known = points.setdefault(point.hash, point)
             if known is not point:
                 known.info["groups"].setdefault(run.group, run.label)
@@ -401,7 +406,6 @@ def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
     return runs
 
 
-
 def _short(n: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -496,7 +500,7 @@ def _total_params_claim(rows) -> list[str]:
     lines = []
     for (budget, top_k), pts in total_params_lines(rows).items():
         losses = [r[LOSS] for r in pts]
-        falls = sum(b < a for a, b in zip(losses, losses[1:]))
+        falls = sum(b < a for a, b in zip(losses, losses[1:], strict=False))
         if falls == len(losses) - 1:
             verdict = "reproduced"
         elif min(losses[1:], default=math.inf) < losses[0]:
@@ -534,7 +538,7 @@ def _expert_size_claim(rows) -> list[str]:
     return lines
 
 
-def _ablation_claims(bars, expert_effect: Optional[float]) -> list[str]:
+def _ablation_claims(bars, expert_effect: float | None) -> list[str]:
     """Claim 3: shared / heterogeneous / balancing matter little; claim 4: dropless beats dropping."""
     lines = []
     for group in ("shared", "heterogeneous", "balancing", "capacity", "matching"):
@@ -563,7 +567,7 @@ def _ablation_claims(bars, expert_effect: Optional[float]) -> list[str]:
     return lines
 
 
-def _expert_count_effect(rows, bars) -> Optional[float]:
+def _expert_count_effect(rows, bars) -> float | None:
     """Dense loss minus the best grid MoE loss at the ablation budget (the size of the main effect)."""
     budgets = {r["budget"] for group in bars.values() for _, r in group}
     for (budget, _), pts in total_params_lines(rows).items():
@@ -573,7 +577,7 @@ def _expert_count_effect(rows, bars) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- plots
-def plot_total_params(rows, path: Path) -> Optional[Path]:
+def plot_total_params(rows, path: Path) -> Path | None:
     lines = total_params_lines(rows)
     if not lines:
         return None
@@ -603,17 +607,21 @@ def plot_total_params(rows, path: Path) -> Optional[Path]:
     return save_figure(fig, path)
 
 
-def plot_expert_size(rows, path: Path) -> Optional[Path]:
+def plot_expert_size(rows, path: Path) -> Path | None:
     panels = expert_size_lines(rows)
     if not panels:
         return None
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
-    for ax, (budget, by_e) in zip(axes[0], panels.items()):
+    for ax, (budget, by_e) in zip(axes[0], panels.items(), strict=False):
         for num_experts, pts in by_e.items():
             ax.errorbar(
-                [r["expert_size"] for r in pts], [r[LOSS] for r in pts], yerr=[r.get("loss_std", 0.0) for r in pts],
-                marker="o", capsize=3, label=f"E={num_experts} (k = {', '.join(str(r['top_k']) for r in pts)})",
+                [r["expert_size"] for r in pts],
+                [r[LOSS] for r in pts],
+                yerr=[r.get("loss_std", 0.0) for r in pts],
+                marker="o",
+                capsize=3,
+                label=f"E={num_experts} (k = {', '.join(str(r['top_k']) for r in pts)})",
             )
         ax.set_xscale("log", base=2)
         ax.set(xlabel="mean expert size F", ylabel="final validation loss", title=f"{budget}: val loss vs expert size")
@@ -650,5 +658,3 @@ def write_plots(rows: list[dict[str, Any]], plots_dir: Path) -> list[Path]:
         plot_ablation(group, bars, plots_dir / f"ablation_{group}.png") for group, bars in ablation_bars(rows).items()
     ]
     return [p for p in made if p is not None]
-
-

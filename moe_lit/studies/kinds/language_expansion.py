@@ -90,12 +90,19 @@ def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
             points.append(Point(parent, f"{model_name}/base", seed, model, pretrain, info=info))
             arms = [("dense", None)] if model_name == "dense" else [("moe", None), ("moe_grown", grow)]
             for arm, transform in arms:
-                points.append(Point(
-                    header.point_name(f"{arm}/continued", seed), f"{arm}/continued", seed, model, cont,
-                    info={"phase": "continued", "family": arm, "base_point": parent},
-                    start=Start(parent=parent, mode="init"), transform=transform,
-                    measure=measure if model_name == "moe" else None,
-                ))
+                points.append(
+                    Point(
+                        header.point_name(f"{arm}/continued", seed),
+                        f"{arm}/continued",
+                        seed,
+                        model,
+                        cont,
+                        info={"phase": "continued", "family": arm, "base_point": parent},
+                        start=Start(parent=parent, mode="init"),
+                        transform=transform,
+                        measure=measure if model_name == "moe" else None,
+                    )
+                )
     return points
 
 
@@ -111,11 +118,17 @@ def measure_routing(point: Point, result: Any, run_dir: Path, new_languages: lis
 
     data = point.run.data
     model = load_model(result.checkpoint).eval()
-    datamodule = MoEDataModule(data.resolved_dir(), seq_len=data.seq_len, batch_size=data.batch_size,
-                               languages=data.languages, val_batches=data.val_batches, seed=point.seed)
+    datamodule = MoEDataModule(
+        data.resolved_dir(),
+        seq_len=data.seq_len,
+        batch_size=data.batch_size,
+        languages=data.languages,
+        val_batches=data.val_batches,
+        seed=point.seed,
+    )
     languages = datamodule.languages
     with torch.no_grad(), routing_trace(model) as recorder:
-        for lang, loader in zip(languages, datamodule.val_dataloader()):
+        for lang, loader in zip(languages, datamodule.val_dataloader(), strict=False):
             for batch_BL1 in loader:
                 recorder.set_labels(language=lang)
                 model(batch_BL1[:, :-1])
@@ -165,7 +178,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
             "final loss, new languages": cell(arm, "new"),
             "JS(new vs base usage), bits": cell(arm, "js"),
         }
-        for arm in ARMS if per_arm[arm]
+        for arm in ARMS
+        if per_arm[arm]
     ]
     findings = []
     dense = per_arm["dense"].get("interference", {})

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
@@ -63,7 +63,7 @@ class MethodSpec:
 
     method: str
     """random | kmeans | coactivation | dot_moe."""
-    router: Optional[str] = None
+    router: str | None = None
     """centroid | trained | random for the heuristic methods (null: centroid); dot_moe learns its
     routers and takes none."""
 
@@ -179,14 +179,16 @@ def default_run() -> dict[str, Any]:
 def parse(fields: dict[str, Any], header) -> PartitionSpec:
     check_fields(PartitionSpec, fields, ("dense", "settings", "methods"))
     dense = ModelConfig.from_dict(dict(fields["dense"])).replace(seq_len=header.run.data.seq_len)
-    return PartitionSpec(**{
-        **fields,
-        "dense": dense,
-        "settings": _list(SettingSpec, fields["settings"], "settings"),
-        "methods": _list(MethodSpec, fields["methods"], "methods"),
-        "conversion": _build(ConversionSpec, fields.get("conversion"), "conversion"),
-        "recovery": _build(RecoverySpec, fields.get("recovery"), "recovery"),
-    })
+    return PartitionSpec(
+        **{
+            **fields,
+            "dense": dense,
+            "settings": _list(SettingSpec, fields["settings"], "settings"),
+            "methods": _list(MethodSpec, fields["methods"], "methods"),
+            "conversion": _build(ConversionSpec, fields.get("conversion"), "conversion"),
+            "recovery": _build(RecoverySpec, fields.get("recovery"), "recovery"),
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- points
@@ -195,13 +197,20 @@ def _whole_batches(tokens: int, batch_tokens: int) -> int:
     return math.ceil(tokens / batch_tokens) * batch_tokens
 
 
-def conversion_kwargs(spec: PartitionSpec, method: str, router: Optional[str], setting: SettingSpec,
-                      data_dir: str, seed: int) -> dict[str, Any]:
+def conversion_kwargs(
+    spec: PartitionSpec, method: str, router: str | None, setting: SettingSpec, data_dir: str, seed: int
+) -> dict[str, Any]:
     """The transform's arguments: only those its method reads (a setting of another method changes
     no hash of this one)."""
     conv = spec.conversion
-    kwargs: dict[str, Any] = {"method": method, "experts": setting.experts, "top_k": setting.top_k,
-                              "data_dir": data_dir, "batch_size": conv.batch_size, "seed": seed}
+    kwargs: dict[str, Any] = {
+        "method": method,
+        "experts": setting.experts,
+        "top_k": setting.top_k,
+        "data_dir": data_dir,
+        "batch_size": conv.batch_size,
+        "seed": seed,
+    }
     if method == PRUNING:
         return kwargs | {"calibration_tokens": conv.calibration_tokens}
     kwargs["balancing"] = spec.balancing
@@ -233,9 +242,7 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
     seq_len = header.run.data.seq_len
     rec = spec.recovery
     measure = Call(f"{MODULE}:measure_converted")
-    arms: list[tuple[str, str, Optional[str], str, Optional[SettingSpec]]] = [
-        ("dense/recovered", DENSE, None, DENSE, None)
-    ]
+    arms: list[tuple[str, str, str | None, str, SettingSpec | None]] = [("dense/recovered", DENSE, None, DENSE, None)]
     for setting in spec.settings:
         arms += [(f"{setting.name}/{m.name}", m.method, m.router, m.family, setting) for m in spec.methods]
     if spec.pruning:
@@ -248,12 +255,26 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
             optim={"lr": rec.lr, "warmup_steps": rec.warmup},
         )
         parent = header.point_name("dense/pretrain", seed)
-        points.append(Point(parent, "dense/pretrain", seed, spec.dense, pretrain,
-                            info={"phase": "pretrain", "method": DENSE, "family": DENSE}))
+        points.append(
+            Point(
+                parent,
+                "dense/pretrain",
+                seed,
+                spec.dense,
+                pretrain,
+                info={"phase": "pretrain", "method": DENSE, "family": DENSE},
+            )
+        )
         for config_name, method, router, family, setting in arms:
-            info = {"phase": "recovered", "method": method, "router": router, "family": family,
-                    "setting": setting.name if family not in (DENSE, PRUNING) else None,
-                    "active_ffn": setting.active_ffn if setting else 1.0, "conversion_tokens": 0}
+            info = {
+                "phase": "recovered",
+                "method": method,
+                "router": router,
+                "family": family,
+                "setting": setting.name if family not in (DENSE, PRUNING) else None,
+                "active_ffn": setting.active_ffn if setting else 1.0,
+                "conversion_tokens": 0,
+            }
             model, transform = spec.dense, None
             if method == PRUNING:
                 model = spec.dense.replace(d_ff=spec.dense.d_ff * setting.top_k // setting.experts)
@@ -263,17 +284,24 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
                 kwargs = conversion_kwargs(spec, method, router, setting, data_dir, seed)
                 transform = Call(f"{MODULE}:convert", kwargs)
                 info["conversion_tokens"] = _conversion_tokens(kwargs, seq_len)
-            points.append(Point(
-                header.point_name(config_name, seed), config_name, seed, model, recovery, info=info,
-                start=Start(parent=parent, mode="init"), transform=transform,
-                measure=measure if transform else None,
-            ))
+            points.append(
+                Point(
+                    header.point_name(config_name, seed),
+                    config_name,
+                    seed,
+                    model,
+                    recovery,
+                    info=info,
+                    start=Start(parent=parent, mode="init"),
+                    transform=transform,
+                    measure=measure if transform else None,
+                )
+            )
     return points
 
 
 # ----------------------------------------------------------------------------- transform and measurement
-def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_size: int, seed: int,
-            **options: Any):
+def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_size: int, seed: int, **options: Any):
     """The study's transform: ``model`` (dense) converted by ``method`` (a partition method of
     :func:`~moe_lit.commands.convert_partition.partition_dense`, or ``pruning`` to the active
     width d_ff * top_k / experts), reading calibration / training tokens from ``data_dir``."""
@@ -297,8 +325,9 @@ def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any
     from moe_lit.lit.runner import train_run
 
     start = Path(run_dir) / TRANSFORMED_START
-    converted = train_run(point.model, point.run.replace(train={"max_steps": 0}), Path(run_dir) / "converted",
-                          init_from=start)
+    converted = train_run(
+        point.model, point.run.replace(train={"max_steps": 0}), Path(run_dir) / "converted", init_from=start
+    )
     return {
         "val_loss_converted": converted.val_loss,
         "val_loss_converted_per_language": converted.val_loss_per_language,
@@ -328,9 +357,17 @@ def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
         if record.get("phase") != "recovered" or record["seed"] not in dense:
             continue
         ref = dense[record["seed"]]
-        entry = out.setdefault(record["config_name"], {
-            "record": record, "loss": [], "gap": [], "retention": [], "gap_before": [], "per_language": {},
-        })
+        entry = out.setdefault(
+            record["config_name"],
+            {
+                "record": record,
+                "loss": [],
+                "gap": [],
+                "retention": [],
+                "gap_before": [],
+                "per_language": {},
+            },
+        )
         entry["loss"].append(record["val_loss"])
         entry["gap"].append(record["val_loss"] - ref["val_loss"])
         entry["retention"].append(retention(record["val_loss"], ref["val_loss"], vocab))
@@ -354,18 +391,20 @@ def _main_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for entry in configs.values():
         r = entry["record"]
-        rows.append({
-            "point": r["config_name"],
-            "method": _method_label(r),
-            "experts / top-k": f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense",
-            "active FFN": f"{r['active_ffn']:.0%}",
-            "active / total params": f"{r['active_params']:,} / {r['total_params']:,}",
-            "conversion tokens": r.get("conversion_tokens", 0),
-            "val loss": _fmt(entry["loss"]),
-            "loss gap to dense": _fmt(entry["gap"]),
-            "retention": _fmt(entry["retention"]),
-            "gap before recovery": _fmt(entry["gap_before"]),
-        })
+        rows.append(
+            {
+                "point": r["config_name"],
+                "method": _method_label(r),
+                "experts / top-k": f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense",
+                "active FFN": f"{r['active_ffn']:.0%}",
+                "active / total params": f"{r['active_params']:,} / {r['total_params']:,}",
+                "conversion tokens": r.get("conversion_tokens", 0),
+                "val loss": _fmt(entry["loss"]),
+                "loss gap to dense": _fmt(entry["gap"]),
+                "retention": _fmt(entry["retention"]),
+                "gap before recovery": _fmt(entry["gap_before"]),
+            }
+        )
     return rows
 
 
@@ -379,7 +418,7 @@ def _language_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-Group = Optional[tuple[str, list[float]]]
+Group = tuple[str, list[float]] | None
 """(config_name, per-seed loss gaps) of one configuration, or None."""
 
 
@@ -392,14 +431,16 @@ def _best(configs: dict[str, dict[str, Any]], keep) -> Group:
     return name, gaps
 
 
-def _ordering(claim: str, better: Group, worse: Group) -> Optional[str]:
+def _ordering(claim: str, better: Group, worse: Group) -> str | None:
     """A finding line: is ``better``'s gap significantly lower than ``worse``'s? None if one is missing."""
     if better is None or worse is None:
         return None
     verdict = compare(better[1], worse[1])
     reproduced = verdict.significant and verdict.diff < 0
-    return (f"- **{claim}**: {better[0]} vs {worse[0]}, loss gap {format_comparison(verdict)}; "
-            f"**{'reproduced' if reproduced else 'not reproduced'}**.")
+    return (
+        f"- **{claim}**: {better[0]} vs {worse[0]}, loss gap {format_comparison(verdict)}; "
+        f"**{'reproduced' if reproduced else 'not reproduced'}**."
+    )
 
 
 def _findings(configs: dict[str, dict[str, Any]]) -> list[str]:
@@ -421,12 +462,14 @@ def _findings(configs: dict[str, dict[str, Any]]) -> list[str]:
             if line:
                 findings.append(line)
     if findings:
-        findings.append("- Each family is represented by its best configuration at the setting (lowest mean "
-                        "loss gap); the gap is to the dense model trained the same recovery budget, per seed.")
+        findings.append(
+            "- Each family is represented by its best configuration at the setting (lowest mean "
+            "loss gap); the gap is to the dense model trained the same recovery budget, per seed."
+        )
     return findings
 
 
-def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Optional[Path]:
+def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
     from moe_lit.studies.report import pyplot, save_figure
 
     entries = [(n, e) for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]]
@@ -436,8 +479,13 @@ def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Optional[Path]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(entries)), 4.5))
     colours = {DOT_MOE: "tab:red", "clustering": "tab:blue", "random": "tab:grey", PRUNING: "tab:green"}
     stats = [summarize(e["gap"]) for _, e in entries]
-    ax.bar(range(len(entries)), [s.mean for s in stats], yerr=[s.std if s.n > 1 else 0.0 for s in stats],
-           color=[colours[e["record"]["family"]] for _, e in entries], capsize=3)
+    ax.bar(
+        range(len(entries)),
+        [s.mean for s in stats],
+        yerr=[s.std if s.n > 1 else 0.0 for s in stats],
+        color=[colours[e["record"]["family"]] for _, e in entries],
+        capsize=3,
+    )
     ax.set_xticks(range(len(entries)), [n for n, _ in entries], rotation=70, ha="right", fontsize=7)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylabel("val loss gap to dense (after recovery)")
@@ -461,6 +509,16 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 
 
 __all__ = [
-    "ConversionSpec", "MethodSpec", "PartitionSpec", "RecoverySpec", "SettingSpec", "analyse", "conversion_kwargs",
-    "convert", "expand", "measure_converted", "parse", "retention",
+    "ConversionSpec",
+    "MethodSpec",
+    "PartitionSpec",
+    "RecoverySpec",
+    "SettingSpec",
+    "analyse",
+    "conversion_kwargs",
+    "convert",
+    "expand",
+    "measure_converted",
+    "parse",
+    "retention",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.importance import METHODS
@@ -49,7 +49,7 @@ class PruningSpec:
     """Shares of every MoE layer's experts removed (each in (0, 1))."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """Importance methods (moe_lit.convert.importance.METHODS)."""
-    calibration_languages: Optional[list[str]] = None
+    calibration_languages: list[str] | None = None
     """Languages of the calibration text; null = every language of the data (the mix)."""
     calibration_split: str = "test"
     """Split of the parallel text the calibration routes (test: held out from training and validation)."""
@@ -63,13 +63,17 @@ class PruningSpec:
     """Optimizer steps of the recovery fine-tune (LM loss, fresh optimizer and schedule)."""
     recovery_warmup: int = 10
     """Warmup steps of the recovery fine-tune's schedule."""
-    recovery_lr: Optional[float] = None
+    recovery_lr: float | None = None
     """Peak learning rate of the recovery fine-tune; null = run.optim.lr."""
 
     def __post_init__(self) -> None:
         if self.model.moe is None:
             raise ConfigError("model.moe: the parent must be an MoE (pruning removes experts)")
-        if not isinstance(self.fractions, list) or not self.fractions or len(set(self.fractions)) != len(self.fractions):
+        if (
+            not isinstance(self.fractions, list)
+            or not self.fractions
+            or len(set(self.fractions)) != len(self.fractions)
+        ):
             raise ConfigError(f"fractions: must be a non-empty list of distinct numbers, got {self.fractions!r}")
         for fraction in self.fractions:
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0:
@@ -83,18 +87,28 @@ class PruningSpec:
         if languages is not None and (
             not isinstance(languages, list) or not languages or not all(isinstance(v, str) for v in languages)
         ):
-            raise ConfigError(f"calibration_languages: must be null or a non-empty list of language codes, got {languages!r}")
+            raise ConfigError(
+                f"calibration_languages: must be null or a non-empty list of language codes, got {languages!r}"
+            )
         if self.calibration_split not in SPLITS:
             raise ConfigError(f"calibration_split: got {self.calibration_split!r}, allowed values: {', '.join(SPLITS)}")
         for name in ("calibration_tokens", "naee_cap", "recovery_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        if isinstance(self.recovery_warmup, bool) or not isinstance(self.recovery_warmup, int) or not (
-            0 <= self.recovery_warmup <= self.recovery_steps
+        if (
+            isinstance(self.recovery_warmup, bool)
+            or not isinstance(self.recovery_warmup, int)
+            or not (0 <= self.recovery_warmup <= self.recovery_steps)
         ):
-            raise ConfigError(f"recovery_warmup: must be an integer in [0, recovery_steps], got {self.recovery_warmup!r}")
-        if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not 0.0 < self.damping <= 1.0:
+            raise ConfigError(
+                f"recovery_warmup: must be an integer in [0, recovery_steps], got {self.recovery_warmup!r}"
+            )
+        if (
+            isinstance(self.damping, bool)
+            or not isinstance(self.damping, (int, float))
+            or not 0.0 < self.damping <= 1.0
+        ):
             raise ConfigError(f"damping: must be in (0, 1], got {self.damping!r}")
         if self.recovery_lr is not None and (not isinstance(self.recovery_lr, (int, float)) or self.recovery_lr <= 0):
             raise ConfigError(f"recovery_lr: must be null or > 0, got {self.recovery_lr!r}")
@@ -123,7 +137,9 @@ def _check_budget(model: ModelConfig, fraction: float) -> None:
     except ConfigError as exc:
         raise ConfigError(f"fractions: {exc}") from None
     if kept < moe.top_k:
-        raise ConfigError(f"fractions: {fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}")
+        raise ConfigError(
+            f"fractions: {fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
+        )
 
 
 def _label(fraction: float) -> str:
@@ -147,19 +163,34 @@ def expand(spec: PruningSpec, header) -> list[Point]:
         references = {"pruned": parent, "recovered": control}
         points += [
             Point(parent, "original", seed, spec.model, pretrain, info={"arm": "original"}),
-            Point(control, "original/recovered", seed, spec.model, runs["recovered"], info={"arm": "control"},
-                  start=Start(parent=parent, mode="init")),
+            Point(
+                control,
+                "original/recovered",
+                seed,
+                spec.model,
+                runs["recovered"],
+                info={"arm": "control"},
+                start=Start(parent=parent, mode="init"),
+            ),
         ]
         for fraction in spec.fractions:
             for method in spec.methods:
                 transform = Call(TRANSFORM, _transform_kwargs(spec, header, method, fraction, seed))
                 for arm, run in runs.items():
                     config_name = f"{method}/{_label(fraction)}/{arm}"
-                    points.append(Point(
-                        header.point_name(config_name, seed), config_name, seed, spec.model, run,
-                        info={"arm": arm, "method": method, "fraction": fraction, "reference": references[arm]},
-                        start=Start(parent=parent, mode="init"), transform=transform, measure=measure,
-                    ))
+                    points.append(
+                        Point(
+                            header.point_name(config_name, seed),
+                            config_name,
+                            seed,
+                            spec.model,
+                            run,
+                            info={"arm": arm, "method": method, "fraction": fraction, "reference": references[arm]},
+                            start=Start(parent=parent, mode="init"),
+                            transform=transform,
+                            measure=measure,
+                        )
+                    )
     return points
 
 
@@ -185,7 +216,7 @@ def prune_by_importance(
     calibration_tokens: int,
     damping: float,
     seed: int,
-    languages: Optional[list[str]] = None,
+    languages: list[str] | None = None,
     split: str = "test",
     naee_cap: int = 2000,
 ):
@@ -204,8 +235,15 @@ def prune_by_importance(
         trace = calibration_trace(
             model, data_dir, tokenizer, languages, split, calibration_tokens, record_inputs=method in ("reap", "naee")
         )
-        keep, _ = plan_keep(method, model, trace, fraction=fraction, seed=seed, maestro=MaestroConfig(damping=damping),
-                            naee_cap=naee_cap)
+        keep, _ = plan_keep(
+            method,
+            model,
+            trace,
+            fraction=fraction,
+            seed=seed,
+            maestro=MaestroConfig(damping=damping),
+            naee_cap=naee_cap,
+        )
         return prune_experts(model, keep)
 
 
@@ -218,8 +256,10 @@ def measure_memory(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
     pruned = load_model(result.checkpoint)
     original = Transformer(point.model.replace(vocab_size=pruned.config.vocab_size))
     # NOTE: flat fields (not one nested dict), so that runs.csv keeps them as columns.
-    return {**memory_saved(original, pruned),
-            "kept_experts": [pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids]}
+    return {
+        **memory_saved(original, pruned),
+        "kept_experts": [pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids],
+    }
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -244,8 +284,10 @@ def retention_values(records: list[dict[str, Any]]) -> dict[tuple[float, str, st
         if record.get("arm") not in ARMS or reference is None:
             continue
         mean, variance = _retention(reference, record)
-        group = values.setdefault((record["fraction"], record["arm"], record["method"]),
-                                  {"mean": [], "variance": [], "val_loss": [], "seed": []})
+        group = values.setdefault(
+            (record["fraction"], record["arm"], record["method"]),
+            {"mean": [], "variance": [], "val_loss": [], "seed": []},
+        )
         group["seed"].append(record["seed"])
         group["mean"].append(mean)
         group["variance"].append(variance)
@@ -272,7 +314,7 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _by_seed(a: dict[str, list], b: dict[str, list], key: str) -> tuple[list[float], list[float]]:
     """``key`` of two methods for the seeds both finished, seed by seed (both prune the same parent)."""
-    a_by, b_by = dict(zip(a["seed"], a[key])), dict(zip(b["seed"], b[key]))
+    a_by, b_by = dict(zip(a["seed"], a[key], strict=False)), dict(zip(b["seed"], b[key], strict=False))
     seeds = sorted(set(a_by) & set(b_by))
     return [a_by[s] for s in seeds], [b_by[s] for s in seeds]
 
@@ -283,8 +325,12 @@ def _claim_findings(values, arm: str) -> list[str]:
     at = {method: v for (fraction, a, method), v in values.items() if fraction == CLAIM_FRACTION and a == arm}
     baselines = {m: v for m, v in at.items() if m not in ("maestro", "random")}
     if "maestro" not in at or not baselines:
-        return [(f"- **MAESTRO's claims, {arm}**: not tested (needs maestro and another non-random method at "
-                 f"{_label(CLAIM_FRACTION)} removed).")]
+        return [
+            (
+                f"- **MAESTRO's claims, {arm}**: not tested (needs maestro and another non-random method at "
+                f"{_label(CLAIM_FRACTION)} removed)."
+            )
+        ]
 
     def mean_retention(method: str) -> float:
         mean = summarize(baselines[method]["mean"]).mean
@@ -296,11 +342,15 @@ def _claim_findings(values, arm: str) -> list[str]:
     better = mean_cmp.significant and mean_cmp.diff > 0
     steadier = var_cmp.significant and var_cmp.diff < 0
     return [
-        (f"- **Retention at {_label(CLAIM_FRACTION)} removed, {arm}, maestro vs the best baseline ({best})** "
-         f"(MAESTRO: up to 10.61% better retention than the best baseline): {format_comparison(mean_cmp)}; "
-         f"**{'reproduced' if better else 'not reproduced'}**."),
-        (f"- **Variance of retention across languages, {arm}, maestro vs {best}** (MAESTRO: lower variance across "
-         f"tasks): {format_comparison(var_cmp, digits=6)}; **{'reproduced' if steadier else 'not reproduced'}**."),
+        (
+            f"- **Retention at {_label(CLAIM_FRACTION)} removed, {arm}, maestro vs the best baseline ({best})** "
+            f"(MAESTRO: up to 10.61% better retention than the best baseline): {format_comparison(mean_cmp)}; "
+            f"**{'reproduced' if better else 'not reproduced'}**."
+        ),
+        (
+            f"- **Variance of retention across languages, {arm}, maestro vs {best}** (MAESTRO: lower variance across "
+            f"tasks): {format_comparison(var_cmp, digits=6)}; **{'reproduced' if steadier else 'not reproduced'}**."
+        ),
     ]
 
 
@@ -338,12 +388,18 @@ def plot_retention(values, path: Path) -> Path:
     methods = list(dict.fromkeys(m for _, _, m in values))
     fig, axes = plt.subplots(1, len(ARMS), figsize=(5 * len(ARMS), 3.5), sharey=True)
     offset = 0.6 / len(fractions)
-    for ax, arm in zip(axes, ARMS):
+    for ax, arm in zip(axes, ARMS, strict=False):
         for i, fraction in enumerate(fractions):
             stats = [summarize(values.get((fraction, arm, m), {"mean": []})["mean"]) for m in methods]
             xs = [j + (i - (len(fractions) - 1) / 2) * offset for j in range(len(methods))]
-            ax.errorbar(xs, [s.mean for s in stats], yerr=[s.std if s.n > 1 else 0.0 for s in stats], fmt="o",
-                        capsize=3, label=f"{_label(fraction)} removed")
+            ax.errorbar(
+                xs,
+                [s.mean for s in stats],
+                yerr=[s.std if s.n > 1 else 0.0 for s in stats],
+                fmt="o",
+                capsize=3,
+                label=f"{_label(fraction)} removed",
+            )
         ax.set_xticks(range(len(methods)), methods, rotation=30)
         ax.set_title(arm)
         ax.axhline(1.0, color="grey", linewidth=0.8)
@@ -352,5 +408,13 @@ def plot_retention(values, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-__all__ = ["PruningSpec", "analyse", "expand", "measure_memory", "parse", "plot_retention", "prune_by_importance",
-           "retention_values"]
+__all__ = [
+    "PruningSpec",
+    "analyse",
+    "expand",
+    "measure_memory",
+    "parse",
+    "plot_retention",
+    "prune_by_importance",
+    "retention_values",
+]

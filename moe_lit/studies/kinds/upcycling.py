@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.studies.engine import Call, Point, Start, stable_dict
@@ -127,7 +127,9 @@ def _validate(spec: UpcyclingSpec, header) -> None:
             f"(exclusive), got {spec.expand_at}"
         )
     if spec.expand_at % run.eval_every:
-        raise ConfigError(f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {spec.expand_at}")
+        raise ConfigError(
+            f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {spec.expand_at}"
+        )
 
     names = [a.name for a in spec.arms]
     if len(set(names)) != len(names):
@@ -139,9 +141,15 @@ def _validate(spec: UpcyclingSpec, header) -> None:
 def _grow_callbacks(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
     probe = "moe_lit.callbacks.study:ValidationProbe"
     grow = {
-        "at_steps": [spec.expand_at], "factor": spec.factor, "selection": arm.selection,
-        "optimizer_state": arm.optimizer_state, "utility_batches": spec.utility_batches, "noise": arm.noise,
-        "router_noise": arm.router_noise, "drop_fraction": arm.drop_fraction, "seed": seed,
+        "at_steps": [spec.expand_at],
+        "factor": spec.factor,
+        "selection": arm.selection,
+        "optimizer_state": arm.optimizer_state,
+        "utility_batches": spec.utility_batches,
+        "noise": arm.noise,
+        "router_noise": arm.router_noise,
+        "drop_fraction": arm.drop_fraction,
+        "seed": seed,
     }
     return (
         Call(probe, {"step": spec.expand_at, "key": "before"}),
@@ -165,18 +173,27 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
         points += [
             Point(name=parent, config_name=FIXED_E, model=spec.model, info={"arm": FIXED_E, **info}, **common),
             Point(
-                name=header.point_name(FIXED_ME, seed), config_name=FIXED_ME, model=spec.grown_model(),
-                info={"arm": FIXED_ME, **info}, measure=timing, **common,
+                name=header.point_name(FIXED_ME, seed),
+                config_name=FIXED_ME,
+                model=spec.grown_model(),
+                info={"arm": FIXED_ME, **info},
+                measure=timing,
+                **common,
             ),
         ]
         for arm in spec.arms:
             name = f"up_{arm.name}"
-            points.append(Point(
-                name=header.point_name(name, seed), config_name=name, model=spec.model,
-                info={"arm": name, **info, **dataclasses.asdict(arm)},
-                start=Start(parent=parent, step=spec.fork_step, mode="resume"),
-                callbacks=_grow_callbacks(spec, arm, seed), **common,
-            ))
+            points.append(
+                Point(
+                    name=header.point_name(name, seed),
+                    config_name=name,
+                    model=spec.model,
+                    info={"arm": name, **info, **dataclasses.asdict(arm)},
+                    start=Start(parent=parent, step=spec.fork_step, mode="resume"),
+                    callbacks=_grow_callbacks(spec, arm, seed),
+                    **common,
+                )
+            )
     return points
 
 
@@ -232,7 +249,7 @@ def _eta(arms, arm: str) -> list[float]:
     return values
 
 
-def _step_times(arms) -> Optional[tuple[float, float]]:
+def _step_times(arms) -> tuple[float, float] | None:
     times = [r["step_times"] for r in arms.get(FIXED_ME, {}).values() if r.get("step_times")]
     if not times:
         return None
@@ -262,7 +279,7 @@ def _copy_token_share(record: dict[str, Any]) -> float:
     shares = []
     for layer in series[-1]["layers"].values():
         tokens, copies = layer["tokens"], len(layer["cosine"])
-        shares.append(sum(tokens[len(tokens) - copies:]) / max(1.0, sum(tokens)))
+        shares.append(sum(tokens[len(tokens) - copies :]) / max(1.0, sum(tokens)))
     return sum(shares) / len(shares)
 
 
@@ -285,22 +302,32 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         runs = list(by_seed.values()) if upcycled else []
         jump = [r["probe_after"] - r["probe_before"] for r in runs if r.get("probe_before") is not None]
         versus = compare_paired(*_paired(arms, arm, FIXED_E)) if arm != FIXED_E else None
-        rows.append({
-            "arm": arm,
-            "experts": runs[0]["num_experts"] * some["factor"] if upcycled else by_seed[next(iter(by_seed))]["num_experts"],
-            "final val loss": format_summary(summarize(losses)),
-            "eta": format_summary(summarize(eta)) if eta else "",
-            "minus fixed_E (paired)": format_comparison(versus) if versus else "",
-            "val jump at swap": format_summary(summarize(jump)) if jump else "",
-            "copy cosine (last)": format_summary(summarize([_separation(r)[0] for r in runs])) if runs else "",
-            "copies > 0.99": format_summary(summarize([_separation(r)[1] for r in runs]), 2) if runs else "",
-            "copy token share": format_summary(summarize([_copy_token_share(r) for r in runs]), 2) if runs else "",
-        })
+        rows.append(
+            {
+                "arm": arm,
+                "experts": runs[0]["num_experts"] * some["factor"]
+                if upcycled
+                else by_seed[next(iter(by_seed))]["num_experts"],
+                "final val loss": format_summary(summarize(losses)),
+                "eta": format_summary(summarize(eta)) if eta else "",
+                "minus fixed_E (paired)": format_comparison(versus) if versus else "",
+                "val jump at swap": format_summary(summarize(jump)) if jump else "",
+                "copy cosine (last)": format_summary(summarize([_separation(r)[0] for r in runs])) if runs else "",
+                "copies > 0.99": format_summary(summarize([_separation(r)[1] for r in runs]), 2) if runs else "",
+                "copy token share": format_summary(summarize([_copy_token_share(r) for r in runs]), 2) if runs else "",
+            }
+        )
         if eta:
             findings.append(_eta_finding(arm, eta, versus))
     findings += _compute_findings(plan, tau, total, _step_times(arms))
-    plots = [p for p in (_plot_curves(arms, tau, plots_dir / "val_loss.png"),
-                         _plot_separation(arms, tau, plots_dir / "copy_separation.png")) if p]
+    plots = [
+        p
+        for p in (
+            _plot_curves(arms, tau, plots_dir / "val_loss.png"),
+            _plot_separation(arms, tau, plots_dir / "copy_separation.png"),
+        )
+        if p
+    ]
     return Analysis(findings=findings, tables={"Arms (mean ± std over seeds)": rows}, plots=plots)
 
 
@@ -312,14 +339,15 @@ def _eta_finding(arm: str, eta: list[float], versus) -> str:
     )
 
 
-def _compute_findings(plan, tau: int, total: int, times: Optional[tuple[float, float]]) -> list[str]:
+def _compute_findings(plan, tau: int, total: int, times: tuple[float, float] | None) -> list[str]:
     lines = []
     if times:
         s_e, s_me = times
         c_fixed, c_up = total * s_me, tau * s_e + (total - tau) * s_me
         lines.append(
             f"- **Compute, measured** (s_E={s_e:.4f} s, s_mE={s_me:.4f} s per step, r = {s_me / s_e:.2f}, "
-            f"interleaved in one process): C_up/C_fixed = {c_up / c_fixed:.3f}, saving {100 * (1 - c_up / c_fixed):.1f}%."
+            f"interleaved in one process): C_up/C_fixed = {c_up / c_fixed:.3f}, "
+            f"saving {100 * (1 - c_up / c_fixed):.1f}%."
         )
     ratios = plan["spec"]["cost_ratios"]
     lines.append(
@@ -329,7 +357,7 @@ def _compute_findings(plan, tau: int, total: int, times: Optional[tuple[float, f
     return lines
 
 
-def _mean_curve(records: list[dict[str, Any]], prefix: Optional[list[dict[str, Any]]] = None):
+def _mean_curve(records: list[dict[str, Any]], prefix: list[dict[str, Any]] | None = None):
     """(steps, mean, std) of the validation curves of one arm's seeds."""
     from moe_lit.studies.stats import summarize as summ
 
@@ -343,7 +371,7 @@ def _mean_curve(records: list[dict[str, Any]], prefix: Optional[list[dict[str, A
     return steps, [s.mean for s in stats], [s.std for s in stats]
 
 
-def _plot_curves(arms, tau: int, path: Path) -> Optional[Path]:
+def _plot_curves(arms, tau: int, path: Path) -> Path | None:
     from moe_lit.studies.report import pyplot, save_figure
 
     plt = pyplot()
@@ -356,12 +384,22 @@ def _plot_curves(arms, tau: int, path: Path) -> Optional[Path]:
         steps, mean, std = _mean_curve([by_seed[s] for s in seeds], prefix)
         for ax, keep in ((ax_all, lambda s: True), (ax_after, lambda s: s >= tau)):
             xs = [s for s in steps if keep(s)]
-            ms = [m for s, m in zip(steps, mean) if keep(s)]
-            ss = [d for s, d in zip(steps, std) if keep(s)]
-            (line,) = ax.plot(xs, ms, "--" if arm.startswith("up_") else "-", marker=".", label=f"{arm} (n={len(seeds)})")
-            ax.fill_between(xs, [m - d for m, d in zip(ms, ss)], [m + d for m, d in zip(ms, ss)],
-                            color=line.get_color(), alpha=0.2)
-    for ax, title in ((ax_all, "validation loss (band: ± std over seeds)"), (ax_after, f"after the expansion (step >= {tau})")):
+            ms = [m for s, m in zip(steps, mean, strict=False) if keep(s)]
+            ss = [d for s, d in zip(steps, std, strict=False) if keep(s)]
+            (line,) = ax.plot(
+                xs, ms, "--" if arm.startswith("up_") else "-", marker=".", label=f"{arm} (n={len(seeds)})"
+            )
+            ax.fill_between(
+                xs,
+                [m - d for m, d in zip(ms, ss, strict=False)],
+                [m + d for m, d in zip(ms, ss, strict=False)],
+                color=line.get_color(),
+                alpha=0.2,
+            )
+    for ax, title in (
+        (ax_all, "validation loss (band: ± std over seeds)"),
+        (ax_after, f"after the expansion (step >= {tau})"),
+    ):
         ax.axvline(tau, color="grey", linestyle=":", label="expansion" if ax is ax_all else None)
         ax.set(xlabel="optimizer step", ylabel="validation loss", title=title)
         ax.grid(alpha=0.3)
@@ -369,9 +407,12 @@ def _plot_curves(arms, tau: int, path: Path) -> Optional[Path]:
     return save_figure(fig, path)
 
 
-def _plot_separation(arms, tau: int, path: Path) -> Optional[Path]:
-    series = {arm: [r.get("copy_separation") or [] for r in by_seed.values()]
-              for arm, by_seed in arms.items() if arm.startswith("up_")}
+def _plot_separation(arms, tau: int, path: Path) -> Path | None:
+    series = {
+        arm: [r.get("copy_separation") or [] for r in by_seed.values()]
+        for arm, by_seed in arms.items()
+        if arm.startswith("up_")
+    }
     if not any(s for runs in series.values() for s in runs):
         return None
     from moe_lit.studies.report import pyplot, save_figure
@@ -387,8 +428,11 @@ def _plot_separation(arms, tau: int, path: Path) -> Optional[Path]:
         steps = sorted(by_step)
         stats = [summarize(by_step[s]) for s in steps]
         ax.errorbar(steps, [s.mean for s in stats], yerr=[s.std for s in stats], marker=".", capsize=2, label=arm)
-    ax.set(xlabel="optimizer step", ylabel="mean cosine(copy, source)",
-           title=f"do the copies separate? (expansion at {tau}; 1 = identical)")
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="mean cosine(copy, source)",
+        title=f"do the copies separate? (expansion at {tau}; 1 = identical)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return save_figure(fig, path)

@@ -6,8 +6,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 COMMON = dict(
-    vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=16, rms_norm_eps=1e-6, initializer_range=0.1,
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
     rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
 )
 FAMILY_FIELDS = {
@@ -16,18 +22,34 @@ FAMILY_FIELDS = {
     "olmoe": dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
     # a dense first layer, q/k/v biases, a gated shared expert
     "qwen2_moe": dict(
-        num_hidden_layers=3, intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=True, mlp_only_layers=[0],
+        num_hidden_layers=3,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        qkv_bias=True,
+        mlp_only_layers=[0],
     ),
     # every second layer sparse, a head dim decoupled from hidden_size / heads, renormalised top-k
     "qwen3_moe": dict(
-        num_hidden_layers=3, intermediate_size=40, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, head_dim=16, decoder_sparse_step=2,
+        num_hidden_layers=3,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        head_dim=16,
+        decoder_sparse_step=2,
     ),
 }
 CONFIG_CLASSES = {
-    "llama": "LlamaConfig", "mixtral": "MixtralConfig", "olmoe": "OlmoeConfig",
-    "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+    "llama": "LlamaConfig",
+    "mixtral": "MixtralConfig",
+    "olmoe": "OlmoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 FAMILY_NAMES = list(FAMILY_FIELDS)
 

@@ -12,8 +12,15 @@ transformers = pytest.importorskip("transformers")
 def _hf_llama(tie: bool, **overrides):
     torch.manual_seed(0)
     fields = dict(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=16, rope_theta=5000.0, rms_norm_eps=1e-6,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
     )
     fields.update(overrides)
