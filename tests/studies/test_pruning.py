@@ -56,14 +56,57 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
             "naee_cap": 2000,
             "seed": 1,
         }
-        assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_memory"
+        assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_pruned" and child.measure.kwargs == {}
         assert child.info["method"] == "maestro" and child.info["fraction"] == 0.5
+        assert child.info["calibration"] == "mix"
     assert pruned.info["reference"] == "original/s1" and recovered.info["reference"] == "original/recovered/s1"
     assert pruned.run.steps == 0  # evaluated as it is: the run only validates
     assert recovered.run == control.run
     assert recovered.run.steps == 2 and recovered.run.optim.warmup_steps == 1 and recovered.run.train.seed == 1
+    assert parent.measure is None and control.measure is None  # no task measure by default
     assert by_name["random/25%/pruned/s0"].transform.kwargs["fraction"] == 0.25
     assert len({p.hash for p in points}) == len(points)
+
+
+ARMS = {
+    **TINY,
+    "methods": ["maestro", "naee", "frequency"],
+    "tasks": True,
+    "task_limit": 20,
+    "task_fractions": [0.5],
+    "single_language_calibration": ["de", "en"],
+    "single_language_tokens": 256,
+}
+
+
+def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks():
+    points = parse_study(ARMS).points
+    assert len(points) == 2 * (2 + 3 * 2 * 2 + 2 * 2)  # + de and en for maestro and naee
+    by_name = {p.name: p for p in points}
+    mix, de = by_name["naee/50%/pruned/s1"], by_name["naee/50%/pruned/calibration-de/s1"]
+    assert de.transform.kwargs == {**mix.transform.kwargs, "languages": ["de"], "calibration_tokens": 256}
+    assert de.info == {**mix.info, "calibration": "de"} and de.info["reference"] == "original/s1"
+    assert de.run == mix.run and de.run.steps == 0 and de.start == mix.start
+    assert (
+        "frequency/50%/pruned/calibration-de/s1" not in by_name
+        and "naee/50%/recovered/calibration-de/s1" not in by_name
+    )
+    # tasks: the references and the 50% children measure them, the 25% children only the memory
+    for name in ("original/s0", "original/recovered/s0"):
+        assert by_name[name].measure.to_dict() == {
+            "path": "moe_lit.studies.kinds.pruning:measure_tasks",
+            "kwargs": {"limit": 20},
+        }
+    assert de.measure.kwargs == mix.measure.kwargs == {"tasks": True, "task_limit": 20}
+    assert by_name["naee/25%/pruned/s1"].measure.kwargs == {}
+    # the calibration is part of the hash; a field only the single-language arms read changes only theirs
+    assert len({p.hash for p in points}) == len(points)
+    changed = {p.name: p.hash for p in parse_study({**ARMS, "single_language_tokens": 512}).points}
+    assert {n for n, p in by_name.items() if p.hash != changed[n]} == {
+        f"{m}/50%/pruned/calibration-{lang}/s{s}" for m in ("maestro", "naee") for lang in ("de", "en") for s in (0, 1)
+    }
+    # the task margin is analysis only: no point changes
+    assert [p.hash for p in parse_study({**ARMS, "task_margin": 0.05}).points] == [p.hash for p in points]
 
 
 def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
@@ -88,6 +131,19 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
         ({"recovery_steps": 0}, "recovery_steps: must be a positive integer, got 0"),
         ({"damping": 0.0}, "damping: must be in (0, 1], got 0.0"),
         ({"colour": 1}, "study: unknown key(s) ['colour']"),
+        ({"task_limit": 0}, "task_limit: must be null or a positive integer, got 0"),
+        ({"task_fractions": [0.3]}, "task_fractions: must be null or a list of the fractions, got [0.3]"),
+        ({"task_margin": -0.1}, "task_margin: must be a number >= 0, got -0.1"),
+        ({"tasks": "yes"}, "tasks: must be true or false, got 'yes'"),
+        (
+            {"single_language_calibration": ["de"], "single_language_methods": ["reap"], "methods": ["maestro"]},
+            "single_language_methods: must be a non-empty list of the study's methods (maestro), got ['reap']",
+        ),
+        (
+            {"single_language_calibration": ["de"], "fractions": [0.25]},
+            "single_language_calibration: its arms prune 0.5 of the experts, so fractions must include 0.5",
+        ),
+        ({"single_language_calibration": "de"}, "single_language_calibration: must be a list of distinct language"),
     ],
 )
 def test_spec_errors_name_the_field(change, message):
