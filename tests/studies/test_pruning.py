@@ -1,11 +1,13 @@
 """The pruning kind: points and parent links, retention and MAESTRO's verdicts on hand-made records,
 errors naming the field, and a tiny real study (pretrain -> prune -> evaluate / recover)."""
 
+from pathlib import Path
+
 import pytest
 
 from moe_lit.config import ConfigError
 from moe_lit.convert.importance import METHODS
-from moe_lit.studies.kinds.pruning import analyse
+from moe_lit.studies.kinds.pruning import analyse, retention_values
 from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
 
@@ -252,7 +254,7 @@ def test_without_maestro_at_half_the_claims_are_not_tested(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_study_end_to_end(tmp_path):
+def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
@@ -269,7 +271,34 @@ def test_tiny_study_end_to_end(tmp_path):
             progress=False,
         )
     )
-    spec = {**TINY, "seeds": [0], "fractions": [0.5], "methods": ["maestro", "naee"]}
+    calls = []
+
+    def fake_suite_scores(model, tokenizer, data_dir, *, limit=None):
+        """lm-eval's real suite is tested in tests/evaluation; here accuracy = 0.6 + 0.3 x the
+        share of layer 0's experts kept (0.9 unpruned, 0.75 at half), chance 0.5."""
+        calls.append((Path(tokenizer).name, Path(data_dir), limit))
+        acc = 0.6 + 0.3 * model.config.moe_layer_config(0).num_experts / 4
+        tasks = {f"moe_lit_pairs_{lang}": acc for lang in ("de", "en", "ru")}
+        return {
+            "tasks": tasks,
+            "chance": dict.fromkeys(tasks, 0.5),
+            "languages": dict.fromkeys(("de", "en", "ru"), acc),
+            "mean_acc": acc,
+            "mean_above_chance": acc - 0.5,
+            "limit": limit,
+        }
+
+    monkeypatch.setattr("moe_lit.evaluation.suite.suite_scores", fake_suite_scores)
+    spec = {
+        **TINY,
+        "seeds": [0],
+        "fractions": [0.5],
+        "methods": ["maestro", "naee"],
+        "tasks": True,
+        "task_limit": 8,
+        "single_language_calibration": ["de"],
+        "single_language_methods": ["maestro"],
+    }
     records = {
         r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out", log=lambda _: None)
     }
@@ -283,9 +312,88 @@ def test_tiny_study_end_to_end(tmp_path):
         pruned["params_saved"] == 2 * 2 * 3 * 32 * 32 + 2 * 2 * 32
     )  # 2 layers x 2 experts x (w1, v1, w2), router rows
     assert pruned["val_loss_per_language"].keys() == original["val_loss_per_language"].keys() == {"en", "de", "ru"}
+    # every point scored its final model on the run's data, with the study's limit
+    assert calls == [("tokenizer.json", tmp_path / "data", 8)] * len(records) == [calls[0]] * 7
+    assert pruned["suite_mean_acc"] == pytest.approx(0.75) and original["suite_mean_acc"] == pytest.approx(0.9)
+    assert records["maestro/50%/pruned/calibration-de"]["calibration"] == "de"
     written = write_report(tmp_path / "out")
     summary = written["summary"].read_text()
     assert "| 50% | pruned | maestro |" in summary and "maestro vs the best baseline (naee)" in summary
+    assert "Task retention (accuracy above chance) at 50% removed, pruned, maestro vs" in summary
+    assert "maestro calibrated on de only vs mix" in summary
+    assert "| 0.6250 (n=1) |" in summary  # task retention (0.75 - 0.5) / (0.9 - 0.5)
     assert "not testable (n < 2)" in summary  # one seed
     assert "params_saved" in written["runs_csv"].read_text().splitlines()[0]
     assert (tmp_path / "out" / "plots" / "retention.png").is_file()
+
+
+TASK_CHANCE = {"moe_lit_next_en": 0.25, "moe_lit_pairs_en": 0.5, "moe_lit_next_de": 0.25, "moe_lit_pairs_de": 0.5}
+TASK_ABOVE = {"moe_lit_next_en": 0.2, "moe_lit_pairs_en": 0.4, "moe_lit_next_de": 0.2, "moe_lit_pairs_de": 0.4}
+"""The references' accuracy above chance (accuracy 0.45 and 0.9)."""
+
+
+def _suite(retention=(1.0, 1.0, 1.0, 1.0)):
+    """suite_scores-shaped: accuracy = chance + retention x the reference's margin, per task."""
+    tasks = {t: TASK_CHANCE[t] + r * TASK_ABOVE[t] for t, r in zip(TASK_CHANCE, retention, strict=True)}
+    return {"tasks": tasks, "chance": TASK_CHANCE, "languages": {"en": 0.0, "de": 0.0}}
+
+
+def _task_records():
+    """Parents and controls with suites; maestro / naee at 50% pruned with hand-chosen task retention
+    (order next_en, pairs_en, next_de, pairs_de), and naee calibrated on de only."""
+    records = [
+        {**r, "suite": _suite()}
+        for r in _records()
+        if r.get("arm") in ("original", "control") and r["name"][-1] in "01"
+    ]
+    task_retention = {
+        ("maestro", "mix"): [(1.0, 0.5, 1.0, 0.5), (0.8, 0.8, 0.8, 0.8)],
+        ("naee", "mix"): [(0.5, 0.5, 0.5, 0.5), (0.6, 0.6, 0.6, 0.6)],
+        ("naee", "de"): [(0.25, 0.25, 1.0, 1.0), (0.3, 0.3, 0.9, 0.9)],
+    }
+    loss_retention = {"mix": [(0.9, 0.9), (0.8, 0.8)], "de": [(0.7, 1.0), (0.5, 0.95)]}  # (en, de)
+    for (method, calibration), per_seed in task_retention.items():
+        for seed, retention in enumerate(per_seed):
+            child = _child(method, 0.5, "pruned", seed, loss_retention[calibration][seed], suite=_suite(retention))
+            if calibration != "mix":
+                child |= {"name": f"{child['name']}/calibration-{calibration}"}
+            records.append({**child, "calibration": calibration})
+    return records
+
+
+def test_task_retention_is_above_chance_and_calibration_arms_compare_to_the_mix_by_seed(tmp_path):
+    analysis = analyse({"spec": {"calibration_languages": None}}, _task_records(), tmp_path)
+    title = next(iter(analysis.tables))
+    assert "task retention = (pruned - chance) / (original - chance)" in title
+    rows = {(r["method"]): r for r in analysis.tables[title]}
+    assert set(rows) == {"maestro", "naee"}  # the de-calibrated arm is not a row of the main table
+    # maestro seed 0: tasks (1, .5, 1, .5): mean .75, variance .0625; per language (.2+.2)/(.6) = 2/3 both
+    assert rows["maestro"]["task retention (mean over tasks)"] == "0.7750 ± 0.0354 (n=2)"
+    assert rows["maestro"]["variance across tasks"] == "0.031250 ± 0.044194 (n=2)"
+    assert rows["maestro"]["task variance across languages"] == "0.000000 ± 0.000000 (n=2)"
+    task_findings = [f for f in analysis.findings if f.startswith("- **Task retention")]
+    assert len(task_findings) == 1 and "maestro vs the best baseline (naee)" in task_findings[0]
+    assert format_comparison(compare_paired([0.75, 0.8], [0.5, 0.6])) in task_findings[0]
+    variance = [f for f in analysis.findings if "Variance of task retention (accuracy above chance) across tasks" in f]
+    assert format_comparison(compare_paired([0.0625, 0.0], [0.0, 0.0]), digits=6) in variance[0]
+    # naee on de only vs the mix, paired by seed: de's own retention and the others' (here en)
+    (val_loss, tasks) = [f for f in analysis.findings if "calibrated on de only vs mix" in f]
+    assert f"on de {format_comparison(compare_paired([1.0, 0.95], [0.9, 0.8]))}" in val_loss
+    assert f"on the other languages (mean) {format_comparison(compare_paired([0.7, 0.5], [0.9, 0.8]))}" in val_loss
+    assert f"on de {format_comparison(compare_paired([1.0, 0.9], [0.5, 0.6]))}" in tasks
+    assert f"(mean) {format_comparison(compare_paired([0.25, 0.3], [0.5, 0.6]))}" in tasks
+    per_language = analysis.tables["Task retention per language at 50% removed (mean over seeds)"]
+    assert {"arm": "pruned", "method": "naee", "calibration": "de", "de": "0.9500", "en": "0.2750"} in per_language
+    assert [p.name for p in analysis.plots] == ["retention.png", "task_retention.png"]
+
+
+def test_task_margin_leaves_out_tasks_the_reference_does_not_solve(tmp_path):
+    records = _task_records()
+    for record in records:
+        if record.get("arm") in ("original", "control"):
+            record["suite"] = {**record["suite"], "tasks": {**record["suite"]["tasks"], "moe_lit_next_de": 0.26}}
+    values = retention_values(records, task_margin=0.02)
+    maestro = values[(0.5, "pruned", "maestro", "mix")]
+    assert maestro["tasks_left_out"] == [1, 1]
+    # seed 1: next_de left out; the other three at 0.8
+    assert maestro["task_mean"][1] == pytest.approx(0.8)

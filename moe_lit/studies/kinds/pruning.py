@@ -561,16 +561,17 @@ def _main_rows(values, main: str, tasks: bool) -> list[dict[str, Any]]:
 
 
 def _language_rows(values, key: str) -> list[dict[str, Any]]:
-    """Mean over seeds of each language's retention at 50% removed, every calibration."""
+    """Mean over seeds of each language's retention at 50% removed, every calibration (blank where
+    no seed has the language: a task retention without a task above the margin there)."""
+    groups = {k: [r for r in v[key] if r] for k, v in values.items() if k[0] == CLAIM_FRACTION}
+    groups = {k: per_seed for k, per_seed in groups.items() if per_seed}
+    languages = sorted({lang for per_seed in groups.values() for r in per_seed for lang in r})
     rows = []
-    for (fraction, arm, method, calibration), v in values.items():
-        per_seed = [r for r in v[key] if r]
-        if fraction != CLAIM_FRACTION or not per_seed:
-            continue
-        languages = sorted({lang for r in per_seed for lang in r})
+    for (_, arm, method, calibration), per_seed in groups.items():
+        means = {lang: summarize([r.get(lang, math.nan) for r in per_seed]).mean for lang in languages}
         rows.append(
             {"arm": arm, "method": method, "calibration": calibration}
-            | {lang: f"{summarize([r.get(lang, math.nan) for r in per_seed]).mean:.4f}" for lang in languages}
+            | {lang: "" if math.isnan(mean) else f"{mean:.4f}" for lang, mean in means.items()}
         )
     return rows
 
