@@ -113,7 +113,7 @@ def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks(
 
 def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
     study = load_study("configs/studies/pruning.yaml")
-    assert study.header.seeds == [0, 1, 2] and len(study.points) == 3 * (2 + len(METHODS) * 2 * 2)
+    assert study.header.seeds == [0, 1, 2] and len(study.points) == 3 * (2 + len(METHODS) * 2 * 2 + 2 * 2)
     moe = study.points[0].model.moe
     assert (moe.num_experts, moe.top_k) == (16, 2) and study.spec.fractions == [0.25, 0.5]
 
