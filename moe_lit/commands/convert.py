@@ -25,7 +25,7 @@ from moe_lit.convert.dense_to_moe import RECIPES
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
 from moe_lit.errors import MoeLitError
 
-PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe")
+PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe", "pruning")
 
 
 def _counts(text: str) -> list[int]:
@@ -77,7 +77,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--out", required=True, type=Path)
 
     pa = actions.add_parser(
-        "partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)"
+        "partition",
+        help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe), or the dense "
+        "structured-pruning baseline at the same active width (pruning)",
     )
     pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
     pa.add_argument("--method", choices=PARTITION_METHODS, required=True)

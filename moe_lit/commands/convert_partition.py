@@ -3,8 +3,10 @@
 Registered as the ``partition`` action of ``moe-lit convert``. ``--method random|kmeans|
 coactivation`` split every dense FFN into E experts of d_ff/E neurons with a ``--router
 centroid|trained|random``; ``--method dot_moe`` learns the split and the routers (DOT-MoE) on
-``--train-tokens`` tokens of the ``--calibration`` data with the dense model as teacher. The output
-directory holds the exported MoE (config.json, model.safetensors, tokenizer.json) and
+``--train-tokens`` tokens of the ``--calibration`` data with the dense model as teacher;
+``--method pruning`` is the structured-pruning baseline at the same active width: a dense model
+that keeps each FFN's d_ff * k / E most active neurons on ``--calibration-tokens`` tokens. The output
+directory holds the exported model (config.json, model.safetensors, tokenizer.json) and
 ``partition.json`` (what was done, with which token budget). A non-empty ``--out`` is refused
 unless ``--force``.
 """
@@ -21,6 +23,8 @@ import torch
 from moe_lit.errors import MoeLitError
 
 PARTITION_FILE = "partition.json"
+PRUNING = "pruning"
+"""The structured-pruning baseline: a dense model cut to the active width d_ff * k / E (no experts)."""
 
 
 def run_partition(args: argparse.Namespace) -> int:
@@ -66,10 +70,12 @@ def run_partition(args: argparse.Namespace) -> int:
         arguments={k: v for k, v in vars(args).items() if k != "action"},
     )
     atomic_write_json(args.out / PARTITION_FILE, record)
-    print(
-        f"wrote {args.out} ({args.method}: {args.num_experts} experts, top-{args.top_k}, "
-        f"{params.active:,} of {params.total:,} parameters active)"
+    shape = (
+        f"dense, d_ff {dense.config.d_ff} -> {record['kept_neurons']}"
+        if args.method == PRUNING
+        else f"{args.num_experts} experts, top-{args.top_k}"
     )
+    print(f"wrote {args.out} ({args.method}: {shape}, {params.active:,} of {params.total:,} parameters active)")
     return 0
 
 
@@ -94,6 +100,8 @@ def partition_dense(
     ``batches``: the calibration / DOT-MoE training stream (:func:`calibration_batches`)."""
     if method == "dot_moe":
         return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed)
+    if method == PRUNING:
+        return _pruning(dense, num_experts, top_k, batches, calibration_tokens)
     return _heuristic(
         dense,
         method,
@@ -118,10 +126,10 @@ def _check_out(out: Path, force: bool) -> None:
 def _check_arguments(args: argparse.Namespace) -> None:
     from moe_lit.convert.partition import NEEDS_CALIBRATION
 
-    if args.method == "dot_moe" and args.router is not None:
-        raise MoeLitError("--router: dot_moe learns its routers (from the k-means centroids); leave --router out")
+    if args.method in ("dot_moe", PRUNING) and args.router is not None:
+        raise MoeLitError(f"--router: {args.method} has no router to choose; leave --router out")
     needs = (
-        args.method == "dot_moe"
+        args.method in ("dot_moe", PRUNING)
         or args.method in NEEDS_CALIBRATION["assignment"]
         or (args.router in NEEDS_CALIBRATION["router"])
     )
@@ -175,6 +183,26 @@ def _heuristic(dense, method, num_experts, top_k, batches, router, calibration_t
     return model, {"router": router, "calibration_tokens": tokens, "train_tokens": 0}
 
 
+def _pruning(dense, num_experts, top_k, batches, calibration_tokens):
+    from moe_lit.convert.calibration import ffn_inputs
+    from moe_lit.convert.prune_dense import prune_dense_ffn
+
+    if num_experts < 1 or top_k < 1 or (dense.config.d_ff * top_k) % num_experts:
+        raise MoeLitError(
+            f"--top-k/--experts: pruning keeps d_ff * k / E neurons, which must be a whole number; "
+            f"got d_ff={dense.config.d_ff}, k={top_k}, E={num_experts}"
+        )
+    keep = dense.config.d_ff * top_k // num_experts
+    calibration = ffn_inputs(dense, batches, calibration_tokens)
+    tokens = min(len(x_TD) for x_TD in calibration.values())
+    return prune_dense_ffn(dense, calibration, keep), {
+        "router": None,
+        "calibration_tokens": tokens,
+        "train_tokens": 0,
+        "kept_neurons": keep,
+    }
+
+
 def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed):
     from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe, fit_dot_moe
     from moe_lit.lit.optim import OptimConfig
@@ -198,4 +226,4 @@ def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, 
     return export_dot_moe(student), record
 
 
-__all__ = ["PARTITION_FILE", "calibration_batches", "partition_dense", "run_partition"]
+__all__ = ["PARTITION_FILE", "PRUNING", "calibration_batches", "partition_dense", "run_partition"]

@@ -67,7 +67,9 @@ def test_kmeans_partition_with_all_experts_equals_dense_and_out_is_protected(den
     [
         (["--method", "coactivation"], "--calibration: --method coactivation needs calibration tokens"),
         (["--method", "kmeans", "--router", "trained"], "--calibration: --router trained needs"),
-        (["--method", "dot_moe", "--router", "centroid"], "--router: dot_moe learns its routers"),
+        (["--method", "dot_moe", "--router", "centroid"], "--router: dot_moe has no router to choose"),
+        (["--method", "pruning", "--router", "centroid"], "--router: pruning has no router to choose"),
+        (["--method", "pruning"], "--calibration: --method pruning needs calibration tokens"),
         (["--method", "kmeans", "--experts", "5"], "num_experts: must divide model.d_ff=64"),
     ],
 )
@@ -107,3 +109,22 @@ def test_dot_moe_trains_on_the_token_budget_and_exports(dense_dir, prepared, tmp
     moe = load_model(tmp_path / "dot")
     assert moe.config.moe.unit_weights and (tmp_path / "dot" / "tokenizer.json").exists() is False
     assert torch.isfinite(moe(torch.randint(0, 300, (1, 16))).logits_BLV).all()
+
+
+def test_pruning_is_the_dense_baseline_at_the_active_width(dense_dir, prepared, tmp_path, capsys):
+    from moe_lit.commands.convert_partition import calibration_batches
+    from moe_lit.convert.calibration import ffn_inputs
+    from moe_lit.convert.prune_dense import prune_dense_ffn
+
+    path, dense = dense_dir
+    args = ["--method", "pruning", "--top-k", "1", "--calibration", str(prepared), "--calibration-tokens", "64"]
+    assert _partition(path, tmp_path / "pruned", *args) == 0
+    assert "(pruning: dense, d_ff 64 -> 16," in capsys.readouterr().out
+    pruned = load_model(tmp_path / "pruned")
+    assert not pruned.config.is_moe and pruned.config.d_ff == 64 * 1 // 4
+    # the same neurons as prune_dense_ffn on the same calibration stream
+    expected = prune_dense_ffn(dense, ffn_inputs(dense, calibration_batches(prepared, dense.config, 8, 0), 64), 16)
+    idx = torch.randint(0, 300, (2, 16))
+    assert torch.equal(pruned(idx).logits_BLV, expected(idx).logits_BLV)
+    record = json.loads((tmp_path / "pruned" / "partition.json").read_text())
+    assert record["kept_neurons"] == 16 and record["calibration_tokens"] == 64 and record["router"] is None

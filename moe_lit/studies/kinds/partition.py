@@ -308,12 +308,6 @@ def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_s
     from moe_lit.commands.convert_partition import calibration_batches, partition_dense
 
     batches = calibration_batches(data_dir, model.config, batch_size, seed)
-    if method == PRUNING:
-        from moe_lit.convert.calibration import ffn_inputs
-        from moe_lit.convert.prune_dense import prune_dense_ffn
-
-        calibration = ffn_inputs(model, batches, options["calibration_tokens"])
-        return prune_dense_ffn(model, calibration, model.config.d_ff * top_k // experts)
     converted, _ = partition_dense(model, method, experts, top_k, batches, seed=seed, **options)
     return converted
 
