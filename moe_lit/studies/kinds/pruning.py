@@ -36,7 +36,7 @@ CLAIM_FRACTION = 0.5
 """MAESTRO's claims are stated at 50% compression."""
 SPLITS = ("train", "val", "test")
 TRANSFORM = "moe_lit.studies.kinds.pruning:prune_by_importance"
-MEASURE = "moe_lit.studies.kinds.pruning:measure_pruned"
+MEASURE = "moe_lit.studies.kinds.pruning:measure_memory"
 MEASURE_TASKS = "moe_lit.studies.kinds.pruning:measure_tasks"
 
 
@@ -66,6 +66,9 @@ class PruningSpec:
     """Warmup steps of the recovery fine-tune's schedule."""
     recovery_lr: float | None = None
     """Peak learning rate of the recovery fine-tune; null = run.optim.lr."""
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    """Which evaluations of every pruned model run: pruned (as it is), recovered (after the recovery
+    fine-tune; adds the control original/recovered)."""
     tasks: bool = False
     """Also measure every point's local-suite accuracy (:func:`moe_lit.evaluation.suite.suite_scores`,
     lm-eval on the test split), for the task retention."""
@@ -77,8 +80,8 @@ class PruningSpec:
     """Task retention leaves out the tasks a seed's reference does not solve above chance by more
     than this (analysis only: changes no point)."""
     single_language_calibration: list[str] = field(default_factory=list)
-    """Languages that each calibrate an extra arm alone, evaluated on every language as pruned at
-    50% removed with ``single_language_methods``; [] = no such arm."""
+    """Languages that each calibrate an extra arm alone, evaluated on every language's val loss as
+    pruned at 50% removed with ``single_language_methods``; [] = no such arm."""
     single_language_methods: list[str] = field(default_factory=lambda: ["maestro", "naee"])
     """Methods of the single-language calibration arms."""
     single_language_tokens: int | None = None
@@ -131,6 +134,8 @@ class PruningSpec:
             raise ConfigError(f"damping: must be in (0, 1], got {self.damping!r}")
         if self.recovery_lr is not None and (not isinstance(self.recovery_lr, (int, float)) or self.recovery_lr <= 0):
             raise ConfigError(f"recovery_lr: must be null or > 0, got {self.recovery_lr!r}")
+        if not isinstance(self.arms, list) or not self.arms or not set(self.arms) <= set(ARMS):
+            raise ConfigError(f"arms: must be a non-empty list of {', '.join(ARMS)}, got {self.arms!r}")
         if not isinstance(self.tasks, bool):
             raise ConfigError(f"tasks: must be true or false, got {self.tasks!r}")
         for name in ("task_limit", "single_language_tokens"):
@@ -233,7 +238,8 @@ def expand(spec: PruningSpec, header) -> list[Point]:
             measure=reference_measure,
         )
         references = {"pruned": parent.name, "recovered": control.name}
-        points += [parent, control]
+        points += [parent, *([control] if "recovered" in spec.arms else [])]
+        runs = {arm: run for arm, run in runs.items() if arm in spec.arms}
         for fraction in spec.fractions:
             for method in spec.methods:
                 kwargs = _transform_kwargs(spec, header, method, fraction, seed)
@@ -252,16 +258,20 @@ def expand(spec: PruningSpec, header) -> list[Point]:
                 }
                 info = {"arm": "pruned", "method": method, "fraction": CLAIM_FRACTION, "calibration": language}
                 name = f"{method}/{_label(CLAIM_FRACTION)}/pruned/calibration-{language}"
-                points.append(
-                    _child(spec, header, parent, name, runs["pruned"], {**info, "reference": parent.name}, kwargs)
-                )
+                run = pretrain.replace(train={"max_steps": 0})
+                points.append(_child(spec, header, parent, name, run, {**info, "reference": parent.name}, kwargs))
     return points
 
 
 def _child(spec: PruningSpec, header, parent: Point, config_name: str, run, info: dict[str, Any], kwargs) -> Point:
     """A pruned child of ``parent``: its transform prunes with ``kwargs``; it measures the memory saved,
-    and the local-suite accuracy where the spec asks for tasks at its fraction."""
-    tasks = spec.tasks and (spec.task_fractions is None or info["fraction"] in spec.task_fractions)
+    and the local-suite accuracy where the spec asks for tasks at its fraction (not in the
+    single-language arms, which compare val loss per language)."""
+    tasks = (
+        spec.tasks
+        and info["calibration"] == calibration_label(spec.calibration_languages)
+        and (spec.task_fractions is None or info["fraction"] in spec.task_fractions)
+    )
     return Point(
         header.point_name(config_name, parent.seed),
         config_name,
@@ -344,7 +354,7 @@ def measure_tasks(point: Point, result: Any, run_dir: Path, limit: int | None = 
     }
 
 
-def measure_pruned(
+def measure_memory(
     point: Point, result: Any, run_dir: Path, tasks: bool = False, task_limit: int | None = None
 ) -> dict[str, Any]:
     """Parameters and bytes of the parent (``point.model``) and of the pruned model (``memory_saved``),
@@ -636,7 +646,7 @@ __all__ = [
     "analyse",
     "expand",
     "calibration_label",
-    "measure_pruned",
+    "measure_memory",
     "measure_tasks",
     "parse",
     "plot_retention",
