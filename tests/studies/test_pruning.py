@@ -58,7 +58,7 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
             "naee_cap": 2000,
             "seed": 1,
         }
-        assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_pruned" and child.measure.kwargs == {}
+        assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_memory" and child.measure.kwargs == {}
         assert child.info["method"] == "maestro" and child.info["fraction"] == 0.5
         assert child.info["calibration"] == "mix"
     assert pruned.info["reference"] == "original/s1" and recovered.info["reference"] == "original/recovered/s1"
@@ -89,6 +89,10 @@ def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks(
     assert de.transform.kwargs == {**mix.transform.kwargs, "languages": ["de"], "calibration_tokens": 256}
     assert de.info == {**mix.info, "calibration": "de"} and de.info["reference"] == "original/s1"
     assert de.run == mix.run and de.run.steps == 0 and de.start == mix.start
+    # without the recovered arm: no control, no recovered children, the same pruned points
+    pruned_only = {p.name: p for p in parse_study({**ARMS, "arms": ["pruned"]}).points}
+    assert set(pruned_only) == {n for n in by_name if "recovered" not in n}
+    assert all(pruned_only[n].hash == by_name[n].hash for n in pruned_only)
     assert (
         "frequency/50%/pruned/calibration-de/s1" not in by_name
         and "naee/50%/recovered/calibration-de/s1" not in by_name
@@ -99,8 +103,8 @@ def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks(
             "path": "moe_lit.studies.kinds.pruning:measure_tasks",
             "kwargs": {"limit": 20},
         }
-    assert de.measure.kwargs == mix.measure.kwargs == {"tasks": True, "task_limit": 20}
-    assert by_name["naee/25%/pruned/s1"].measure.kwargs == {}
+    assert mix.measure.kwargs == {"tasks": True, "task_limit": 20}
+    assert by_name["naee/25%/pruned/s1"].measure.kwargs == de.measure.kwargs == {}  # de: val loss per language
     # the calibration is part of the hash; a field only the single-language arms read changes only theirs
     assert len({p.hash for p in points}) == len(points)
     changed = {p.name: p.hash for p in parse_study({**ARMS, "single_language_tokens": 512}).points}
@@ -113,9 +117,14 @@ def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks(
 
 def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
     study = load_study("configs/studies/pruning.yaml")
-    assert study.header.seeds == [0, 1, 2] and len(study.points) == 3 * (2 + len(METHODS) * 2 * 2 + 2 * 2)
+    assert study.header.seeds == [0, 1, 2] and len(study.points) == 3 * (2 + len(METHODS) * 2 * 2)
     moe = study.points[0].model.moe
     assert (moe.num_experts, moe.top_k) == (16, 2) and study.spec.fractions == [0.25, 0.5]
+    # the task / calibration study: 50% pruned, every method on the suite, de and en arms on val loss
+    tasks = load_study("configs/studies/pruning_tasks.yaml")
+    assert len(tasks.points) == 3 * (1 + len(METHODS) + 2 * 2)
+    scored = [p.name for p in tasks.points if p.measure and ("tasks" in p.measure.path or p.measure.kwargs)]
+    assert len(scored) == 3 * 7 and not any("calibration-" in name for name in scored)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +146,7 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
         ({"task_fractions": [0.3]}, "task_fractions: must be null or a list of the fractions, got [0.3]"),
         ({"task_margin": -0.1}, "task_margin: must be a number >= 0, got -0.1"),
         ({"tasks": "yes"}, "tasks: must be true or false, got 'yes'"),
+        ({"arms": ["pruned", "distilled"]}, "arms: must be a non-empty list of pruned, recovered, got"),
         (
             {"single_language_calibration": ["de"], "single_language_methods": ["reap"], "methods": ["maestro"]},
             "single_language_methods: must be a non-empty list of the study's methods (maestro), got ['reap']",
@@ -313,7 +323,7 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     )  # 2 layers x 2 experts x (w1, v1, w2), router rows
     assert pruned["val_loss_per_language"].keys() == original["val_loss_per_language"].keys() == {"en", "de", "ru"}
     # every point scored its final model on the run's data, with the study's limit
-    assert calls == [("tokenizer.json", tmp_path / "data", 8)] * len(records) == [calls[0]] * 7
+    assert calls == [("tokenizer.json", tmp_path / "data", 8)] * 6  # not the de-calibrated arm: val loss only
     assert pruned["suite_mean_acc"] == pytest.approx(0.75) and original["suite_mean_acc"] == pytest.approx(0.9)
     assert records["maestro/50%/pruned/calibration-de"]["calibration"] == "de"
     written = write_report(tmp_path / "out")
