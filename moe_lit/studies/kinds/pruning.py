@@ -592,7 +592,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     main = calibration_label(spec.get("calibration_languages"))
     tasks = any(_has(v, "task_mean") for v in values.values())
     measures = [m for m in MEASURES if tasks or m == "val loss"]
-    findings = [line for m in measures for arm in ARMS for line in _claim_findings(values, arm, main, m)]
+    arms = [arm for arm in ARMS if any(key[1] == arm for key in values)]
+    findings = [line for m in measures for arm in arms for line in _claim_findings(values, arm, main, m)]
     findings += _calibration_findings(values, main)
     main_values = {key[:3]: v for key, v in values.items() if key[3] == main}
     plots = [plot_retention(main_values, Path(plots_dir) / "retention.png")] if main_values else []
@@ -612,15 +613,17 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 
 
 def plot_retention(values, path: Path, key: str = "mean") -> Path:
-    """Mean retention (``key``) per method, one panel per arm, one marker per fraction, ± std over seeds."""
+    """Mean retention (``key``) per method, one panel per arm present, one marker per fraction, ± std over seeds."""
     from moe_lit.studies.report import pyplot, save_figure
 
     plt = pyplot()
     fractions = sorted({f for f, _, _ in values})
     methods = list(dict.fromkeys(m for _, _, m in values))
-    fig, axes = plt.subplots(1, len(ARMS), figsize=(5 * len(ARMS), 3.5), sharey=True)
+    arms = [arm for arm in ARMS if any(key[1] == arm for key in values)]
+    fig, axes = plt.subplots(1, len(arms), figsize=(5 * len(arms), 3.5), sharey=True, squeeze=False)
+    axes = axes[0]
     offset = 0.6 / len(fractions)
-    for ax, arm in zip(axes, ARMS, strict=False):
+    for ax, arm in zip(axes, arms, strict=True):
         for i, fraction in enumerate(fractions):
             stats = [summarize(values.get((fraction, arm, m), {key: []})[key]) for m in methods]
             xs = [j + (i - (len(fractions) - 1) / 2) * offset for j in range(len(methods))]
