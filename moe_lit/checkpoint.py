@@ -108,10 +108,27 @@ def load_config(path: str | Path) -> ModelConfig:
     return _config_from(read_lightning_checkpoint(path).get("hyper_parameters", {}).get("model"), path)
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is available, else ``cpu``; any other name is checked and kept.
+
+    NOTE: ``auto`` is every command's default, as Lightning's ``accelerator: auto`` is fit's."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise MoeLitError(f"device: {device!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MoeLitError(f"device: {device} requested but CUDA is not available; use auto or cpu")
+    return device
+
+
 def load_model(path: str | Path, map_location: str = "cpu"):
-    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory."""
+    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory, on
+    ``map_location`` (a device name or ``auto``, see :func:`resolve_device`)."""
     from moe_lit.model import Transformer
 
+    map_location = resolve_device(map_location)
     path = _existing(path)
     if path.is_dir():
         cfg = _exported_config(path)

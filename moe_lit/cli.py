@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from moe_lit.errors import MoeLitError
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+PASSTHROUGH_COMMANDS = ("lm-eval",)
+"""Commands whose module's ``main(argv)`` parses the arguments itself (another tool's CLI)."""
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
@@ -36,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
     "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
+    "lm-eval": (
+        "moe_lit.evaluation.lm_eval_cli",
+        "lm-eval's own CLI (same arguments) with the model moe_lit registered",
+    ),
     "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
 }
 
@@ -66,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             allowed = ", ".join([*LIGHTNING_SUBCOMMANDS, *COMMANDS])
             raise MoeLitError(f"unknown command {command!r}; allowed: {allowed}")
         module = importlib.import_module(COMMANDS[command][0])
+        if command in PASSTHROUGH_COMMANDS:
+            return module.main(rest)
         sub = argparse.ArgumentParser(prog=f"moe-lit {command}", description=COMMANDS[command][1])
         module.configure(sub)
         return int(module.run(sub.parse_args(rest)) or 0)

@@ -90,7 +90,7 @@ class MoeLitLM(TemplateLM):
         checkpoint: str | Path | None = None,
         tokenizer: str | Path | Any | None = None,
         batch_size: int | str = 8,
-        device: str = "cpu",
+        device: str = "auto",
         max_length: int | None = None,
         max_gen_toks: int = 256,
         eot_token: str | None = None,
@@ -107,7 +107,7 @@ class MoeLitLM(TemplateLM):
             tokenizer: ``tokenizer.json`` path or a loaded ``tokenizers.Tokenizer``; default: the
                 one stored with the checkpoint.
             batch_size: requests scored per forward.
-            device: torch device of the model.
+            device: torch device of the model; ``auto`` (default): CUDA when available, else CPU.
             max_length: context window in tokens; default the model's ``seq_len``.
             max_gen_toks: generation limit when a task does not set one.
             eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
@@ -121,11 +121,12 @@ class MoeLitLM(TemplateLM):
         """
         super().__init__()
         del max_batch_size
+        from moe_lit.checkpoint import load_model, resolve_device
+
         if (checkpoint is None) == (model is None):
             raise MoeLitError("moe_lit model: pass exactly one of checkpoint=PATH or model=")
+        device = resolve_device(device)
         if model is None:
-            from moe_lit.checkpoint import load_model
-
             model = load_model(checkpoint, map_location=device)
             tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
         if tokenizer is None:
