@@ -4,6 +4,9 @@ Writes ``results/analysis/<name>/``: ``routing.json`` (every statistic), ``summa
 language families + per-layer table), ``similarity.png`` (1 - JS, clustering order),
 ``usage_layer<i>.png`` (languages x experts) and, with ``--save-trace``, ``trace.pt``
 (a :class:`~moe_lit.evaluation.routing_trace.RoutingTrace` for pruning / MAESTRO / conversions).
+
+``moe-lit analyze text --checkpoint CK --text "..."`` prints the routing of one text instead: a row per
+token, a column per MoE layer with its experts and combine weights (``--json``: the same as JSON).
 """
 
 from __future__ import annotations
@@ -28,9 +31,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--device", default="cpu")
     routing.add_argument("--save-trace", action="store_true", help="also write the routing trace (trace.pt)")
     routing.add_argument("--out-dir", type=Path, default=Path("results/analysis"))
+    _configure_text(sub)
+
+
+def _configure_text(sub) -> None:
+    text = sub.add_parser("text", help="each token of one text and its experts (with weights) per MoE layer")
+    text.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
+    text.add_argument("--text", required=True, help="the text to route (tokenized without special tokens)")
+    text.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
+    text.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
+    text.add_argument("--json", action="store_true", help="print the routes as JSON instead of a table")
+
+
+def _run_text(args: argparse.Namespace) -> int:
+    import json
+
+    from moe_lit.analysis.text_routing import route_text, routes_table, token_routes
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.harness import load_tokenizer, stored_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    model = load_model(args.checkpoint, map_location=args.device)
+    rows = token_routes(route_text(model, tokenizer, args.text), tokenizer)
+    print(json.dumps(rows, ensure_ascii=False) if args.json else routes_table(rows))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what == "text":
+        return _run_text(args)
     from moe_lit.analysis.routing import RoutingAnalysisConfig, analyse, summary_markdown
     from moe_lit.evaluation.harness import checkpoint_name
 
