@@ -15,6 +15,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from typing_extensions import override
 
 from moe_lit.errors import MoeLitError
 
@@ -46,8 +49,42 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+DESCRIPTION = "Pretrain, upcycle, compress, evaluate and export MoE language models (moe-lit COMMAND --help)."
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless it has none (None, False) or states it."""
+
+    @override
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or default == [] or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with :class:`HelpFormatter`; subcommand parsers (``add_subparsers``) inherit it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moe_lit")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e .)"
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-lit", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="moe-lit", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"moe-lit {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in LIGHTNING_SUBCOMMANDS:
         sub.add_parser(name, help=f"LightningCLI {name} (moe-lit {name} --help)", add_help=False)
@@ -62,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"moe-lit {package_version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     try:
         if command in LIGHTNING_SUBCOMMANDS:
@@ -74,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[command][0])
         if command in PASSTHROUGH_COMMANDS:
             return module.main(rest)
-        sub = argparse.ArgumentParser(prog=f"moe-lit {command}", description=COMMANDS[command][1])
+        sub = ArgumentParser(prog=f"moe-lit {command}", description=COMMANDS[command][1])
         module.configure(sub)
         return int(module.run(sub.parse_args(rest)) or 0)
     except MoeLitError as exc:

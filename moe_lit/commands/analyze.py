@@ -27,10 +27,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--split", default="test", help="parallel split to route (default: test)")
     routing.add_argument("--name", help="results/analysis/<name> (default: the checkpoint's name)")
     routing.add_argument("--max-tokens", type=int, default=20_000, help="token budget per language")
-    routing.add_argument("--batch-size", type=int, default=8)
-    routing.add_argument("--device", default="cpu")
+    routing.add_argument("--batch-size", type=int, default=8, help="documents routed per forward")
+    routing.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     routing.add_argument("--save-trace", action="store_true", help="also write the routing trace (trace.pt)")
-    routing.add_argument("--out-dir", type=Path, default=Path("results/analysis"))
+    routing.add_argument("--out-dir", type=Path, default=Path("results/analysis"), help="parent of the report dir")
     _configure_text(sub)
 
 

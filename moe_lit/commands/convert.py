@@ -57,14 +57,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
     up.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
-    up.add_argument("--recipe", choices=RECIPES, default="copy")
-    up.add_argument("--num-experts", type=int, default=8)
-    up.add_argument("--top-k", type=int, default=2)
+    up.add_argument("--recipe", choices=RECIPES, default="copy", help="how the dense FFN becomes experts")
+    up.add_argument("--num-experts", type=int, default=8, help="experts E of the MoE")
+    up.add_argument("--top-k", type=int, default=2, help="experts routed per token")
     up.add_argument("--granularity", type=int, default=1, help="shards of d_ff per expert group (granular, drop)")
     up.add_argument("--drop-fraction", type=float, default=0.5, help="neurons re-initialised per expert (drop)")
-    up.add_argument("--balancing", choices=BALANCING, default="aux_loss")
-    up.add_argument("--seed", type=int, default=0)
-    up.add_argument("--out", required=True, type=Path)
+    up.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
+    up.add_argument("--seed", type=int, default=0, help="seed of the new routers (and drop re-init)")
+    up.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
     ex = actions.add_parser("expand", help="E -> mE experts by duplication (uniform factor or per-expert counts)")
     ex.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
@@ -72,17 +72,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--factor", type=int, help="m: every expert gets m-1 copies")
     group.add_argument("--counts", type=_counts, help="instances per expert, e.g. 3,1,2,2")
     ex.add_argument("--noise", type=float, default=1e-3, help="U(-noise, noise) on the copies' selection bias")
-    ex.add_argument("--balancing", choices=BALANCING, default="bias")
-    ex.add_argument("--seed", type=int, default=0)
-    ex.add_argument("--out", required=True, type=Path)
+    ex.add_argument("--balancing", choices=BALANCING, default="bias", help="load balancing of the expanded MoE")
+    ex.add_argument("--seed", type=int, default=0, help="seed of the --noise")
+    ex.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
     pa = actions.add_parser(
         "partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)"
     )
     pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
-    pa.add_argument("--method", choices=PARTITION_METHODS, required=True)
+    pa.add_argument("--method", choices=PARTITION_METHODS, required=True, help="how neurons are grouped into experts")
     pa.add_argument("--experts", "--num-experts", dest="num_experts", type=int, default=8, help="E (divides d_ff)")
-    pa.add_argument("--top-k", type=int, default=2)
+    pa.add_argument("--top-k", type=int, default=2, help="experts routed per token")
     pa.add_argument(
         "--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own"
     )
@@ -97,9 +97,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers"
     )
     pa.add_argument("--batch-size", type=int, default=8, help="sequences per calibration / training batch")
-    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss")
-    pa.add_argument("--seed", type=int, default=0)
-    pa.add_argument("--out", required=True, type=Path)
+    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
+    pa.add_argument("--seed", type=int, default=0, help="seed of the partition and the routers")
+    pa.add_argument("--out", required=True, type=Path, help="exported model directory to write")
     pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _configure_prune(actions)
     _configure_moe_to_dense(actions)
@@ -116,7 +116,7 @@ def _configure_calibration(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens per language")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
 
 
 def _configure_moe_to_dense(actions) -> None:
@@ -134,7 +134,7 @@ def _configure_moe_to_dense(actions) -> None:
     md.add_argument("--feature-tokens", type=int, default=1024, help="tokens of the output features (do_acp, output)")
     md.add_argument("--seed", type=int, default=0, help="seed of --score random")
     md.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    md.add_argument("--out", required=True, type=Path)
+    md.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
 
 def _configure_prune(actions) -> None:
@@ -142,7 +142,7 @@ def _configure_prune(actions) -> None:
 
     pr = actions.add_parser("prune", help="remove experts scored on calibration text (MAESTRO, REAP, NAEE, ...)")
     pr.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
-    pr.add_argument("--method", choices=METHODS, default="maestro")
+    pr.add_argument("--method", choices=METHODS, default="maestro", help="expert importance score")
     budget = pr.add_mutually_exclusive_group(required=True)
     budget.add_argument("--fraction", type=float, help="share of the experts removed, in [0, 1)")
     budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
@@ -161,7 +161,7 @@ def _configure_prune(actions) -> None:
     )
     pr.add_argument("--seed", type=int, default=0, help="seed of --method random")
     pr.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    pr.add_argument("--out", required=True, type=Path)
+    pr.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
 
 def run(args: argparse.Namespace) -> int:

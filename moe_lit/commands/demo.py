@@ -50,7 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
     parser.add_argument("--evals", type=int, default=6, help="validations per run (the plotted curve)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run of the demo")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,11 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
     parser.add_argument("--evals", type=int, default=4, help="validations during the run")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=10, help="optimizer steps of linear learning-rate warmup")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL term")
     parser.add_argument("--kl-weight", type=float, default=1.0, help="weight of the forward KL (times tau^2)")
     parser.add_argument("--ce-weight", type=float, default=1.0, help="weight of the LM cross-entropy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--out", required=True, type=Path, help="run directory to write")
 

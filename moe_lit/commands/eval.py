@@ -38,11 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="TASK=FILE",
         help="run built-in TASK on a local JSONL in its schema (repeatable); it runs as TASK_local",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests scored per forward")
+    parser.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     parser.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for stderr (0: none)")
-    parser.add_argument("--out-dir", type=Path, default=Path("results/eval"))
+    parser.add_argument("--out-dir", type=Path, default=Path("results/eval"), help="parent of the results dir")
     from moe_lit.commands.generate import add_sparsity_arguments
 
     add_sparsity_arguments(parser)
