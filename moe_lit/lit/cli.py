@@ -9,13 +9,17 @@ Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: 
 rewritten every 100 steps; ``--checkpoint.*`` changes it), a ``routing`` monitor
 (RoutingMonitor), a ``divergence`` guard (DivergenceGuard: a non-finite loss stops the run with one
 line and exit 2; ``--divergence.policy skip`` skips such steps instead), a ThroughputMonitor
-(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a RichProgressBar (unless
-``trainer.enable_progress_bar`` is false) and a CSV logger under ``runs/``
+(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a progress bar (MoEProgressBar: step /
+max_steps, loss, ce, aux losses, lr, tokens/s, load imbalance; unless ``trainer.enable_progress_bar``
+is false), a model summary with the analytic FLOPs per token (MoEModelSummary; unless
+``trainer.enable_model_summary`` is false) and a CSV logger under ``runs/``
 (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
 ``--trainer.default_root_dir DIR`` puts the run's logs, ``config.yaml`` and checkpoints under DIR
 instead of ``runs/``. ``--ckpt_path`` checkpoints load with ``weights_only=True``.
 Resume a run with ``moe-lit fit --config ... --ckpt_path .../last.ckpt``; with ``--ckpt_path`` the
 model section comes from the checkpoint's hyper-parameters.
+
+``validate`` and ``test`` print one table, a row per language (loss and perplexity), then overall.
 
 A config mistake (unknown key, wrong type, invalid value) prints one line naming the key and exits
 with status 2, like every other ``moe-lit`` error.
@@ -29,7 +33,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
@@ -37,6 +41,7 @@ from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
+from moe_lit.lit.console import MoEModelSummary, MoEProgressBar, evaluation_table, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.runner import throughput_monitor
@@ -94,13 +99,34 @@ class MoELightningCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # NOTE: the default RichProgressBar goes when the config turns the progress bar off
-        # (Lightning refuses a progress-bar callback with enable_progress_bar=False).
+        # NOTE: the default progress bar goes when the config turns the progress bar off
+        # (Lightning refuses a progress-bar callback with enable_progress_bar=False); the summary
+        # likewise with enable_model_summary=False (Lightning would still run a given one).
         trainer = self._section()["trainer"]
-        if trainer.get("enable_progress_bar") is False:
-            callbacks = self.trainer_defaults.get("callbacks", [])
-            self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, RichProgressBar)]
+        for flag, kind in (("enable_progress_bar", RichProgressBar), ("enable_model_summary", ModelSummary)):
+            if trainer.get(flag) is False:
+                callbacks = self.trainer_defaults.get("callbacks", [])
+                self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, kind)]
         follow_root_dir(trainer)
+
+    def validate(self, **kwargs: Any) -> None:
+        """``trainer.validate``, its metrics printed as one table (a row per language)."""
+        self._evaluate("val", self.trainer.validate, kwargs)
+
+    def test(self, **kwargs: Any) -> None:
+        """``trainer.test``, its metrics printed as one table (a row per language)."""
+        self._evaluate("test", self.trainer.test, kwargs)
+
+    def _evaluate(self, stage: str, method: Any, kwargs: dict[str, Any]) -> None:
+        # NOTE: Lightning's own printout repeats the epoch-level metrics under one column per
+        # dataloader (language) without naming them; the table names the languages instead.
+        results = method(**{**kwargs, "verbose": False})
+        if not results or not self.trainer.is_global_zero:
+            return
+        from moe_lit.accounting import markdown_table
+
+        languages = self.model.language_names(len(results))
+        print(markdown_table(evaluation_table(results[0], stage, languages)))
 
     @override
     def instantiate_classes(self) -> None:
@@ -169,7 +195,7 @@ def follow_root_dir(trainer: Any) -> None:
 def _trainer_defaults() -> dict[str, Any]:
     return {
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
-        "callbacks": [RichProgressBar(), throughput_monitor()],
+        "callbacks": [MoEProgressBar(), MoEModelSummary(), throughput_monitor()],
     }
 
 
@@ -211,7 +237,7 @@ def run_lightning_cli(argv: Sequence[str]) -> int:
     # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_lightning():
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             _run_cli(argv)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
@@ -26,6 +26,7 @@ from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
+from moe_lit.lit.console import MoEProgressBar
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import RunConfig
@@ -193,7 +194,7 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
     callbacks.append(DivergenceGuard())
     if run.trainer.get("enable_progress_bar", True):
-        callbacks.append(RichProgressBar())
+        callbacks.append(MoEProgressBar())
     kwargs = {
         "max_steps": run.steps,
         "val_check_interval": eval_every,
