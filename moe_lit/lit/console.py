@@ -94,14 +94,23 @@ def step_metrics(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str
         shown["val/loss"] = f"{float(logged['val/loss']):.3f}"
     if "train/lr" in logged:
         shown["lr"] = f"{float(logged['train/lr']):.2e}"
-    tokens_per_s = trainer.logged_metrics.get("train/items_per_sec")
-    if tokens_per_s is not None and math.isfinite(float(tokens_per_s)):
-        shown["tok/s"] = _si(float(tokens_per_s))
+    tokens_per_s = _tokens_per_s(trainer)
+    if tokens_per_s is not None and math.isfinite(tokens_per_s):
+        shown["tok/s"] = _si(tokens_per_s)
     model = getattr(pl_module, "model", None)
     imbalance = layer_metrics(model.routing_stats()).get("routing/mean/load_imbalance") if model is not None else None
     if imbalance is not None:
         shown["imbalance"] = f"{imbalance:.2f}"
     return shown
+
+
+def _tokens_per_s(trainer: pl.Trainer) -> float | None:
+    """ThroughputMonitor's tokens/s of all devices (it logs only the per-device rate on one device)."""
+    logged = trainer.logged_metrics
+    if "train/items_per_sec" in logged:
+        return float(logged["train/items_per_sec"])
+    per_device = logged.get("train/device/items_per_sec")
+    return None if per_device is None else float(per_device) * trainer.world_size
 
 
 class MoEProgressBar(RichProgressBar):

@@ -117,7 +117,8 @@ def test_step_metrics_show_losses_lr_throughput_and_load_imbalance():
             "train/load_balancing": torch.tensor(0.1),
             "train/lr": torch.tensor(3e-4),
         },
-        logged_metrics={"train/items_per_sec": torch.tensor(12345.0)},
+        logged_metrics={"train/device/items_per_sec": torch.tensor(6172.5)},
+        world_size=2,
     )
     module = SimpleNamespace(model=SimpleNamespace(routing_stats=lambda: {1: stats}))
     assert step_metrics(trainer, module) == {
