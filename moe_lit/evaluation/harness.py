@@ -22,6 +22,8 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +316,38 @@ def _positive_int(value: int | str, name: str) -> int:
     return number
 
 
+def _disabled_tqdm(*args: Any, **kwargs: Any) -> tqdm:
+    return tqdm(*args, **{**kwargs, "disable": True})
+
+
+@contextmanager
+def scoring_bars_only() -> Iterator[None]:
+    """Inside the block lm-eval shows only our scoring bars (one per request type), none per task.
+
+    NOTE: per task, lm-eval draws a `datasets` bar ("Generating test split") and a tqdm bar while it
+    builds the requests (``Task.build_all_requests``), then one while tokenizing
+    (``TemplateLM.loglikelihood``); its API cannot turn them off, and with the local suite's 27 tasks
+    they are most of the console. ``datasets`` has a switch (restored after the block); lm-eval's two
+    module-level ``tqdm`` names are swapped for a disabled tqdm inside the block."""
+    import datasets
+    import lm_eval.api.model
+    import lm_eval.api.task
+
+    modules = (lm_eval.api.task, lm_eval.api.model)
+    saved = [module.tqdm for module in modules]
+    datasets_bars = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    for module in modules:
+        module.tqdm = _disabled_tqdm
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved, strict=True):
+            module.tqdm = original
+        if datasets_bars:
+            datasets.enable_progress_bars()
+
+
 def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` on ``lm``; ``options`` go to it (limit, bootstrap_iters, ...).
 
@@ -324,7 +358,8 @@ def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> di
 
     options.setdefault("log_samples", False)
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
+        with scoring_bars_only():
+            results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
     except (ConnectionError, DatasetNotFoundError) as exc:
         raise MoeLitError(
             f"--tasks: a task's dataset is not reachable ({exc}); offline, run a built-in task on a local "
@@ -357,5 +392,6 @@ __all__ = [
     "load_tokenizer",
     "resolve_eot_id",
     "result_rows",
+    "scoring_bars_only",
     "stored_tokenizer",
 ]
