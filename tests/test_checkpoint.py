@@ -203,3 +203,15 @@ def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_not
     assert f"{out}: cannot write ({os.strerror(error)})" in err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temporary left
     assert (out / "previous.txt").read_text() == "kept"  # the previous output is untouched
+
+
+def test_resolve_device_auto_and_refusals():
+    from moe_lit.checkpoint import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(MoeLitError, match="device: 'gpu0' is not a torch device; allowed: auto, cpu"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(MoeLitError, match="device: cuda:0 requested but CUDA is not available"):
+            resolve_device("cuda:0")
