@@ -621,7 +621,7 @@ def _size_ticks(ax, pts: list[dict[str, Any]]) -> None:
     by_k: dict[int, list[float]] = defaultdict(list)
     for r in pts:
         by_k[r["top_k"]].append(r["expert_size"])
-    sizes = {k: sum(v) / len(v) for k, v in sorted(by_k.items())}
+    sizes = dict(sorted(((k, sum(v) / len(v)) for k, v in by_k.items()), key=lambda item: item[1]))
     ax.set_xticks(list(sizes.values()), [f"{size:.0f}\ntop-{k}" for k, size in sizes.items()])
     ax.minorticks_off()
 
