@@ -258,12 +258,13 @@ def test_matching_ablation_states_what_was_matched():
     from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
 
     rows = _plot_rows((0,))
-    fig = ablation_figure("matching", ablation_bars(rows)["matching"], rows, ABLATION)
+    fig = ablation_figure("matching", ablation_bars(rows)["matching"], rows, ABLATION, effect=0.1)
     (ax,) = fig.axes
     assert "1 seed, no error bar" in ax.get_title() and "total-matched: its total params (so fewer active)" in (
         ax.get_title()
     )
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert labels == ["dense\n1k act / 1k tot", "total-matched\n600 act / 1k tot"]
-    assert not ax.patches  # one seed: no noise band
+    assert not ax.patches  # one seed: no noise band, but the study's main effect as the scale
+    assert [-0.1, -0.1] in [list(line.get_ydata()) for line in ax.lines]
     _close(fig)

@@ -34,6 +34,15 @@ from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
 from moe_lit.studies.stats import Summary, compare, format_comparison, summarize
 
 ABLATION_GROUPS = ("granularity", "shared", "heterogeneous", "balancing", "capacity", "matching")
+ABLATION_AXES = {
+    "granularity": "top-k and number of experts",
+    "shared": "shared expert size (fraction of the dense d_ff)",
+    "heterogeneous": "expert size profile",
+    "balancing": "load balancing",
+    "capacity": "capacity factor (tokens beyond it are dropped)",
+    "matching": "model",
+}
+"""x-axis label of each ablation plot."""
 
 
 DENSE = "dense"
@@ -674,9 +683,31 @@ def _matched_note(group: str, reference: dict[str, Any]) -> str:
     return f"every point active-matched to the {reference['budget']} dense model ({active} active params)"
 
 
-def ablation_figure(group: str, members: list[tuple[str, dict[str, Any]]], rows, ablation: dict[str, Any]):
+def _ablation_ticks(group: str, points) -> list[str]:
+    """Each variant's label with its active / total params (what the matching kept equal)."""
+    return [
+        (f"{label} E{r['num_experts']}" if group == "granularity" else label)
+        + f"\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot"
+        for label, r, _ in points
+    ]
+
+
+def _versus(group: str, reference: dict[str, Any], ablation: dict[str, Any]) -> str:
+    if group == "granularity":
+        return f"the same E at top-{ablation['top_k']}"
+    return f"{reference['_groups'][group]} ({reference['config_name']}: {reference[LOSS]:.4f})"
+
+
+def ablation_figure(
+    group: str,
+    members: list[tuple[str, dict[str, Any]]],
+    rows,
+    ablation: dict[str, Any],
+    effect: float | None = None,
+):
     """Each member's val loss minus its reference's (paired by seed; the reference is the zero line,
-    its seed std the grey band), labelled with active / total params; None without a reference."""
+    its seed std the grey band), labelled with active / total params; ``effect`` (dense minus the
+    best grid MoE) is drawn as a scale reference. None without a reference."""
     by_name = {r["config_name"]: r for r in rows}
     points = [
         (label, r, ref)
@@ -687,31 +718,29 @@ def ablation_figure(group: str, members: list[tuple[str, dict[str, Any]]], rows,
         return None
     plt = pyplot()
     stats = [_paired_difference(r, ref) for _, r, ref in points]
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(points) + 2.0), 4.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(points) + 2.0), 4.2))
     seed_errorbar(ax, range(len(points)), stats, linestyle="none", color="tab:blue")
     noises = [_loss(ref).std for _, _, ref in points if _loss(ref).n > 1]
     zero_line(ax, sum(noises) / len(noises) if noises else None, "seed std of the reference")
+    if effect:
+        # NOTE: a single-seed study has no noise band; the main effect of the study gives the scale.
+        ax.axhline(
+            -effect,
+            color="tab:green",
+            linestyle="--",
+            linewidth=1,
+            label=f"scale: best grid MoE minus dense, {-effect:+.4f}",
+        )
     for i, s in enumerate(stats):
         ax.annotate(f"{s.mean:+.4f}", (i, s.mean), textcoords="offset points", xytext=(6, 0), fontsize=7, va="center")
-    labels = [
-        (f"{label} E{r['num_experts']}" if group == "granularity" else label)
-        + f"\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot"
-        for label, r, _ in points
-    ]
-    ax.set_xticks(range(len(points)), labels, fontsize=7)
+    ax.set_xticks(range(len(points)), _ablation_ticks(group, points), fontsize=7)
     ax.set_xlim(-0.6, len(points) - 0.4)
     reference = points[0][2]
-    if group == "granularity":
-        versus = f"the same E at top-{ablation['top_k']}"
-    else:
-        versus = f"{reference['_groups'][group]} ({reference['config_name']}: {reference[LOSS]:.4f})"
-    ax.set(
-        ylabel=f"val loss minus {versus}\n(< 0: better than the reference)",
-        title=f"ablation: {group} ({reference['budget']}); {spread_note(s.n for s in stats)}\n"
-        f"{_matched_note(group, reference)}",
-    )
-    ax.title.set_fontsize(8)
-    if noises:
+    ax.set_xlabel(ABLATION_AXES[group], fontsize=9)
+    ax.set_ylabel(f"val loss minus {_versus(group, reference, ablation)}\n(< 0: better than the reference)", fontsize=9)
+    title = f"ablation: {group} ({reference['budget']}); {spread_note(s.n for s in stats)}"
+    ax.set_title(f"{title}\n{_matched_note(group, reference)}", fontsize=8)
+    if noises or effect:
         ax.legend(fontsize=7)
     ax.grid(True, axis="y", alpha=0.3)
     return fig
@@ -724,6 +753,8 @@ def write_plots(rows: list[dict[str, Any]], plots_dir: Path, ablation: dict[str,
         "loss_vs_expert_size": expert_size_figure(rows),
     }
     if ablation:
-        for group, members in ablation_bars(rows).items():
-            figures[f"ablation_{group}"] = ablation_figure(group, members, rows, ablation)
+        bars = ablation_bars(rows)
+        effect = _expert_count_effect(rows, bars)
+        for group, members in bars.items():
+            figures[f"ablation_{group}"] = ablation_figure(group, members, rows, ablation, effect)
     return [save_figure(fig, plots_dir / f"{name}.png") for name, fig in figures.items() if fig is not None]
