@@ -21,6 +21,8 @@ from typing import Any
 from moe_lit.accounting import markdown_table
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json, atomic_write_text
+
+# NOTE: re-exported for the kinds that import them from here; they live in moe_lit.plotting.
 from moe_lit.plotting import pyplot, save_figure
 from moe_lit.studies.engine import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
 from moe_lit.studies.kinds import Analysis, kind_module

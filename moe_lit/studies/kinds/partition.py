@@ -470,7 +470,7 @@ def _findings(configs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
-    from moe_lit.studies.report import pyplot, save_figure
+    from moe_lit.plotting import pyplot, save_figure, spread_note
 
     entries = [(n, e) for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]]
     if not entries:
@@ -489,7 +489,7 @@ def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
     ax.set_xticks(range(len(entries)), [n for n, _ in entries], rotation=70, ha="right", fontsize=7)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylabel("val loss gap to dense (after recovery)")
-    ax.set_title("Loss gap per conversion (mean ± std over seeds)")
+    ax.set_title(f"Loss gap per conversion (mean; {spread_note(s.n for s in stats)})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     ax.legend(handles, list(colours), fontsize=8)
     return save_figure(fig, Path(plots_dir) / "loss_gap.png")
