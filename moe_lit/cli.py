@@ -2,7 +2,8 @@
 
 ``moe-lit fit|validate|test ...`` goes to LightningCLI (see ``moe_lit.lit.cli``); every other
 subcommand is registered in ``COMMANDS`` as ``name -> (module, help)``. A command module exposes
-``configure(parser)`` and ``run(args) -> int`` and is imported only when it runs, so optional
+``configure(parser)`` and ``run(args) -> int`` (one of ``PASSTHROUGH_COMMANDS``, another tool's
+CLI, exposes ``main(argv) -> int`` instead) and is imported only when it runs, so optional
 dependencies of one command never slow down or break another.
 
 Errors the user can fix (:class:`~moe_lit.errors.MoeLitError`, including every config error) are
