@@ -101,11 +101,16 @@ def _refusal(message: str) -> str:
     return "not a readable checkpoint (truncated or another format)"
 
 
+def checkpoint_config(checkpoint: dict[str, Any], path: str | Path) -> ModelConfig:
+    """The ModelConfig inside a checkpoint dict read from ``path`` (see read_lightning_checkpoint)."""
+    return _config_from(checkpoint.get("hyper_parameters", {}).get("model"), Path(path))
+
+
 def load_config(path: str | Path) -> ModelConfig:
     path = _existing(path)
     if path.is_dir():
         return _exported_config(path)
-    return _config_from(read_lightning_checkpoint(path).get("hyper_parameters", {}).get("model"), path)
+    return checkpoint_config(read_lightning_checkpoint(path), path)
 
 
 def load_model(path: str | Path, map_location: str = "cpu"):
@@ -118,7 +123,7 @@ def load_model(path: str | Path, map_location: str = "cpu"):
         state = _exported_weights(path / WEIGHTS_FILE, map_location)
     else:
         ckpt = read_lightning_checkpoint(path)
-        cfg = _config_from(ckpt.get("hyper_parameters", {}).get("model"), path)
+        cfg = checkpoint_config(ckpt, path)
         state = {k[len(STATE_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)}
     model = Transformer(cfg)
     try:

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 from moe_lit.errors import MoeLitError
 
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# NOTE: no `predict`: the module has no predict step, and `moe-lit generate` is the way to run a model on text.
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
