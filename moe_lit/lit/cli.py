@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import inspect
+import os
 import re
 import shutil
 import warnings
@@ -103,6 +104,7 @@ class MoELightningCLI(LightningCLI):
             raise MoeLitError(f"{binary_argument(args)}: not a YAML file; a checkpoint goes to --ckpt_path") from exc
         validate_module_config(self._section()["model"])
         apply_train_section(self._section())
+        absolute_data_dir(self._section()["data"])
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -237,6 +239,14 @@ def binary_argument(args: Any) -> str:
         except OSError:
             continue
     return "a config file"
+
+
+def absolute_data_dir(data: Any) -> None:
+    """``data.data_dir`` as the absolute path it resolved to (against its config file or the cwd),
+    so that the saved ``config.yaml`` and the checkpoint name the same directory from anywhere."""
+    data_dir = data.get("data_dir")
+    if isinstance(data_dir, os.PathLike):
+        data["data_dir"] = type(data_dir)(os.path.normpath(os.fspath(data_dir)))
 
 
 def validate_module_config(model_section: Any) -> None:
