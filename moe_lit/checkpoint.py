@@ -2,7 +2,8 @@
 
 :func:`load_config` is the one resolver of a model given on the command line: a model YAML, an
 experiment YAML (``moe-lit fit --config``), a ``.ckpt``, an exported directory (ours, or a
-transformers one). :func:`load_model` needs weights, so it takes the last two and says so for a YAML.
+transformers one). :func:`load_model` needs weights, so it takes the last two; a YAML is a one-line
+error saying what to pass.
 
 An exported directory holds ``config.json`` (the ``ModelConfig``), ``model.safetensors`` (the
 ``Transformer`` state dict, MegaBlocks expert layout) and, when known, ``tokenizer.json``.
@@ -191,15 +192,15 @@ def _is_transformers_dir(directory: Path) -> bool:
 
 
 def load_model(path: str | Path, map_location: str = "cpu"):
-    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory."""
+    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory (ours, or a
+    transformers one of a supported family, imported as ``moe-lit convert import-hf`` does)."""
     from moe_lit.model import Transformer
 
     path = _existing(path)
     if path.is_dir() and _is_transformers_dir(path):
-        raise MoeLitError(
-            f"checkpoint {path}: a transformers model; import it first: "
-            f"moe-lit convert import-hf --model {path} --out DIR"
-        )
+        from moe_lit.convert.hf import from_hf
+
+        return from_hf(path).to(map_location).eval()  # imported on the fly (convert import-hf keeps it)
     if path.is_dir():
         cfg = _exported_config(path)
         state = _exported_weights(path / WEIGHTS_FILE, map_location)
