@@ -13,8 +13,8 @@ line and exit 2; ``--divergence.policy skip`` skips such steps instead), a Throu
 ``trainer.enable_progress_bar`` is false) and a CSV logger
 (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
 
-Every run writes into one run directory (``--out DIR``, or ``--trainer.default_root_dir DIR``; by
-default the run holding ``--ckpt_path``, else ``runs/<first --config's stem>``, else
+Every run writes into one run directory (``--out DIR``, or ``--trainer.default_root_dir DIR``, or
+the ``save_dir`` of a logger configured with one; by default the run holding ``--ckpt_path``, else ``runs/<first --config's stem>``, else
 ``runs/<subcommand>``), with a fixed layout::
 
     DIR/checkpoints/last.ckpt           the checkpoints (printed at the end of fit)
@@ -264,9 +264,12 @@ def data_default(name: str) -> Any:
 
 
 def run_dir_of(section: Any, subcommand: str) -> Path:
-    """``--out``, else ``trainer.default_root_dir``, else the run holding ``--ckpt_path``
-    (``<run>/checkpoints/x.ckpt``), else ``runs/<first --config's stem>``, else ``runs/<subcommand>``."""
-    chosen = section.get("out") or section["trainer"].get("default_root_dir")
+    """``--out``, else ``trainer.default_root_dir``, else a ``save_dir`` given to the logger, else
+    the run holding ``--ckpt_path`` (``<run>/checkpoints/x.ckpt``), else ``runs/<first --config's
+    stem>``, else ``runs/<subcommand>``."""
+    save_dir = getattr(getattr(section["trainer"].get("logger"), "init_args", None), "save_dir", None)
+    custom_save_dir = save_dir if save_dir not in (None, DEFAULT_LOG_DIR) else None
+    chosen = section.get("out") or section["trainer"].get("default_root_dir") or custom_save_dir
     if chosen:
         return Path(chosen)
     ckpt_path = section.get("ckpt_path")
