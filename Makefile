@@ -25,22 +25,27 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m moe_lit.cli demo
+	$(PY) -m moe_lit.cli demo --force
 
-# `make eval`: the local multilingual suite (results/eval/<name>/) and, for MoE checkpoints, the
-# per-language routing analysis (results/analysis/<name>/) of every demo checkpoint: the exported
-# models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
+# `make eval`: the local multilingual suite ($(EVAL_RESULTS)/eval/<name>/) and, for MoE checkpoints,
+# the per-language routing analysis ($(EVAL_RESULTS)/analysis/<name>/) of every demo checkpoint:
+# the exported models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
+# <name> is <run dir>-<name> (demo-moe for results/demo/models/moe); the docs link these tracked
+# results, so the outputs are explicit and a rerun replaces them (--force). Without --out, eval and
+# analyze write under runs/ instead.
 DEMO_DIR ?= results/demo
 EVAL_CHECKPOINTS ?= $(or $(patsubst %/model.safetensors,%,$(shell find $(DEMO_DIR) -name model.safetensors 2>/dev/null | sort)),$(shell find $(DEMO_DIR) -name '*.ckpt' 2>/dev/null | sort))
 EVAL_ARGS ?= --batch-size 32
+EVAL_RESULTS ?= results
 
 eval: $(STAMP)
 	@test -n "$(strip $(EVAL_CHECKPOINTS))" || { echo "make eval: no checkpoints under $(DEMO_DIR); run make demo first"; exit 1; }
 	@for ckpt in $(EVAL_CHECKPOINTS); do \
 	  echo "== $$ckpt"; \
-	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite $(EVAL_ARGS) || exit $$?; \
+	  name=$$(basename $$(dirname $$(dirname $$ckpt)))-$$(basename $$ckpt .ckpt); \
+	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
-	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt || exit $$?; fi; \
+	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
 	done
 
 clean:

@@ -22,7 +22,8 @@ from typing_extensions import override
 
 from moe_lit.errors import MoeLitError
 
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# NOTE: no `predict`: the module has no predict step, and `moe-lit generate` is the way to run a model on text.
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
 PASSTHROUGH_COMMANDS = ("lm-eval",)
 """Commands whose module's ``main(argv)`` parses the arguments itself (another tool's CLI)."""
 

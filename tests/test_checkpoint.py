@@ -198,7 +198,7 @@ def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_not
     out.mkdir()
     (out / "previous.txt").write_text("kept")
     err = _one_line_exit_2(
-        capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out)]
+        capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out), "--force"]
     )
     assert f"{out}: cannot write ({os.strerror(error)})" in err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temporary left

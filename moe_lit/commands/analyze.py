@@ -1,6 +1,7 @@
 """``moe-lit analyze routing``: per-language expert routing of a checkpoint over the parallel test set.
 
-Writes ``results/analysis/<name>/``: ``routing.json`` (every statistic), ``summary.md`` (verdict on
+Writes ``--out`` (default ``runs/analysis/<checkpoint name>-<path hash>``, untracked; a non-empty
+one is refused unless ``--force``): ``routing.json`` (every statistic), ``summary.md`` (verdict on
 language families + per-layer table), ``similarity.png`` (1 - JS, clustering order),
 ``usage_layer<i>.png`` (languages x experts, one colour scale for all layers, white at the
 uniform share 1/E, rows in the clustering order) and, with ``--save-trace``, ``trace.pt``
@@ -26,12 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--data", type=Path, help="prepared data dir (default: the checkpoint's, else the default)")
     routing.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     routing.add_argument("--split", default="test", help="parallel split to route (default: test)")
-    routing.add_argument("--name", help="results/analysis/<name> (default: the checkpoint's name)")
     routing.add_argument("--max-tokens", type=int, default=20_000, help="token budget per language")
     routing.add_argument("--batch-size", type=int, default=8, help="documents routed per forward")
     routing.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     routing.add_argument("--save-trace", action="store_true", help="also write the routing trace (trace.pt)")
-    routing.add_argument("--out-dir", type=Path, default=Path("results/analysis"), help="parent of the report dir")
+    routing.add_argument("--out", type=Path, help="results directory (default: runs/analysis/<checkpoint name>-<hash>)")
+    routing.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _configure_text(sub)
 
 
@@ -62,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "text":
         return _run_text(args)
     from moe_lit.analysis.routing import RoutingAnalysisConfig, analyse, summary_markdown
-    from moe_lit.evaluation.harness import checkpoint_name
+    from moe_lit.evaluation.harness import default_out
+    from moe_lit.io import check_output
 
     if not args.checkpoint.exists():
         raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
+    out = args.out or default_out(args.checkpoint, "analysis")
+    check_output(out, {"--checkpoint": args.checkpoint}, args.force)
     cfg = RoutingAnalysisConfig(max_tokens=args.max_tokens, batch_size=args.batch_size)
     trace, languages, data_dir = _trace(args, cfg)
     report = analyse(trace, cfg, languages=languages)
@@ -73,9 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens != RoutingAnalysisConfig.max_tokens:
         command += ["--max-tokens", str(args.max_tokens)]
     report.update(checkpoint=str(args.checkpoint), data=str(data_dir), command=shlex.join(command))
-    name = args.name or checkpoint_name(args.checkpoint)
-    summary = summary_markdown(report, name) + f"\n`{report['command']}`\n"
-    out = _write(args.out_dir / name, report, summary, trace if args.save_trace else None)
+    summary = summary_markdown(report, out.name) + f"\n`{report['command']}`\n"
+    _write(out, report, summary, trace if args.save_trace else None)
     print(summary)
     print(f"wrote {out}")
     return 0

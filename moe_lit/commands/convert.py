@@ -7,7 +7,8 @@ GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`
 experts, scores and memory saved) and ``moe-to-dense`` (score, select, group, scale and
 concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan). Inputs are a
 Lightning ``.ckpt`` or an exported directory; the
-tokenizer found beside the input travels with the output.
+tokenizer found beside the input travels with the output. Every action refuses an ``--out`` that
+is, holds or lies inside its input, and a non-empty one unless ``--force``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
 from moe_lit.errors import MoeLitError
+from moe_lit.io import check_output
 
 PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe")
 
@@ -54,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
     )
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    hf.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
     up.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
@@ -65,6 +68,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
     up.add_argument("--seed", type=int, default=0, help="seed of the new routers (and drop re-init)")
     up.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    up.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     ex = actions.add_parser("expand", help="E -> mE experts by duplication (uniform factor or per-expert counts)")
     ex.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
@@ -75,6 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--balancing", choices=BALANCING, default="bias", help="load balancing of the expanded MoE")
     ex.add_argument("--seed", type=int, default=0, help="seed of the --noise")
     ex.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     pa = actions.add_parser(
         "partition", help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe)"
@@ -165,6 +170,8 @@ def _configure_prune(actions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    flag = "--model" if args.action == "import-hf" else "--checkpoint"
+    check_output(args.out, {flag: getattr(args, flag[2:])}, args.force)
     if args.action == "prune":
         return _run_prune(args)
     if args.action == "moe-to-dense":
@@ -215,15 +222,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def checked_out(out: Path, checkpoint: Path, force: bool, flag: str = "--checkpoint") -> None:
-    """Refuse an --out that is (or holds) the input ``flag``, or a non-empty one without --force."""
-    out, source = out.resolve(), checkpoint.resolve()
-    if out == source or out in source.parents:
-        raise MoeLitError(f"--out: {out} is or contains the input {flag}; write the output elsewhere")
-    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
-        raise MoeLitError(f"--out: {out} exists and is not empty; pass --force to replace it")
-
-
 def _calibration(args: argparse.Namespace, model, record_inputs: bool):
     """The routing trace of the calibration text (or the one stored in ``--calibration FILE.pt``)."""
     from moe_lit.convert.importance import calibration_trace
@@ -247,7 +245,6 @@ def _run_prune(args: argparse.Namespace) -> int:
     from moe_lit.convert.prune import memory_saved, prune_experts
     from moe_lit.io import atomic_write_json
 
-    checked_out(args.out, args.checkpoint, args.force)
     maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
@@ -310,7 +307,6 @@ def _run_moe_to_dense(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.feature_tokens,
     )
-    checked_out(args.out, args.checkpoint, args.force)
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; moe-to-dense needs MoE layers")

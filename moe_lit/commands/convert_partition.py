@@ -6,14 +6,13 @@ centroid|trained|random``; ``--method dot_moe`` learns the split and the routers
 ``--train-tokens`` tokens of the ``--calibration`` data with the dense model as teacher. The output
 directory holds the exported MoE (config.json, model.safetensors, tokenizer.json) and
 ``partition.json`` (what was done, with which token budget). A non-empty ``--out`` is refused
-unless ``--force``.
+unless ``--force``, an ``--out`` that is or holds the input always.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +27,6 @@ def run_partition(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, find_tokenizer, load_model
     from moe_lit.io import atomic_write_json
 
-    _check_out(args.out, args.force)
     _check_arguments(args)
     dense = load_model(args.checkpoint)
     if dense.config.is_moe:
@@ -106,13 +104,6 @@ def partition_dense(
         balancing,
         seed,
     )
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise MoeLitError(f"--out: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise MoeLitError(f"--out: {out} is not empty; pass --force to replace it")
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

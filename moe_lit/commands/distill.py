@@ -55,8 +55,7 @@ def distill_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: Disti
 
 def run(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, find_tokenizer, load_model
-    from moe_lit.commands.convert import checked_out
-    from moe_lit.io import atomic_write_json
+    from moe_lit.io import atomic_write_json, check_output
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
     from moe_lit.lit.runner import train_run
 
@@ -64,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     distill = DistillConfig(temperature=args.temperature, kl_weight=args.kl_weight, ce_weight=args.ce_weight)
-    for flag, source in (("--teacher", args.teacher), ("--student", args.student)):
-        checked_out(args.out, source, args.force, flag)
+    check_output(args.out, {"--teacher": args.teacher, "--student": args.student}, args.force)
     if args.force and args.out.exists():
         # NOTE: a run directory is appended to (metrics, checkpoints): replacing one means removing it.
         shutil.rmtree(args.out) if args.out.is_dir() else args.out.unlink()

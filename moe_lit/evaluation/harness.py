@@ -22,6 +22,7 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,11 +67,22 @@ GENERIC_DIRS = ("checkpoints", "models")
 
 
 def checkpoint_name(checkpoint: str | Path) -> str:
-    """A results folder name: ``<run dir>-<file stem or export dir>``, e.g. ``demo-tiny-moe`` for
-    ``results/demo/models/tiny-moe`` and ``<run>-last`` for ``<run>/checkpoints/last.ckpt``."""
+    """A results folder name: ``<run dir>-<file stem or export dir>-<hash>``, e.g.
+    ``demo-tiny-moe-1a2b3c4d`` for ``results/demo/models/tiny-moe`` and ``<run>-last-<hash>`` for
+    ``<run>/checkpoints/last.ckpt``; the hash is of the absolute path, so two runs never share one."""
     checkpoint = Path(checkpoint).resolve()
     run = checkpoint.parent.parent if checkpoint.parent.name in GENERIC_DIRS else checkpoint.parent
-    return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
+    digest = hashlib.sha1(str(checkpoint).encode()).hexdigest()[:8]
+    return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}-{digest}"
+
+
+RUNS_DIR = Path("runs")
+"""Default root of what eval and analyze write (untracked; the repo's ``results/`` holds curated results)."""
+
+
+def default_out(checkpoint: str | Path, kind: str) -> Path:
+    """``runs/<kind>/<checkpoint_name>``: the default ``--out`` of ``eval`` and ``analyze``."""
+    return RUNS_DIR / kind / checkpoint_name(checkpoint)
 
 
 def stored_tokenizer(checkpoint: str | Path) -> Path:
@@ -388,6 +400,7 @@ __all__ = [
     "EOT_CANDIDATES",
     "MoeLitLM",
     "checkpoint_name",
+    "default_out",
     "evaluate",
     "load_tokenizer",
     "resolve_eot_id",

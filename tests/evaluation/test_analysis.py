@@ -78,8 +78,8 @@ def test_analyze_routing_command_writes_the_report(tmp_path, exported, prepared_
     from tokenizers import Tokenizer
 
     args = ["analyze", "routing", "--checkpoint", str(exported), "--data", str(prepared_dir)]
-    assert main([*args, "--out-dir", str(tmp_path), "--name", "tiny", "--save-trace"]) == 0
     out = tmp_path / "tiny"
+    assert main([*args, "--out", str(out), "--save-trace"]) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == ["routing.json", "similarity.png", "summary.md", "trace.pt", "usage_layer0.png", "usage_layer1.png"]
     report = json.loads((out / "routing.json").read_text())

@@ -81,3 +81,23 @@ def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):
     from moe_lit.lit.cli import config_error_line
 
     assert config_error_line(message) == line
+
+
+def test_relative_data_dir_resolves_against_its_config_file_and_the_hint_names_the_path(capsys, tmp_path, monkeypatch):
+    config = tmp_path / "configs" / "exp.yaml"
+    config.parent.mkdir()
+    config.write_text(f"model: {REPO / 'configs/model/tiny-moe.yaml'}\ndata:\n  data_dir: ../nodata\n")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["fit", "--config", str(config)]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # after "Seed set to"
+    assert f"(no {tmp_path / 'nodata' / 'meta.json'})" in err and f"data prepare --out {tmp_path / 'nodata'}" in err
+    # on the command line, a relative path is the working directory's
+    assert main(["fit", "--config", str(config), "--data.data_dir", "here"]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"(no {tmp_path / 'cwd' / 'here' / 'meta.json'})" in err
+
+
+def test_predict_is_not_a_command(capsys):
+    assert main(["predict"]) == 2
+    assert "unknown command 'predict'" in capsys.readouterr().err
