@@ -22,7 +22,7 @@ from moe_lit.lit.console import (
 from moe_lit.model.router import RoutingStats
 from tests.lit.test_cli_runs import _fit, prepared  # noqa: F401 - the tiny prepared data fixture
 
-LAST = "runs/lightning_logs/version_0/checkpoints/last.ckpt"
+LAST = "runs/tiny-moe/checkpoints/last.ckpt"  # the run directory of configs/experiments/tiny-moe.yaml
 
 
 class _Records(logging.Handler):
