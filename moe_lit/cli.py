@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from moe_lit.errors import MoeLitError
+from moe_lit.resources import packaged_config
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
+    command, rest = argv[0], [packaged_config(arg) for arg in argv[1:]]
     try:
         if command in LIGHTNING_SUBCOMMANDS:
             from moe_lit.lit.cli import run_lightning_cli
