@@ -20,6 +20,8 @@ from moe_lit.errors import MoeLitError
 from moe_lit.resources import packaged_config
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DESCRIPTION = "Train, upcycle, compress, evaluate and export dense and Mixture-of-Experts language models."
+"""``moe-lit --help``'s description (plain text: argparse prints it as it is)."""
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
@@ -42,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-lit", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="moe-lit", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in LIGHTNING_SUBCOMMANDS:
         sub.add_parser(name, help=f"LightningCLI {name} (moe-lit {name} --help)", add_help=False)

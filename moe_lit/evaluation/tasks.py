@@ -333,7 +333,7 @@ def builtin_task_yaml(name: str) -> Path:
     """The built-in lm-eval YAML that defines task ``name`` (a leaf task, not a group)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    # NOTE: a text scan of lm-eval's task dir takes ~2 s; TaskManager's full index takes >10 s.
+    # NOTE: a text scan of lm-eval's task dir, because TaskManager's full index parses every task (slow).
     pattern = re.compile(rf"^task:\s*['\"]?{re.escape(name)}['\"]?\s*$", re.MULTILINE)
     for path, text in _builtin_yaml_texts():
         if pattern.search(text) and load_yaml(path, resolve_func=False).get("task") == name:
