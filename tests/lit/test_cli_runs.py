@@ -5,8 +5,8 @@ import pytest
 from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.data.prepare import PrepareConfig, prepare
-from tests.data.conftest import write_corpus
-from tests.lit.test_cli import EXPERIMENT
+from tests.helpers.corpus import write_corpus
+from tests.helpers.paths import EXPERIMENT
 
 TINY = [
     "--model.model.d_model",

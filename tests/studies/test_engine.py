@@ -5,8 +5,8 @@ import pytest
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.engine import record_path
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.studies import small_spec
 from tests.studies import fakes
-from tests.studies.test_dense_vs_sparse import small_spec
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def _family(seed_points=1):
     """A parent and two children forking from its step-2 checkpoint, hashed."""
     from moe_lit.lit.run_config import RunConfig
     from moe_lit.studies.engine import Point, Start, finalize
-    from tests.conftest import tiny
+    from tests.helpers.models import tiny
 
     run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
     parent = Point("parent", "parent", 0, tiny(), run)
