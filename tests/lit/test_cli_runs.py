@@ -48,6 +48,7 @@ def _fit(prepared, *extra):
     return main(["fit", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, *extra])
 
 
+@pytest.mark.slow
 def test_default_root_dir_decides_where_logs_and_checkpoints_go(prepared, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "elsewhere"

@@ -96,6 +96,7 @@ def test_layer_reports_weighted_losses_and_training_counts():
     assert layer.router.pending_tokens_per_expert().sum().item() == 2 * 3 * 2
 
 
+@pytest.mark.slow
 def test_bias_balancing_lowers_load_imbalance_on_a_skewed_router():
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=4, expert_size=4, top_k=1, balancing="bias", bias_update_rate=0.02)
