@@ -2,7 +2,8 @@
 
 Writes ``results/analysis/<name>/``: ``routing.json`` (every statistic), ``summary.md`` (verdict on
 language families + per-layer table), ``similarity.png`` (1 - JS, clustering order),
-``usage_layer<i>.png`` (languages x experts) and, with ``--save-trace``, ``trace.pt``
+``usage_layer<i>.png`` (languages x experts, one colour scale for all layers, white at the
+uniform share 1/E, rows in the clustering order) and, with ``--save-trace``, ``trace.pt``
 (a :class:`~moe_lit.evaluation.routing_trace.RoutingTrace` for pruning / MAESTRO / conversions).
 """
 
@@ -84,11 +85,14 @@ def _write(out: Path, report: dict, summary: str, trace) -> Path:
 def _plots(report: dict, out: Path) -> None:
     import torch
 
-    from moe_lit.analysis.plots import similarity_matrix, usage_heatmap
+    from moe_lit.analysis.plots import similarity_figure, usage_figures
+    from moe_lit.plotting import save_figure
 
     languages = report["languages"]
     usage_GME = torch.tensor([report["usage"][lang] for lang in languages])
-    for m, layer in enumerate(report["layer_ids"]):
-        usage_heatmap(usage_GME[:, m], languages, layer, out / f"usage_layer{layer}.png")
     order = [languages.index(lang) for lang in report["cluster_order"]]
-    similarity_matrix(torch.tensor(report["js_divergence"]["mean"]), languages, order, out / "similarity.png")
+    for layer, fig in usage_figures(usage_GME, languages, report["layer_ids"], order):
+        save_figure(fig, out / f"usage_layer{layer}.png")
+    save_figure(
+        similarity_figure(torch.tensor(report["js_divergence"]["mean"]), languages, order), out / "similarity.png"
+    )

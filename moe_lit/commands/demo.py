@@ -123,11 +123,9 @@ def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
 
 
 def plot_curves(results: dict[str, RunResult], path: Path) -> None:
-    import matplotlib
+    from moe_lit.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for name, result in results.items():
         tokens, losses = val_curve(result)

@@ -381,30 +381,27 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 
 def plot_retention(values, path: Path) -> Path:
     """Mean retention per method, one panel per arm, one marker per fraction, ± std over seeds."""
-    from moe_lit.studies.report import pyplot, save_figure
+    from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note
 
     plt = pyplot()
     fractions = sorted({f for f, _, _ in values})
     methods = list(dict.fromkeys(m for _, _, m in values))
-    fig, axes = plt.subplots(1, len(ARMS), figsize=(5 * len(ARMS), 3.5), sharey=True)
+    fig, axes = plt.subplots(1, len(ARMS), figsize=(5 * len(ARMS), 3.8), sharey=True)
     offset = 0.6 / len(fractions)
+    counts = []
     for ax, arm in zip(axes, ARMS, strict=False):
         for i, fraction in enumerate(fractions):
             stats = [summarize(values.get((fraction, arm, m), {"mean": []})["mean"]) for m in methods]
+            counts += [s.n for s in stats if s.n]
             xs = [j + (i - (len(fractions) - 1) / 2) * offset for j in range(len(methods))]
-            ax.errorbar(
-                xs,
-                [s.mean for s in stats],
-                yerr=[s.std if s.n > 1 else 0.0 for s in stats],
-                fmt="o",
-                capsize=3,
-                label=f"{_label(fraction)} removed",
-            )
+            seed_errorbar(ax, xs, stats, linestyle="none", label=f"{_label(fraction)} removed")
         ax.set_xticks(range(len(methods)), methods, rotation=30)
-        ax.set_title(arm)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_title(f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})")
+        ax.axhline(1.0, color="grey", linewidth=0.8, label="1 = nothing lost")
+        ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_ylabel("retention (original / pruned val loss)")
     axes[0].legend(fontsize=8)
+    fig.suptitle(f"Retention, mean over languages ({spread_note(counts)})", fontsize=10)
     return save_figure(fig, path)
 
 

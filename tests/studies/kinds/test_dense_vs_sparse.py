@@ -131,3 +131,113 @@ def test_bad_specs_name_the_field(changes, message):
     with pytest.raises(ConfigError) as info:
         parse_study(small_spec(**changes))
     assert message in str(info.value)
+
+
+# ----------------------------------------------------------------------------- plots
+def _record(config, seed, loss, groups, num_experts=4, top_k=2, total=2000, active=1000, match="active"):
+    return {
+        "status": "ok",
+        "name": config,
+        "config_name": config,
+        "seed": seed,
+        "val_loss": loss,
+        "budget": config.split("/")[0],
+        "groups": groups,
+        "match": match,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "expert_size": 128.0 / top_k,
+        "total_params": total,
+        "active_params": active,
+    }
+
+
+def _plot_rows(seeds=(0, 1)):
+    from moe_lit.studies.report import aggregate
+
+    bump = {0: 0.0, 1: 0.2}
+    records = []
+    for seed in seeds:
+        b = bump[seed]
+        records += [
+            _record("S/dense", seed, 4.0 + b, {"grid": "dense"}, num_experts=1, top_k=1, total=900, active=900),
+            _record("S/E4k2", seed, 3.9 + b, {"grid": "E4k2"}, active=900),
+            _record("M/dense", seed, 3.8 + b, {"grid": "dense", "matching": "dense"}, 1, 1, 1000),
+            _record("M/E4k2", seed, 3.7 + b, {"grid": "E4k2", "shared": "none", "matching": "active-matched"}),
+            _record("M/E4k1", seed, 3.75 + b, {"granularity": "k=1"}, top_k=1),
+            _record("M/E4k2/shared=0.5", seed, 3.6 + b + 0.05 * seed, {"shared": "0.5"}, total=1500),
+            _record(
+                "M/E4k2/total", seed, 3.9 + b, {"matching": "total-matched"}, total=1000, active=600, match="total"
+            ),
+        ]
+    return aggregate(records)
+
+
+ABLATION = {"budget": "M", "num_experts": 4, "top_k": 2}
+
+
+def _close(fig):
+    from moe_lit.plotting import pyplot
+
+    pyplot().close(fig)
+
+
+@pytest.mark.parametrize("seeds, note, has_bars", [((0, 1), "bars: ± std over 2 seeds", True), ((0,), "1 seed", False)])
+def test_total_params_plot_has_seed_error_bars_or_says_there_are_none(seeds, note, has_bars):
+    from moe_lit.studies.kinds.dense_vs_sparse import total_params_figure
+
+    fig = total_params_figure(_plot_rows(seeds))
+    (ax,) = fig.axes
+    assert note in ax.get_title()
+    assert [c.has_yerr for c in ax.containers] == [has_bars, has_bars]  # a line per budget
+    if has_bars:
+        (segments,) = ax.containers[0].lines[2]
+        assert abs(segments.get_segments()[0][1][1] - segments.get_segments()[0][0][1]) == pytest.approx(
+            2 * 0.2 / 2**0.5
+        )
+    _close(fig)
+
+
+def test_expert_size_plot_names_top_k_and_skips_budgets_without_a_granularity_sweep():
+    from moe_lit.studies.kinds.dense_vs_sparse import expert_size_figure
+
+    fig = expert_size_figure(_plot_rows())
+    (ax,) = fig.axes  # S ran top-2 only: no panel
+    assert ax.get_title().startswith("M: val loss vs expert size")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["64\ntop-2", "128\ntop-1"]
+    assert ax.get_legend().get_texts()[0].get_text() == "E=4 (top-k 2, 1)"
+    _close(fig)
+
+
+def test_ablation_plot_shows_paired_differences_around_zero_with_the_noise_band():
+    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
+
+    rows = _plot_rows()
+    fig = ablation_figure("shared", ablation_bars(rows)["shared"], rows, ABLATION)
+    (ax,) = fig.axes
+    (bars,) = ax.containers  # the reference is the zero line, not a dot
+    (dots, _, (segments,)) = bars.lines
+    assert list(dots.get_ydata()) == pytest.approx([-0.075])  # seed 0: -0.1, seed 1: -0.05
+    assert abs(segments.get_segments()[0][1][1] - segments.get_segments()[0][0][1]) == pytest.approx(2 * 0.05 / 2**0.5)
+    assert [0.0, 0.0] in [list(line.get_ydata()) for line in ax.lines]  # the zero line
+    (band,) = ax.patches  # ± the reference's seed std
+    assert band.get_height() == pytest.approx(2 * 0.2 / 2**0.5)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.5\n1k act / 1.5k tot"]
+    assert "minus none (M/E4k2: 3.8000)" in ax.get_ylabel() and "active-matched" in ax.get_title()
+    _close(fig)
+
+
+def test_matching_ablation_states_what_was_matched():
+    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
+
+    rows = _plot_rows((0,))
+    fig = ablation_figure("matching", ablation_bars(rows)["matching"], rows, ABLATION, effect=0.1)
+    (ax,) = fig.axes
+    assert "1 seed, no error bar" in ax.get_title() and "total-matched: its total params (so fewer active)" in (
+        ax.get_title()
+    )
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["dense\n1k act / 1k tot", "total-matched\n600 act / 1k tot"]
+    assert not ax.patches  # one seed: no noise band, but the study's main effect as the scale
+    assert [-0.1, -0.1] in [list(line.get_ydata()) for line in ax.lines]
+    _close(fig)

@@ -112,3 +112,25 @@ def test_tiny_study_end_to_end(tmp_path):
     assert grown["active_params"] - moe["active_params"] == 4 * 32  # only the 4 new router rows are active
     js = records["moe_grown/continued"]["routing_js_new_vs_base"]["ru"]
     assert 0.0 <= js <= 1.0 and "routing_js_new_vs_base" not in records["dense/continued"]
+
+
+def test_interference_plot_per_arm_and_paired_with_dense():
+    from moe_lit.plotting import pyplot
+    from moe_lit.studies.kinds.language_expansion import interference_figure
+
+    per_arm = {
+        "dense": {"interference": {0: 0.30, 1: 0.32}},
+        "moe": {"interference": {0: 0.05, 1: 0.10, 2: 0.2}},  # seed 2 has no dense partner
+        "moe_grown": {},
+    }
+    fig = interference_figure(per_arm)
+    ax_arm, ax_diff = fig.axes
+    assert [t.get_text() for t in ax_arm.get_xticklabels()] == ["dense", "moe"]
+    dots = ax_arm.containers[0].lines[0]
+    assert list(dots.get_ydata()) == pytest.approx([0.31, 0.35 / 3])
+    assert "bars: ± std over 2-3 seeds" in ax_arm.get_title()
+    paired = ax_diff.containers[0]
+    assert list(paired.lines[0].get_ydata()) == pytest.approx([-0.235]) and paired.has_yerr  # (-0.25, -0.22)
+    assert [0.0, 0.0] in [list(line.get_ydata()) for line in ax_diff.lines]
+    pyplot().close(fig)
+    assert interference_figure({"dense": {}, "moe": {}}) is None

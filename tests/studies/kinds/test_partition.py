@@ -64,6 +64,25 @@ def test_every_conversion_forks_from_its_seeds_pretrained_dense_with_one_recover
     assert hashes["E8k4/dot_moe/s0"] != points["E8k4/dot_moe/s0"].hash
 
 
+def test_suite_adds_one_zero_step_measuring_child_per_recovered_model_and_keeps_every_other_hash():
+    plain = {p.name: p for p in parse_study(TINY).points}
+    study = parse_study({**TINY, "suite": {"limit": 5}})
+    suite = [p for p in study.points if p.info["phase"] == "suite"]
+    recovered = [p for p in plain.values() if p.info["phase"] == "recovered"]
+    assert len(suite) == len(recovered) == 2 * (1 + 3 * 4 + 2)
+    assert {p.start.parent for p in suite} == {p.name for p in recovered}
+    child = {p.name: p for p in suite}["E8k4/dot_moe/suite/s1"]
+    assert (child.start.parent, child.start.mode, child.run.steps, child.seed) == ("E8k4/dot_moe/s1", "init", 0, 1)
+    assert child.transform is None and child.model == plain["E8k4/dot_moe/s1"].model
+    assert (child.measure.path, child.measure.kwargs) == (
+        "moe_lit.studies.measures:local_suite",
+        {"limit": 5, "batch_size": 32},
+    )
+    assert all(plain[p.name].hash == p.hash for p in study.points if p.info["phase"] != "suite")
+    with pytest.raises(ConfigError, match="suite.limit: must be an integer >= 1 or null"):
+        parse_study({**TINY, "suite": {"limit": 0}})
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -155,6 +174,16 @@ def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
             _rec("pruning/ffn0.5", seed, 4.05 + jitter, "pruning", "pruning", active_ffn=0.5),
         ]
     records.append({**_rec("E8k4/dot_moe", 2, 9.0, "dot_moe", "dot_moe", setting="E8k4"), "status": "failed"})
+    for seed, dense_acc, kmeans_acc in ((0, 0.70, 0.60), (1, 0.72, 0.66)):  # chance 0.5: above 0.2 vs 0.1, 0.22 vs 0.16
+        for config, acc in (("dense/recovered", dense_acc), ("E8k4/kmeans+centroid", kmeans_acc)):
+            scores = {"mean_acc": acc, "mean_above_chance": acc - 0.5}
+            records.append(
+                {
+                    **_rec(f"{config}/suite", seed, 0.0, "x", "x", phase="suite"),
+                    "parent": f"{config}/s{seed}",
+                    "suite": scores,
+                }
+            )
     analysis = analyse({"spec": {"dense": {"vocab_size": 300}}}, records, tmp_path)
     main = analysis.tables["Conversions after the same recovery budget (mean ± std over seeds)"]
     rows = {r["point"]: r for r in main}
@@ -179,6 +208,14 @@ def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
     r0, r1 = retention(4.5, 3.9, 300), retention(4.52, 3.92, 300)
     assert rows["E8k4/random+random"]["retention"] == f"{(r0 + r1) / 2:.4f} ± {abs(r0 - r1) / math.sqrt(2):.4f} (n=2)"
     assert rows["E8k4/dot_moe"]["val loss"] == "4.0200 ± 0.0283 (n=2)"  # the failed seed is left out
+    assert rows["E8k4/kmeans+centroid"]["task acc"] == "0.6300 ± 0.0424 (n=2)"
+    r0, r1 = 0.1 / 0.2, 0.16 / 0.22
+    assert (
+        rows["E8k4/kmeans+centroid"]["task retention (above chance)"]
+        == f"{(r0 + r1) / 2:.4f} ± {abs(r0 - r1) / math.sqrt(2):.4f} (n=2)"
+    )
+    assert rows["dense/recovered"]["task retention (above chance)"] == "1.0000 ± 0.0000 (n=2)"
+    assert rows["E8k4/dot_moe"]["task acc"] == ""  # not measured
     languages = {r["point"]: r for r in analysis.tables["Val loss per language after recovery (mean over seeds)"]}
     assert languages["pruning/ffn0.5"] == {"point": "pruning/ffn0.5", "en": "3.9600", "de": "4.1600"}
     dot_vs_clust, clust_vs_random, dot_vs_pruning, note = analysis.findings
@@ -215,20 +252,21 @@ def test_tiny_study_end_to_end(tmp_path):
         "seeds": [0],
         "settings": [{"experts": 4, "top_k": 2}],
         "methods": [{"method": "kmeans", "router": "trained"}, {"method": "dot_moe"}],
+        "suite": {"limit": 2, "batch_size": 4},
     }
     records = {
         r["name"]: r for r in run_study(parse_study(spec, str(tmp_path / "data")), tmp_path / "out", log=lambda _: None)
     }
-    assert sorted(records) == [
-        "E4k2/dot_moe",
-        "E4k2/kmeans+trained",
-        "dense/pretrain",
-        "dense/recovered",
-        "pruning/ffn0.5",
-    ]
+    measured = ["E4k2/dot_moe", "E4k2/kmeans+trained", "dense/recovered", "pruning/ffn0.5"]
+    assert sorted(records) == sorted([*measured, *(f"{name}/suite" for name in measured), "dense/pretrain"])
+    for name in measured:
+        scores = records[f"{name}/suite"]["suite"]
+        assert (
+            scores["limit"] == 2 and 0.0 <= scores["mean_acc"] <= 1.0 and set(scores["languages"]) == {"en", "de", "ru"}
+        )
     assert all(r["status"] == "ok" for r in records.values()), [r.get("error") for r in records.values()]
     dense, kmeans, pruned = records["dense/recovered"], records["E4k2/kmeans+trained"], records["pruning/ffn0.5"]
-    assert all(r["steps"] == 2 for n, r in records.items() if n != "dense/pretrain")
+    assert all(r["steps"] == (0 if n.endswith("/suite") else 2) for n, r in records.items() if n != "dense/pretrain")
     assert kmeans["total_params"] == dense["total_params"] + 4 * 32 + 32  # the MoE adds router rows, expert bias
     ffn_half = 3 * 32 * 64 // 2  # w1, v1, w2 of half the neurons
     assert dense["active_params"] - kmeans["active_params"] == ffn_half - 4 * 32 - 32

@@ -134,3 +134,30 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     log = []
     run_study(study, tmp_path / "out", log=log.append)  # finished points are not trained again
     assert log[0] == f"study up: 3 points, 3 finished, 0 to run -> {tmp_path / 'out'}"
+
+
+def test_curves_plot_marks_tau_and_pairs_each_arm_with_its_seeds_fixed_e():
+    from moe_lit.plotting import pyplot
+    from moe_lit.studies.kinds.upcycling import _by_arm, curves_figure
+
+    def curve(*pairs):
+        return [{"step": s, "val_loss": v} for s, v in pairs]
+
+    records = [
+        _record("fixed_E", 0, 2.8, curve=curve((2, 3.5), (4, 3.0), (10, 2.8))),
+        _record("fixed_E", 1, 3.0, curve=curve((2, 3.7), (4, 3.2), (10, 3.0))),
+        _record("up_a", 0, 2.7, curve=curve((4, 3.0), (10, 2.7))),  # resumed fixed_E: the steps before tau are its
+        _record("up_a", 1, 2.95, curve=curve((4, 3.2), (10, 2.95))),
+    ]
+    fig = curves_figure(_by_arm(records), tau=4)
+    ax_all, ax_after, ax_diff = fig.axes
+    for ax in fig.axes:  # the expansion step is marked in every panel
+        assert [4, 4] in [list(line.get_xdata()) for line in ax.lines]
+    assert "band: ± std over 2 seeds" in ax_all.get_title()
+    up_all = next(line for line in ax_all.lines if line.get_label() == "up_a (n=2)")
+    assert list(up_all.get_xdata()) == [2, 4, 10] and list(up_all.get_ydata()) == pytest.approx([3.6, 3.1, 2.825])
+    assert min(ax_after.lines[0].get_xdata()) == 4  # the zoom starts at tau
+    (paired,) = [line for line in ax_diff.lines if line.get_linestyle() == "--"]  # up_a minus fixed_E, per seed
+    assert list(paired.get_xdata()) == [4, 10] and list(paired.get_ydata()) == pytest.approx([0.0, -0.075])
+    assert len(ax_diff.collections) == 1  # its ± std band (the seeds differ by 0.1 and 0.05 at step 10)
+    pyplot().close(fig)
