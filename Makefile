@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # multi-GB CUDA build. Override on GPU machines: make TORCH_SPEC=torch==2.7.0 ...
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test clean eval
+.PHONY: venv demo test test-fast test-install clean eval
 
 venv: $(STAMP)
 
@@ -23,6 +23,14 @@ $(STAMP): pyproject.toml Makefile scripts/check_imports.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The edit loop: every test not marked slow (docs/install.md#testing).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# A built wheel installed without -e runs from outside the checkout (packaged configs, console script).
+test-install: $(STAMP)
+	$(PY) -m pytest -q tests/test_install.py
 
 demo: $(STAMP)
 	$(PY) -m moe_lit.cli demo --force

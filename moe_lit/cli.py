@@ -21,6 +21,7 @@ from typing import Any
 from typing_extensions import override
 
 from moe_lit.errors import MoeLitError
+from moe_lit.resources import packaged_config
 
 # NOTE: no `predict`: the module has no predict step, and `moe-lit generate` is the way to run a model on text.
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test")
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"moe-lit {package_version()}")
         return 0
-    command, rest = argv[0], argv[1:]
+    command, rest = argv[0], [packaged_config(arg) for arg in argv[1:]]
     try:
         if command in LIGHTNING_SUBCOMMANDS:
             from moe_lit.lit.cli import run_lightning_cli

@@ -224,11 +224,6 @@ class MoEConfig:
         """Sum of the routed experts' hidden sizes: the rows of the stacked w1/v1/w2."""
         return sum(self.expert_sizes)
 
-    @property
-    def mean_active_expert_size(self) -> float:
-        """Expected routed hidden size per token: k * mean(F_e) (exact for equal experts)."""
-        return self.top_k * self.total_expert_size / self.num_experts
-
     def capacity(self, num_tokens: int) -> int | None:
         """Tokens each expert may take for a batch of ``num_tokens``; None when dropless."""
         if self.capacity_factor is None:
@@ -390,14 +385,4 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def dense_config(**kwargs: Any) -> ModelConfig:
-    """Shorthand for a dense model config."""
-    return ModelConfig(moe=None, **kwargs)
-
-
-def moe_config(moe: dict[str, Any] | None = None, **kwargs: Any) -> ModelConfig:
-    """Shorthand for an MoE model config: ``moe`` holds MoEConfig fields."""
-    return ModelConfig(moe=MoEConfig(**(moe or {})), **kwargs)
-
-
-__all__ = ["ConfigError", "MoEConfig", "ModelConfig", "dense_config", "moe_config"]
+__all__ = ["ConfigError", "MoEConfig", "ModelConfig"]

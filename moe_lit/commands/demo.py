@@ -31,12 +31,12 @@ from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text, check_output
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
+from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
     from moe_lit.lit.runner import RunResult
 
-REPO = Path(__file__).resolve().parents[2]
-MODELS = {"dense": REPO / "configs/model/tiny-dense.yaml", "moe": REPO / "configs/model/tiny-moe.yaml"}
+MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
 MODELS_DIR = "models"
 COMMAND = "make demo"

@@ -178,8 +178,8 @@ def write_tokens(tokenizer, paragraphs: list[Paragraph], out_dir: Path) -> int:
         encode_paragraphs(tokenizer, [par.text for par in paragraphs[start : start + PARAGRAPHS_PER_ITEM]])
         for start in range(0, len(paragraphs), PARAGRAPHS_PER_ITEM)
     ]
-    # NOTE: "fork" because litdata's default "spawn" re-imports torch in the worker (seconds per
-    # call, 27 calls); the worker only serializes the arrays tokenized here.
+    # NOTE: "fork" because litdata's default "spawn" re-imports torch in the worker on every call;
+    # the worker only serializes the arrays tokenized here.
     litdata.optimize(
         fn=_yield_item,
         inputs=items,

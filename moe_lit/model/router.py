@@ -16,7 +16,7 @@ counts, dropped assignments and score entropy to the router's pending sums, so t
 micro-batches of an optimizer step; :func:`finish_routing_step` then all-reduces the pending sums
 of every layer in one collective over the data-parallel ranks, stores them as the step's
 :class:`RoutingStats` (the one object the bias update, RoutingMonitor, utility selection and the
-runner read), nudges the selection biases from them and resets the pending sums.
+study records read), nudges the selection biases from them and resets the pending sums.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from moe_lit.checkpoint import export_model
 from moe_lit.cli import main
 from moe_lit.evaluation.routing_trace import routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 TEXT = "Open the file menu and choose save."
 

@@ -3,7 +3,7 @@ import torch
 from moe_lit.checkpoint import export_model, load_model
 from moe_lit.cli import main
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def test_upcycle_then_expand_round_trip_through_exported_dirs(tmp_path, capsys):

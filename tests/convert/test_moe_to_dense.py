@@ -26,7 +26,7 @@ from moe_lit.convert.moe_to_dense import (
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace, routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _model(seed=0, **fields) -> Transformer:

@@ -7,8 +7,7 @@ from moe_lit.data.layout import SPLITS, import_litdata, read_meta, text_file, to
 from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.data.tokenizer import EOS, load_tokenizer
 from moe_lit.errors import MoeLitError
-
-from .conftest import ALPHABETS, FILES, PARAGRAPHS_PER_FILE, VOCAB
+from tests.helpers.corpus import ALPHABETS, FILES, PARAGRAPHS_PER_FILE, VOCAB
 
 LANGS = sorted(ALPHABETS)
 

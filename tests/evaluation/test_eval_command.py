@@ -6,9 +6,9 @@ import torch
 from moe_lit.checkpoint import export_model
 from moe_lit.cli import main
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.evaluation.conftest import LANGUAGES
-from tests.test_checkpoint import CASES, _case, lightning_checkpoint
+from tests.helpers.checkpoints import CASES, bad_checkpoint, lightning_checkpoint
+from tests.helpers.corpus import LANGUAGES
+from tests.helpers.models import tiny
 
 
 def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepared_dir, monkeypatch):
@@ -79,7 +79,7 @@ def test_bad_checkpoint_files_given_to_eval_and_analyze_are_one_line_naming_the_
         "ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model),
         "export": export_model(model, tmp_path / "export"),
     }
-    path, words = _case(case, tmp_path, files)
+    path, words = bad_checkpoint(case, tmp_path, files)
     given = [
         "--checkpoint",
         str(path),

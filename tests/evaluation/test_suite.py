@@ -5,7 +5,7 @@ import pytest
 from moe_lit.cli import main
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.suite import suite_scores
-from tests.evaluation.conftest import LANGUAGES
+from tests.helpers.corpus import LANGUAGES
 
 
 def test_suite_scores_equal_the_eval_command_and_chance_is_the_items_own(

@@ -1,13 +1,9 @@
 """``moe-lit fit|validate|test``: config mistakes are one line naming the key, exit status 2."""
 
-from pathlib import Path
-
 import pytest
 
 from moe_lit.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
-EXPERIMENT = str(REPO / "configs/experiments/tiny-moe.yaml")
+from tests.helpers.paths import EXPERIMENT, REPO
 
 
 def _error_line(capsys, argv) -> str:

@@ -9,52 +9,12 @@ import torch
 from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoint
 from moe_lit.cli import main
 from moe_lit.data.layout import read_meta
-from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.data.conftest import write_corpus
-from tests.lit.test_cli import EXPERIMENT
-
-TINY = [
-    "--model.model.d_model",
-    "32",
-    "--model.model.n_layers",
-    "2",
-    "--model.model.d_ff",
-    "64",
-    "--model.model.moe.num_experts",
-    "4",
-    "--model.model.moe.expert_size",
-    "16",
-    "--data.seq_len",
-    "16",
-    "--data.batch_size",
-    "4",
-    "--data.val_batches",
-    "1",
-    "--trainer.enable_progress_bar",
-    "false",
-    "--trainer.log_every_n_steps",
-    "1",
-]
+from tests.helpers.cli_runs import fit as _fit
+from tests.helpers.models import tiny
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_runs")
-    corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
-    prepare(
-        PrepareConfig(
-            source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False
-        )
-    )
-    return root / "data"
-
-
-def _fit(prepared, *extra):
-    return main(["fit", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, *extra])
-
-
+@pytest.mark.slow
 def test_fit_writes_the_run_dir_prints_its_checkpoint_and_resumes_into_it(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "elsewhere"

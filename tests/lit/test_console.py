@@ -20,7 +20,9 @@ from moe_lit.lit.console import (
     step_metrics,
 )
 from moe_lit.model.router import RoutingStats
-from tests.lit.test_cli_runs import _fit, prepared  # noqa: F401 - the tiny prepared data fixture
+from tests.helpers.cli_runs import TINY
+from tests.helpers.cli_runs import fit as _fit
+from tests.helpers.paths import EXPERIMENT
 
 LAST = "runs/tiny-moe/checkpoints/last.ckpt"  # the run directory of configs/experiments/tiny-moe.yaml
 
@@ -46,7 +48,7 @@ def lightning_info():
         logger.removeHandler(handler)
 
 
-def test_fit_prints_our_flops_and_no_lightning_notices(prepared, tmp_path, monkeypatch, capsys, lightning_info):  # noqa: F811
+def test_fit_prints_our_flops_and_no_lightning_notices(prepared, tmp_path, monkeypatch, capsys, lightning_info):
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -73,13 +75,11 @@ def test_quiet_lightning_drops_only_the_listed_notices(lightning_info):
     assert lightning_info[-1] == LIGHTNING_NOTICES[0] and len(LIGHTNING_WARNINGS) == 2
 
 
-def test_validate_prints_one_table_with_a_row_per_language(prepared, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_validate_prints_one_table_with_a_row_per_language(prepared, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert _fit(prepared, "--trainer.max_steps", "1") == 0
     capsys.readouterr()
     from moe_lit.cli import main
-    from tests.lit.test_cli import EXPERIMENT
-    from tests.lit.test_cli_runs import TINY
 
     argv = ["validate", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, "--ckpt_path", LAST]
     assert main(argv) == 0

@@ -5,8 +5,8 @@ import pytest
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.engine import record_path
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.studies import small_spec
 from tests.studies import fakes
-from tests.studies.test_dense_vs_sparse import small_spec
 
 
 @pytest.fixture
@@ -78,6 +78,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert all(r["status"] == "ok" for r in records)
 
 
+@pytest.mark.slow
 def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(tmp_path):
     spec = parse_study(small_spec(grid={"num_experts": [4, 16]}, ablations=None, budgets=[{"name": "S"}]))
     records = _run(spec, tmp_path, fakes.crash_on_16_experts, parallel=2)
@@ -90,6 +91,7 @@ def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(
     assert by_name["S/E16k2"]["error"].startswith("worker process died with exit code 3")
 
 
+@pytest.mark.slow
 def test_an_interrupted_worker_stops_the_sweep_and_leaves_no_record(tmp_path):
     spec = parse_study(small_spec(grid={"num_experts": [4]}, ablations=None, budgets=[{"name": "S"}]))
     with pytest.raises(KeyboardInterrupt):
@@ -116,7 +118,7 @@ def _family(seed_points=1):
     """A parent and two children forking from its step-2 checkpoint, hashed."""
     from moe_lit.lit.run_config import RunConfig
     from moe_lit.studies.engine import Point, Start, finalize
-    from tests.conftest import tiny
+    from tests.helpers.models import tiny
 
     run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
     parent = Point("parent", "parent", 0, tiny(), run)
@@ -170,6 +172,7 @@ def test_a_point_claimed_by_another_runner_is_left_to_it(tmp_path):
     assert len(run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)) == 3
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_runs_the_waves(tmp_path):
     from moe_lit.studies.engine import run_points
     from moe_lit.studies.executors import ExecutorConfig

@@ -63,9 +63,8 @@ def choose_geometry(
     """The slot geometry for ``strategy``; ``auto``: the loop on CPU and for unequal sizes, else grouped
     GEMMs where they fit, else padded ``bmm`` chunks.
 
-    NOTE: on CPU the loop of per-expert GEMMs was measured fastest (benchmarks/moe_layer.py, this
-    project's 2-core machine, idle, 2048 tokens, d_model 256, median of 15 interleaved rounds:
-    E16 k2 F256 looped 39.6 ms, grouped 40.7, batched 44.0; E64 k8 F64 56.3, 57.9, 61.4): it does
+    NOTE: on CPU the loop of per-expert GEMMs is the fastest geometry (``python -m
+    benchmarks.moe_layer``; its numbers are in docs/performance.md and benchmarks/results/): it does
     no padding, and torch's CPU grouped GEMM is itself a loop over the experts. On GPUs one grouped
     GEMM replaces a kernel launch per expert.
     """

@@ -12,8 +12,8 @@ from moe_lit.cli import main
 from moe_lit.convert.hf import from_hf, to_hf
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.convert.hf.conftest import tokens
+from tests.helpers.hf import tokens
+from tests.helpers.models import tiny
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,7 +9,7 @@ from moe_lit.config import ConfigError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.model.router import RoutingStats, token_entropy
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
 

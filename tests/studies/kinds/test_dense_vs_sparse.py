@@ -1,37 +1,10 @@
-from pathlib import Path
-
 import pytest
 
 from moe_lit.accounting import count_config_params
 from moe_lit.config import ConfigError
 from moe_lit.studies.study import load_study, parse_study
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "studies"
-
-
-def small_spec(**changes) -> dict:
-    spec = {
-        "name": "t",
-        "kind": "dense_vs_sparse",
-        "base": {"vocab_size": 97, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64},
-        "budgets": [{"name": "S", "d_ff": 64}, {"name": "M", "d_ff": 128}],
-        "grid": {"num_experts": ["dense", 4, 8], "top_k": [2], "match": ["active"]},
-        "ablations": {
-            "budget": "M",
-            "num_experts": 4,
-            "top_k": 2,
-            "granularity": [1, 4],
-            "shared_fraction": [0.5],
-            "size_profiles": {"skewed": [3, 1, 1, 1]},
-            "balancing": [{"balancing": "bias"}, {"balancing": "aux_loss", "aux_loss_coef": 0.01}],
-            "capacity_factor": [1.0, 2.0],
-            "match": ["total"],
-        },
-        "run": {"data": {"seq_len": 16, "batch_size": 4, "val_batches": 1}, "train": {"max_tokens": 4096}},
-        "seeds": [0],
-    }
-    spec.update(changes)
-    return spec
+from tests.helpers.paths import STUDIES
+from tests.helpers.studies import small_spec
 
 
 def test_expansion_is_the_grid_plus_ablations_deduplicated():
@@ -109,7 +82,7 @@ def test_matched_configs_hit_their_budget():
 
 
 def test_shipped_studies_load_and_expand():
-    tiny = load_study(CONFIGS / "dense_vs_sparse.yaml").points
+    tiny = load_study(STUDIES / "dense_vs_sparse.yaml").points
     assert len(tiny) == 27
     assert {p.model.moe.num_experts if p.model.moe else 1 for p in tiny if "grid" in p.info["groups"]} == {
         1,
@@ -118,10 +91,10 @@ def test_shipped_studies_load_and_expand():
         16,
         32,
     }
-    gpu = load_study(CONFIGS / "dense_vs_sparse_gpu.yaml").points
+    gpu = load_study(STUDIES / "dense_vs_sparse_gpu.yaml").points
     assert len(gpu) > len(tiny)
     for other in ("upcycling", "language_expansion"):
-        assert load_study(CONFIGS / f"{other}.yaml").points
+        assert load_study(STUDIES / f"{other}.yaml").points
 
 
 @pytest.mark.parametrize(

@@ -102,7 +102,7 @@ def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
 def test_tiny_study_end_to_end_and_resume(tmp_path):
     from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
-    from tests.data.conftest import write_corpus
+    from tests.helpers.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
     prepare(

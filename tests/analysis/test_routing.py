@@ -14,7 +14,7 @@ from moe_lit.analysis.routing import (
 )
 from moe_lit.cli import main
 from moe_lit.evaluation.routing_trace import RoutingTrace
-from tests.evaluation.conftest import LANGUAGES, PARAGRAPHS
+from tests.helpers.corpus import LANGUAGES, PARAGRAPHS
 
 
 def test_js_divergence_matches_scipy_and_its_bounds():

@@ -1,6 +1,6 @@
-"""Shared fixtures: a tiny BPE tokenizer, a tiny exported MoE model and a tiny parallel corpus.
+"""Session fixtures shared by several test folders: a prepared dir, a tiny MoE and its export.
 
-The corpus follows the data pipeline's prepared-dir contract: ``meta.json``, ``tokenizer.json`` and
+The prepared dir follows the data pipeline's contract: ``meta.json``, ``tokenizer.json`` and
 ``text/<split>/<lang>.jsonl`` with one ``{"id", "doc", "text"}`` per paragraph, parallel ids.
 """
 
@@ -10,48 +10,10 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model
+from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-
-# Two documents of four paragraphs, in three languages (en/de Germanic, fr Romance).
-PARAGRAPHS = {
-    "en": [
-        "Open the file menu and choose save.",
-        "The document is written to the disk.",
-        "You can close the window now.",
-        "Press the help key for more information.",
-        "Insert a table with three rows.",
-        "Each cell can hold text or numbers.",
-        "Select a cell to change its format.",
-        "The sum appears in the last row.",
-    ],
-    "de": [
-        "Öffnen Sie das Menü Datei und wählen Sie Speichern.",
-        "Das Dokument wird auf die Festplatte geschrieben.",
-        "Sie können das Fenster jetzt schließen.",
-        "Drücken Sie die Hilfetaste für weitere Informationen.",
-        "Fügen Sie eine Tabelle mit drei Zeilen ein.",
-        "Jede Zelle kann Text oder Zahlen enthalten.",
-        "Wählen Sie eine Zelle, um ihr Format zu ändern.",
-        "Die Summe erscheint in der letzten Zeile.",
-    ],
-    "fr": [
-        "Ouvrez le menu fichier et choisissez enregistrer.",
-        "Le document est écrit sur le disque.",
-        "Vous pouvez fermer la fenêtre maintenant.",
-        "Appuyez sur la touche aide pour plus d'informations.",
-        "Insérez un tableau de trois lignes.",
-        "Chaque cellule peut contenir du texte ou des nombres.",
-        "Sélectionnez une cellule pour changer son format.",
-        "La somme apparaît dans la dernière ligne.",
-    ],
-}
-LANGUAGES = tuple(PARAGRAPHS)
-EOT = "<|endoftext|>"
-
-
-def paragraph_records(lang):
-    return [{"id": f"p{i}", "doc": f"d{i // 4}", "text": text} for i, text in enumerate(PARAGRAPHS[lang])]
+from tests.helpers.corpus import EOT, LANGUAGES, PARAGRAPHS, paragraph_records, write_corpus
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +53,16 @@ def tiny_moe(prepared_dir):
 def exported(tmp_path_factory, tiny_moe, prepared_dir):
     """The tiny model exported with its tokenizer (a checkpoint directory)."""
     return export_model(tiny_moe, tmp_path_factory.mktemp("ckpt") / "tiny-moe", prepared_dir / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs."""
+    root = tmp_path_factory.mktemp("cli_runs")
+    corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
+    prepare(
+        PrepareConfig(
+            source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False
+        )
+    )
+    return root / "data"
