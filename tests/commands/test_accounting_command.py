@@ -9,8 +9,8 @@ from moe_lit.checkpoint import export_model, load_config
 from moe_lit.cli import main
 from moe_lit.config import ModelConfig
 from moe_lit.model import Transformer
+from tests.helpers.checkpoints import lightning_checkpoint
 from tests.helpers.models import tiny
-from tests.test_checkpoint import lightning_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_YAML = REPO / "configs/model/tiny-moe.yaml"
