@@ -24,12 +24,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from moe_lit._compat import (
+    attached_trainer,
+    clean_tensor_name,
+    composable_checkpoint,
+    fsdp_state_dict_type,
+    load_raw_module_state,
+    resolve_data_parallel_size,
+    saves_distributed_checkpoint,
+)
 from moe_lit.errors import MoeLitError
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
 from moe_lit.model.moe import MoELayer
@@ -74,7 +84,7 @@ class FSDPStrategy(_LightningFSDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._state_dict_type != "full":
+        if fsdp_state_dict_type(self) != "full":
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -142,15 +152,14 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        resolve_data_parallel_size(self)
         super().setup_environment()
         if self.expert_parallel_size > 1:
             self.expert_mesh = expert_parallel_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -202,8 +211,6 @@ def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: 
 
     Names are the unwrapped module's (FSDP1 and activation-checkpoint wrapper prefixes removed).
     """
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
     if not state["state"] or isinstance(next(iter(state["state"])), str):
         return state
     # NOTE: torch's own helper, the one FSDP1's optimizer state dicts name parameters with.
@@ -228,7 +235,8 @@ def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, An
     """The full optimizer state of a sharded model (FSDP1 or FSDP2) on rank 0, keyed by plain ids."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
     # NOTE: offloading a CPU model's state "to CPU" makes FSDP1 return exp_avg and exp_avg_sq as
     # one aliased buffer (torch 2.13, measured): offload only from an accelerator. Without
     # offload every rank gets the full state; Lightning writes rank 0's.
@@ -257,11 +265,9 @@ def load_full_checkpoint(
     strategy: Any, path: Path, weights_only: bool | None, broadcast_from_rank0: bool
 ) -> dict[str, Any]:
     """``load_checkpoint`` body of our sharded strategies for a one-file checkpoint (any strategy's)."""
-    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
-
     strict = strategy.lightning_module.strict_loading
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    _load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
+    load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
     states = checkpoint.get("optimizer_states", [])
     load_full_optimizer_states(strategy.model, strategy.optimizers, states, broadcast_from_rank0, strict)
     return checkpoint
@@ -330,9 +336,7 @@ def apply_fsdp2(
             if activation_checkpointing:
                 # NOTE: the composable checkpoint hooks the module in place: unlike
                 # checkpoint_wrapper it adds no submodule, so parameter names stay unchanged.
-                from torch.distributed._composable import checkpoint
-
-                checkpoint(module)
+                composable_checkpoint(module)
             fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
     # NOTE: the root unit holds what the blocks do not (embeddings, final norm, head); the root
     # keeps its parameters after the forward, the backward needs the head first anyway.
@@ -341,7 +345,7 @@ def apply_fsdp2(
 
 def shard_for_strategy(module: Any) -> None:
     """``configure_model`` hook body: shard ``module.model`` when the trainer runs FSDP2."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is not None and isinstance(trainer.strategy, FSDP2Strategy):
         trainer.strategy.shard(module.model)
 

@@ -28,13 +28,13 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
@@ -46,11 +46,6 @@ CHUNK_OVERHEAD_ROWS = 64
 Geometry = Literal["grouped", "batched", "looped"]
 ALIGN_BYTES = 16
 """Grouped GEMM kernels need every row stride to be a multiple of 16 bytes."""
-
-
-def grouped_mm_op() -> Callable[..., torch.Tensor] | None:
-    """``F.grouped_mm`` (public since torch 2.10), else ``torch._grouped_mm`` (2.8+), else None."""
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.grouped_swiglu import (
     ALIGN_BYTES,
     Geometry,
     Slots,
     build_slots,
-    grouped_mm_op,
     grouped_swiglu,
     grouped_swiglu_forward,
 )
