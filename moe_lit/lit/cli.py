@@ -113,7 +113,11 @@ class MoELightningCLI(LightningCLI):
         except MoeLitError:
             raise
         except (argparse.ArgumentError, ValueError, TypeError) as exc:
-            raise MoeLitError(config_error_line(str(exc))) from exc
+            line = config_error_line(str(exc))
+            if "`tensorboard`" in line:
+                # NOTE: tensorboard is an extra, only Lightning's TensorBoardLogger uses it.
+                line += " (TensorBoardLogger: pip install 'moe_lit[tensorboard]')"
+            raise MoeLitError(line) from exc
 
 
 TRAIN_FIELDS = {
