@@ -4,22 +4,21 @@ Private APIs change without deprecation, so each one is reached only through a f
 module, which first checks the installed release against the range this code was tested with
 (:data:`TESTED`: the versions pinned in ``requirements/lock.txt``, later patch releases included).
 Outside that range the call fails with one line naming the package, its version and the range;
-``MOE_LIT_ALLOW_UNTESTED=1`` in the environment lets it run anyway. Public APIs never pass here.
+``MOE_LIT_ALLOW_UNTESTED=1`` in the environment lets it run anyway. Where a public API exists
+(``F.grouped_mm``) it is used, unchecked.
 
-=================================================================  ==================================
-private API                                                        reached through
-=================================================================  ==================================
-``torch._grouped_mm`` (torch < 2.10 has no ``F.grouped_mm``)      :func:`grouped_mm_op`
-``torch.distributed.fsdp._common_utils.clean_tensor_name``         :func:`clean_tensor_name`
-``torch.distributed._composable.checkpoint``                       :func:`composable_checkpoint`
-``lightning.fabric.strategies.model_parallel._load_raw_module_state``  :func:`load_raw_module_state`
-``ModelParallelStrategy._data_parallel_size``                      :func:`resolve_data_parallel_size`
-``ModelParallelStrategy._save_distributed_checkpoint``             :func:`saves_distributed_checkpoint`
-``FSDPStrategy._state_dict_type``                                  :func:`fsdp_state_dict_type`
-``LightningModule._trainer`` (``.trainer`` raises when detached)   :func:`attached_trainer`
-``LightningCLI._parse_ckpt_path`` (a hook ``lit/cli.py`` overrides)  :func:`require_tested`
-``lm_eval.tasks._yaml_loader.load_yaml``                           :func:`load_task_yaml`
-=================================================================  ==================================
+Private API -> the function that reaches it:
+
+* ``torch._grouped_mm`` (only where torch < 2.10 has no ``F.grouped_mm``) -> :func:`grouped_mm_op`
+* ``torch.distributed.fsdp._common_utils.clean_tensor_name`` -> :func:`clean_tensor_name`
+* ``torch.distributed._composable.checkpoint`` -> :func:`composable_checkpoint`
+* ``lightning.fabric.strategies.model_parallel._load_raw_module_state`` -> :func:`load_raw_module_state`
+* ``ModelParallelStrategy._data_parallel_size`` -> :func:`resolve_data_parallel_size`
+* ``ModelParallelStrategy._save_distributed_checkpoint`` -> :func:`saves_distributed_checkpoint`
+* ``FSDPStrategy._state_dict_type`` -> :func:`fsdp_state_dict_type`
+* ``LightningModule._trainer`` (the public ``trainer`` raises when detached) -> :func:`attached_trainer`
+* ``LightningCLI._parse_ckpt_path`` (a hook ``lit/cli.py`` overrides) -> :func:`require_tested` there
+* ``lm_eval.tasks._yaml_loader.load_yaml`` -> :func:`load_task_yaml`
 """
 
 from __future__ import annotations
