@@ -66,7 +66,7 @@ def export_model(model, out_dir: str | Path, tokenizer_file: str | Path | None =
 def _config_from(value: Any, path: Path) -> ModelConfig:
     if isinstance(value, ModelConfig):
         return value
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if not isinstance(value, dict):
         raise MoeLitError(f"checkpoint {path}: no moe_lit model config inside; is it a moe_lit checkpoint?")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
+from moe_lit._compat import clean_tensor_name
 from moe_lit.errors import MoeLitError
 
 
@@ -34,7 +36,6 @@ def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: 
 
     Names are the unwrapped module's (FSDP1 and activation-checkpoint wrapper prefixes removed).
     """
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     if not state["state"] or isinstance(next(iter(state["state"])), str):
         return state
@@ -60,7 +61,8 @@ def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, An
     """The full optimizer state of a sharded model (FSDP1 or FSDP2) on rank 0, keyed by plain ids."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer.optimizer
     # NOTE: offloading a CPU model's state "to CPU" makes FSDP1 return exp_avg and exp_avg_sq as
     # one aliased buffer (torch 2.13): offload only from an accelerator. Without offload every
     # rank gets the full state; Lightning writes rank 0's.

@@ -7,6 +7,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from moe_lit._compat import composable_checkpoint
 from moe_lit.errors import MoeLitError
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
 from moe_lit.model.transformer import Block
@@ -61,9 +62,7 @@ def apply_fsdp2(
             if activation_checkpointing:
                 # NOTE: the composable checkpoint hooks the module in place: unlike
                 # checkpoint_wrapper it adds no submodule, so parameter names stay unchanged.
-                from torch.distributed._composable import checkpoint
-
-                checkpoint(module)
+                composable_checkpoint(module)
             fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
     # NOTE: the root unit holds what the blocks do not (embeddings, final norm, head); the root
     # keeps its parameters after the forward, the backward needs the head first anyway.

@@ -331,12 +331,12 @@ def _builtin_yaml_texts():
 
 def builtin_task_yaml(name: str) -> Path:
     """The built-in lm-eval YAML that defines task ``name`` (a leaf task, not a group)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    from moe_lit._compat import load_task_yaml
 
     # NOTE: a text scan of lm-eval's task dir, because TaskManager's full index parses every task (slow).
     pattern = re.compile(rf"^task:\s*['\"]?{re.escape(name)}['\"]?\s*$", re.MULTILINE)
     for path, text in _builtin_yaml_texts():
-        if pattern.search(text) and load_yaml(path, resolve_func=False).get("task") == name:
+        if pattern.search(text) and load_task_yaml(path).get("task") == name:
             return path
     raise MoeLitError(f"--task-data: {name!r} is not a built-in lm-eval task (a leaf task such as xcopa_it)")
 

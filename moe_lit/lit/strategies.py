@@ -33,6 +33,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from moe_lit._compat import (
+    attached_trainer,
+    fsdp_state_dict_type,
+    load_raw_module_state,
+    resolve_data_parallel_size,
+    saves_distributed_checkpoint,
+)
 from moe_lit.distributed.mesh import apply_expert_parallel, expert_parallel_mesh
 from moe_lit.distributed.optim_state import full_optimizer_state, load_full_optimizer_states
 from moe_lit.distributed.sharding import (
@@ -76,7 +83,7 @@ class FSDPStrategy(_LightningFSDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._state_dict_type != "full":
+        if fsdp_state_dict_type(self) != "full":
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -138,15 +145,14 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        resolve_data_parallel_size(self)
         super().setup_environment()
         if self.expert_parallel_size > 1:
             self.expert_mesh = expert_parallel_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -182,11 +188,10 @@ def load_full_checkpoint(
     strategy: Any, path: Path, weights_only: bool | None, broadcast_from_rank0: bool
 ) -> dict[str, Any]:
     """``load_checkpoint`` body of our sharded strategies for a one-file checkpoint (any strategy's)."""
-    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
     strict = strategy.lightning_module.strict_loading
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    _load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
+    load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
     states = checkpoint.get("optimizer_states", [])
     load_full_optimizer_states(strategy.model, strategy.optimizers, states, broadcast_from_rank0, strict)
     return checkpoint
@@ -194,7 +199,7 @@ def load_full_checkpoint(
 
 def shard_for_strategy(module: Any) -> None:
     """``configure_model`` hook body: shard ``module.model`` when the trainer runs FSDP2."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is not None and isinstance(trainer.strategy, FSDP2Strategy):
         trainer.strategy.shard(module.model)
 

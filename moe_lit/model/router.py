@@ -80,6 +80,11 @@ class RoutingStats:
 class Router(nn.Module):
     """Learned top-k router; accumulates its training statistics until :func:`finish_routing_step`."""
 
+    # NOTE: buffers, declared for the type checker (nn.Module's __getattr__ types them Tensor | Module).
+    expert_bias: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    step_totals: torch.Tensor
+
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.num_experts = cfg.num_experts
@@ -205,14 +210,14 @@ def finish_routing_step(
     if not routers or all(p is None for p in pending):
         return False
     like = next(p for p in pending if p is not None)
-    pending = [
+    filled = [
         torch.zeros(r.num_experts + PENDING_EXTRA, dtype=like.dtype, device=like.device) if p is None else p
         for r, p in zip(routers, pending, strict=False)
     ]
-    flat = torch.cat(pending)
+    flat = torch.cat(filled)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
-    for router, totals in zip(routers, flat.split([p.numel() for p in pending]), strict=False):
+    for router, totals in zip(routers, flat.split([p.numel() for p in filled]), strict=False):
         router.finish_step(totals, update_biases)
     return True
 

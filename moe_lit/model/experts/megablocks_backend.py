@@ -154,6 +154,9 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 class MegaBlocksExperts(nn.Module):
     """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``."""
 
+    bias: torch.Tensor
+    """The (D,) expert output bias (:func:`~moe_lit.model.experts.layout.register_output_bias`)."""
+
     def __init__(self, d_model: int, cfg: MoEConfig, num_moe_layers: int = 1, device: torch.device | None = None):
         super().__init__()
         args = megablocks_arguments(d_model, cfg, num_moe_layers, device=device)

@@ -20,12 +20,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.grouped_swiglu import (
     ALIGN_BYTES,
     Geometry,
     Slots,
     build_slots,
-    grouped_mm_op,
     grouped_swiglu,
     grouped_swiglu_forward,
 )
@@ -119,6 +119,9 @@ class TorchExperts(nn.Module):
     ``looped``. All give the same results up to float rounding.
     """
 
+    bias: torch.Tensor
+    """The (D,) expert output bias (:func:`~moe_lit.model.experts.layout.register_output_bias`)."""
+
     def __init__(
         self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto", output_bias: bool = True
     ) -> None:
@@ -149,6 +152,7 @@ class TorchExperts(nn.Module):
         # compute (decoding, evaluation) the forward-only function runs the same plan and matmuls.
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         swiglu = grouped_swiglu if needs_grad else grouped_swiglu_forward
+        x, weights, w1, v1, w2, bias = (t.to(dtype) for t in tensors)
         with torch.autocast(device_type, enabled=False):
-            y_TD = swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
+            y_TD = swiglu(x, weights, w1, v1, w2, bias, plan.slots, self.layout)
         return y_TD, plan
