@@ -34,6 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
+from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -62,6 +63,7 @@ class MoELightningCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         for name, help_text in TRAIN_FIELDS.items():
             parser.add_argument(f"--train.{name}", type=int | None, default=None, help=help_text)
+        parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -101,6 +103,9 @@ class MoELightningCLI(LightningCLI):
             callbacks = self.trainer_defaults.get("callbacks", [])
             self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, RichProgressBar)]
         follow_root_dir(trainer)
+        if (self._section().get("train") or {}).get("compile"):
+            # NOTE: trainer_defaults' callbacks come after the configured ones (upcycling swaps included).
+            self.trainer_defaults["callbacks"] = [*self.trainer_defaults.get("callbacks", []), CompileBlocks()]
 
     @override
     def instantiate_classes(self) -> None:
@@ -121,6 +126,7 @@ TRAIN_FIELDS = {
     "seed": "seed of the run (seed_everything)",
 }
 """The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
+TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
 
 
 def apply_train_section(section: Any) -> None:
