@@ -140,7 +140,8 @@ def test_dropless_moe_compiles_once_not_once_per_routing():
     _, module, recorder = _fit(_cfg(), [CompileBlocks()], max_steps=6)
     assert module.config.moe.capacity_factor is None
     assert recorder.frames[2] == recorder.frames[-1], recorder.frames
-    assert counters["graph_break"], "the expert dispatch should be a graph break"
+    breaks = list(counters["graph_break"])
+    assert any("TorchExperts.forward" in reason and "disable" in reason for reason in breaks), breaks
 
 
 @pytest.mark.slow
