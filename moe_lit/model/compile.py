@@ -32,10 +32,15 @@ def use_inductor_cache_dir() -> str:
     """The inductor cache directory of this process: ``$TORCHINDUCTOR_CACHE_DIR``, else (set now)
     ``~/.cache/moe_lit/inductor``.
 
-    NOTE: inductor reads the variable when it first needs its cache, so setting it before the
-    first compile is how its documented knob is turned; an explicit user setting always wins.
+    NOTE: inductor reads the variable whenever it opens its cache, so setting it before the first
+    compile is how its documented knob is turned. Importing Lightning already makes inductor write
+    its own default (a temp dir, gone after a reboot) into the variable, so that value counts as
+    unset; any other user setting wins.
     """
-    if not os.environ.get(INDUCTOR_CACHE_ENV):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not current or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ[INDUCTOR_CACHE_ENV] = str(DEFAULT_INDUCTOR_CACHE.expanduser())
     return os.environ[INDUCTOR_CACHE_ENV]
 

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
@@ -95,8 +96,11 @@ def test_compiling_blocks_keeps_the_state_dict_keys_and_compiles_each_block_once
 
 
 def test_the_inductor_cache_defaults_under_the_user_cache_and_an_explicit_setting_wins(monkeypatch, tmp_path):
+    ours = str(Path("~/.cache/moe_lit/inductor").expanduser())
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
-    assert use_inductor_cache_dir() == str(Path("~/.cache/moe_lit/inductor").expanduser())
+    assert use_inductor_cache_dir() == ours
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, default_cache_dir())  # what importing Lightning leaves there
+    assert use_inductor_cache_dir() == ours
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path))
     assert use_inductor_cache_dir() == str(tmp_path)
 
