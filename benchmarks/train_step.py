@@ -15,8 +15,10 @@ the parameter count) and runs its experts with transformers' default ``grouped_m
 
 ``--compile`` adds a compiled twin of every model (same initial weights; each transformer block /
 OLMoE decoder layer compiled in place with inductor, as ``train.compile`` does), timed in the same
-interleaved rounds; the warmup rounds include the compile. Every model's ``floor_fraction`` is the
-FLOP floor over its median step time (1.0 = every FLOP at the best GEMM rate of the run).
+interleaved rounds; the warmup rounds include the compile (keep ``--warmup`` >= 2: our MoE
+compiles a second graph at its second forward, once its routers hold pending sums). Every
+model's ``floor_fraction`` is the FLOP floor over its median step time (1.0 = every FLOP at the
+best GEMM rate of the run).
 """
 
 from __future__ import annotations
