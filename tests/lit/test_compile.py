@@ -46,7 +46,7 @@ class LossRecorder(pl.Callback):
         self.frames.append(counters["frames"]["total"])
 
 
-def _fit(cfg, callbacks, max_steps):
+def _fit(cfg, callbacks, max_steps, ckpt_path=None):
     torch.manual_seed(0)
     module = MoELitModule(cfg, OPTIM)
     recorder = LossRecorder()
@@ -60,7 +60,8 @@ def _fit(cfg, callbacks, max_steps):
         limit_val_batches=0,
         callbacks=[recorder, *callbacks],
     )
-    trainer.fit(module, datamodule=RandomTokenDataModule(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len))
+    data = RandomTokenDataModule(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer, module, recorder
 
 
@@ -134,6 +135,17 @@ def test_compiled_training_repeats_the_eager_losses_and_its_weights_load_into_an
     with torch.no_grad():
         torch.testing.assert_close(reloaded(idx_BL).logits_BLV, compiled.model(idx_BL).logits_BLV, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(reloaded(idx_BL).logits_BLV, eager.model(idx_BL).logits_BLV, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_resumed_compiled_run_repeats_the_uninterrupted_compiled_losses(tmp_path):
+    cfg = _cfg()
+    _, _, whole = _fit(cfg, [CompileBlocks()], max_steps=4)
+    trainer, _, first = _fit(cfg, [CompileBlocks()], max_steps=2)
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    _, _, rest = _fit(cfg, [CompileBlocks()], max_steps=4, ckpt_path=tmp_path / "half.ckpt")
+    assert len(rest.losses) == 2
+    torch.testing.assert_close(first.losses + rest.losses, whole.losses, rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow
