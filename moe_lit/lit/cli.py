@@ -59,6 +59,7 @@ from typing_extensions import override
 
 from moe_lit._compat import require_tested
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
+from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.checkpoint import checkpoint_config, load_config, load_model, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -99,6 +100,7 @@ class MoELightningCLI(LightningCLI):
         parser.add_argument(
             "--force", action=ActionYesNo, default=False, help="fit: replace a non-empty --out (a fresh run)"
         )
+        parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -159,6 +161,9 @@ class MoELightningCLI(LightningCLI):
             if trainer.get(flag) is False:
                 callbacks = self.trainer_defaults.get("callbacks", [])
                 self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, kind)]
+        if (self._section().get("train") or {}).get("compile"):
+            # NOTE: trainer_defaults' callbacks come after the configured ones (upcycling swaps included).
+            self.trainer_defaults["callbacks"] = [*self.trainer_defaults.get("callbacks", []), CompileBlocks()]
         subcommand = self.config["subcommand"]
         run_dir = use_run_dir(self._section(), subcommand, self.start_step)
         if subcommand == "fit":
@@ -233,6 +238,7 @@ TRAIN_FIELDS = {
     "seed": "seed of the run (seed_everything)",
 }
 """The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
+TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
 
 
 def apply_train_section(section: Any) -> None:

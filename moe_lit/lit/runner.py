@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
+from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -194,6 +195,9 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
     callbacks.append(DivergenceGuard())
+    if run.train.compile:
+        # NOTE: after the extra callbacks: a model swap at a batch start is compiled in that batch.
+        callbacks.append(CompileBlocks())
     if run.trainer.get("enable_progress_bar", True):
         callbacks.append(MoEProgressBar())
     kwargs = {

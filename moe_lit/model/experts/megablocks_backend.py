@@ -212,6 +212,9 @@ class MegaBlocksExperts(nn.Module):
             setattr(mlp, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False)))
         self.mlp = mlp
 
+    # NOTE: eager under torch.compile, as TorchExperts.forward: MegaBlocks' kernels are opaque
+    # extension calls with data-dependent output sizes.
+    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, RoutingCounts]:

@@ -138,6 +138,12 @@ class TorchExperts(nn.Module):
     def layout(self) -> ExpertLayout:
         return self.mlp.layout
 
+    # NOTE: under torch.compile (moe_lit.model.compile) the dispatch stays eager, a graph break:
+    # it sizes its slot buffers from python ints of the routing counts (``kept_counts``), which
+    # dynamo would either break on anyway or trace as unbacked symbols that change every batch,
+    # and its hand-written backward is already one fused pass. The router before it and the
+    # combine after it are compiled.
+    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, Dispatch]:
