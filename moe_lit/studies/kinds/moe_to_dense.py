@@ -215,6 +215,7 @@ def _calibration(spec: MoeToDenseSpec, header) -> dict[str, Any]:
 
 
 def _conversion_kwargs(cfg: MoeToDenseConfig) -> dict[str, Any]:
+    # NOTE: not a record field as a whole: runs.csv reads a record's "groups" as a list of names.
     return {k: getattr(cfg, k) for k in ("score", "keep", "groups", "grouping", "scaling")}
 
 
@@ -278,7 +279,12 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
                     seed,
                     final,
                     distill_run,
-                    info={"arm": arm, "method": "moe_to_dense", "conversion": label, **_conversion_kwargs(cfg)},
+                    info={
+                        "arm": arm,
+                        "method": "moe_to_dense",
+                        "conversion": label,
+                        **{k: getattr(cfg, k) for k in ("score", "grouping", "scaling", "keep")},
+                    },
                     start=Start(parent=moe_parent, mode="init"),
                     transform=Call(f"{MODULE}:convert", {**calibration, **_conversion_kwargs(cfg), "seed": seed}),
                     module=arm_module,
