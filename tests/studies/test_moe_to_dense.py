@@ -34,6 +34,7 @@ TINY = {
     "finetune": "do_acp/single/gate_mass",
     "calibration_tokens": 64,
     "distillation": {"steps": 2, "warmup": 1, "lr": 0.001},
+    "suite": False,
 }
 
 
@@ -99,6 +100,7 @@ def test_the_shipped_study_screens_the_whole_grid_over_three_seeds():
         ({"distillation": {"steps": 0}}, "distillation.steps: must be an integer >= 1, got 0"),
         ({"distillation": {"temperature": 0}}, "distillation.temperature: must be > 0"),
         ({"calibration_split": "dev"}, "calibration_split: got 'dev', allowed values: train, val, test"),
+        ({"suite_limit": 0}, "suite_limit: must be null or a positive integer, got 0"),
         ({"colour": 1}, "study: unknown key(s) ['colour']"),
     ],
 )
@@ -187,8 +189,20 @@ def test_findings_and_tables_from_hand_made_records(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_study_end_to_end(tmp_path):
+def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     import csv
+
+    import moe_lit.evaluation.suite
+
+    suite_calls = []
+
+    def fake_suite(model, tokenizer, data_dir, *, limit=None):
+        # NOTE: lm-eval on the rendered suite is the lead's measure (tests/evaluation/test_suite.py);
+        # here only that the distilled children are scored with it (too slow for this test).
+        suite_calls.append((type(model).__name__, model.config.d_ff, limit))
+        return {"mean_acc": 0.6, "mean_above_chance": 0.1, "limit": limit, "tasks": {}}
+
+    monkeypatch.setattr(moe_lit.evaluation.suite, "suite_scores", fake_suite)
 
     from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
@@ -213,6 +227,8 @@ def test_tiny_study_end_to_end(tmp_path):
         "groupings": ["single", "kmeans"],
         "scalings": ["uniform", "gate_mass"],
         "distill": ["do_acp/single/gate_mass"],
+        "suite": True,
+        "suite_limit": 2,
     }
     study = parse_study(spec, str(tmp_path / "data"))
     records = {r["name"]: r for r in run_study(study, tmp_path / "out", log=lambda _: None)}
@@ -233,6 +249,8 @@ def test_tiny_study_end_to_end(tmp_path):
     with open(distilled["metrics_csv"]) as handle:
         columns = next(csv.reader(handle))
     assert "train/kl" in columns  # trained by the DistillModule
+    assert distilled["suite_mean_above_chance"] == 0.1 and distilled["suite"]["limit"] == 2
+    assert suite_calls == [("Transformer", 32, 2)] * 3  # distilled, fine-tuned, baseline: the trained models
     assert distilled["steps"] == 2 and records["distill/dense_to_dense"]["total_params"] == distilled["total_params"]
     summary = write_report(tmp_path / "out")["summary"].read_text()
     assert "MoE->dense beats dense->dense" in summary and "not testable (n < 2)" in summary

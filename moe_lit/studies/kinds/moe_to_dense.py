@@ -24,7 +24,8 @@ Matched: the final model config (``model`` with ``moe: null, d_ff = W``; so exac
 parameters), the pretraining tokens and the distillation tokens (same run, same seed). Not
 matched: the parents (an E-expert MoE with k active vs a dense model of its total width).
 Every distilled point also records its validation loss before distillation (the converted start
-weights, :func:`~moe_lit.studies.kinds.partition.measure_converted`).
+weights) and, with ``suite``, its local-suite accuracy after distillation on ``suite_limit`` items
+per task (:func:`measure_distilled`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 MODULE = "moe_lit.studies.kinds.moe_to_dense"
-MEASURE_BEFORE = "moe_lit.studies.kinds.partition:measure_converted"
 BASELINE = "dense_to_dense"
 SPLITS = ("train", "val", "test")
 DIVERSITY_SCORE = "do_acp"
@@ -113,6 +113,10 @@ class MoeToDenseSpec:
     """Calibration tokens per language (scores, groups, scales and the baseline's neuron ranking)."""
     distillation: DistillationSpec = field(default_factory=DistillationSpec)
     """The same distillation budget and loss for every distilled child."""
+    suite: bool = True
+    """Score every distilled / fine-tuned child on the local task suite after training."""
+    suite_limit: int | None = 20
+    """Items per local-suite task (lm-eval's limit; null = every item)."""
 
     def __post_init__(self) -> None:
         _check_parent(self.model)
@@ -142,6 +146,10 @@ class MoeToDenseSpec:
             raise ConfigError(
                 f"calibration_languages: must be null or a non-empty list of language codes, got {languages!r}"
             )
+        if self.suite_limit is not None and (
+            isinstance(self.suite_limit, bool) or not isinstance(self.suite_limit, int) or self.suite_limit < 1
+        ):
+            raise ConfigError(f"suite_limit: must be null or a positive integer, got {self.suite_limit!r}")
         if self.calibration_split not in SPLITS:
             raise ConfigError(f"calibration_split: got {self.calibration_split!r}, allowed values: {', '.join(SPLITS)}")
 
@@ -226,7 +234,10 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
         f"{MODULE}:teacher_module",
         {"temperature": dist.temperature, "kl_weight": dist.kl_weight, "ce_weight": dist.ce_weight},
     )
-    before = Call(MEASURE_BEFORE)
+    measure = Call(
+        f"{MODULE}:measure_distilled",
+        {"data_dir": calibration["data_dir"], "suite": spec.suite, "suite_limit": spec.suite_limit},
+    )
     final = spec.final_model
     points = []
     for seed in header.seeds:
@@ -288,7 +299,7 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
                     start=Start(parent=moe_parent, mode="init"),
                     transform=Call(f"{MODULE}:convert", {**calibration, **_conversion_kwargs(cfg), "seed": seed}),
                     module=arm_module,
-                    measure=before,
+                    measure=measure,
                 )
             )
         if spec.baseline:
@@ -304,7 +315,7 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
                     start=Start(parent=dense_parent, mode="init"),
                     transform=Call(f"{MODULE}:prune_baseline", {**calibration, "width": spec.width}),
                     module=module,
-                    measure=before,
+                    measure=measure,
                 )
             )
     _check_matched(spec)
@@ -414,6 +425,30 @@ def validation_batches(run) -> dict[str, list]:
         seed=run.train.seed,
     )
     return {lang: list(loader) for lang, loader in zip(datamodule.languages, datamodule.val_dataloader(), strict=True)}
+
+
+def measure_distilled(
+    point: Point, result: Any, run_dir: Path, data_dir: str, suite: bool, suite_limit: int | None
+) -> dict[str, Any]:
+    """Validation loss before distillation (the converted start weights,
+    :func:`~moe_lit.studies.kinds.partition.measure_converted`) and, with ``suite``, the local
+    task suite's accuracy after it (:func:`~moe_lit.evaluation.suite.suite_scores`, ``suite_limit``
+    items per task)."""
+    from moe_lit.studies.kinds.partition import measure_converted
+
+    out = measure_converted(point, result, run_dir)
+    if suite:
+        from moe_lit.checkpoint import load_model
+        from moe_lit.data.layout import tokenizer_file
+        from moe_lit.evaluation.suite import suite_scores
+
+        scores = suite_scores(load_model(result.checkpoint), str(tokenizer_file(data_dir)), data_dir, limit=suite_limit)
+        out |= {
+            "suite_mean_acc": scores["mean_acc"],
+            "suite_mean_above_chance": scores["mean_above_chance"],
+            "suite": scores,
+        }
+    return out
 
 
 def measure_screen(
@@ -568,6 +603,7 @@ def distilled_values(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
         entry["after"][record["seed"]] = record["val_loss"]
         entry["before"][record["seed"]] = record.get("val_loss_converted", math.nan)
         entry["wall_s"].append(record["wall_s"])
+        entry.setdefault("suite", []).append(record.get("suite_mean_above_chance", math.nan))
         for lang, loss in (record.get("val_loss_per_language") or {}).items():
             entry["per_language"].setdefault(lang, []).append(loss)
     return out
@@ -635,6 +671,7 @@ def _distilled_rows(distilled) -> list[dict[str, Any]]:
             "params": f"{r['total_params']:,}",
             "val loss before": _fmt(entry["before"]),
             "val loss after": _fmt(entry["after"]),
+            "suite acc - chance": _fmt([v for v in entry["suite"] if not math.isnan(v)]),
             "wall s": f"{summarize(entry['wall_s']).mean:.0f}",
         }
         row.update({lang: f"{summarize(v).mean:.3f}" for lang, v in entry["per_language"].items()})
@@ -734,6 +771,7 @@ __all__ = [
     "distilled_values",
     "expand",
     "factor_spreads",
+    "measure_distilled",
     "measure_screen",
     "parse",
     "plot_distilled",
