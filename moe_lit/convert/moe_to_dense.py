@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -441,12 +441,18 @@ def moe_to_dense(
 
 
 def screen(
-    model: Transformer, trace: RoutingTrace, configs: Sequence[MoeToDenseConfig], batches: Sequence[torch.Tensor]
+    model: Transformer,
+    trace: RoutingTrace,
+    configs: Sequence[MoeToDenseConfig],
+    batches: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
 ) -> list[dict[str, Any]]:
     """The pre-distillation screen of a grid: every config's dense model and its mean next-token
     loss on the ``(B, L+1)`` token ``batches``, best (lowest loss) first. Scores are computed once
-    per score setting and shared by that score's groupings and scalings."""
-    if not batches:
+    per score setting and shared by that score's groupings and scalings. ``batches`` given as
+    ``{label: batches}`` (e.g. one entry per language) also gives each row ``loss_per_label``;
+    ``loss`` is then the mean over all batches."""
+    labelled = dict(batches) if isinstance(batches, Mapping) else {"": list(batches)}
+    if not any(labelled.values()):
         raise MoeLitError("screen: no batches to measure the loss on")
     scores: dict[tuple, torch.Tensor] = {}
     rows = []
@@ -457,19 +463,24 @@ def screen(
         dense, _ = moe_to_dense(model, trace, cfg, scores[key])
         dense.eval()
         with torch.no_grad():
-            loss = sum(float(next_token_loss(dense, batch_BL1)) for batch_BL1 in batches) / len(batches)
-        rows.append(
-            {
-                "config": cfg.name,
-                "score": cfg.score,
-                "grouping": cfg.grouping,
-                "scaling": cfg.scaling,
-                "keep": cfg.keep,
-                "groups": cfg.groups,
-                "params": count_model_params(dense).total,
-                "loss": loss,
+            losses = {
+                label: [float(next_token_loss(dense, batch_BL1)) for batch_BL1 in group]
+                for label, group in labelled.items()
             }
-        )
+        every = [loss for group in losses.values() for loss in group]
+        row = {
+            "config": cfg.name,
+            "score": cfg.score,
+            "grouping": cfg.grouping,
+            "scaling": cfg.scaling,
+            "keep": cfg.keep,
+            "groups": cfg.groups,
+            "params": count_model_params(dense).total,
+            "loss": sum(every) / len(every),
+        }
+        if isinstance(batches, Mapping):
+            row["loss_per_label"] = {label: sum(group) / len(group) for label, group in losses.items() if group}
+        rows.append(row)
     return sorted(rows, key=lambda row: row["loss"])
 
 

@@ -7,8 +7,10 @@ spec into :class:`Point` s (``expand``) and the finished records into tables, fi
 * a **point** is one small pipeline: start (from scratch, or from a parent point's checkpoint at
   a step: ``resume`` keeps the whole trainer state, ``init`` only the weights) -> optional
   transform (a pure function of :mod:`moe_lit.convert`) -> train (:func:`~moe_lit.lit.runner.train_run`
-  with the point's callbacks) -> optional measurement. Its hash covers everything that determines
-  it (model, run config, seed, start incl. the parent's hash, transform, callbacks, measurement);
+  with the point's callbacks and, optionally, its own LightningModule, e.g. a distillation module
+  whose frozen teacher is the parent's checkpoint) -> optional measurement. Its hash covers
+  everything that determines it (model, run config, seed, start incl. the parent's hash,
+  transform, module, callbacks, measurement);
   fields left at their defaults are not hashed, so a config that gains a field with a default
   keeps every point's identity;
 * a parent is trained once and keeps a checkpoint at every step a child forks from, so a child
@@ -26,6 +28,7 @@ committed with the results), ``runs/<hash>/`` (checkpoints and logs, git-ignored
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -158,11 +161,18 @@ class Point:
     """Lightning callbacks of the run; one with a ``study_record() -> dict`` method adds its dict to the record."""
     measure: Call | None = None
     """``fn(point, result, run_dir) -> dict`` run after training; its dict joins the record."""
+    module: Call | None = None
+    """``fn(model_cfg, optim, parent=Path | None) -> MoELitModule``: the run's LightningModule
+    (train_run's ``module_factory``); ``parent`` is the checkpoint of the parent point the run
+    starts from (e.g. a distillation teacher), None without a start. Null: the plain LM module."""
     hash: str = ""
     """Filled by :func:`finalize`."""
 
     def identity(self, parent_hash: str | None) -> dict[str, Any]:
+        # NOTE: the module joins the identity only when set, so points without one keep their hashes.
+        module = {"module": self.module.to_dict()} if self.module else {}
         return {
+            **module,
             "model": stable_dict(self.model),
             "run": stable_dict(self.run),
             "seed": self.seed,
@@ -303,6 +313,16 @@ def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> 
     return {"init_from": transformed}
 
 
+def _module_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> dict[str, Any]:
+    """train_run's ``module_factory`` of a point with its own module (none: train_run's default)."""
+    if point.module is None:
+        return {}
+    parent = None
+    if point.start is not None:
+        parent = fork_checkpoint(out_dir, parents[point.start.parent], point.start.step)
+    return {"module_factory": functools.partial(point.module, parent=parent)}
+
+
 def _callbacks(point: Point, save_at: Sequence[int], out_dir: Path) -> list[Any]:
     from moe_lit.callbacks.study import SaveAtSteps
 
@@ -334,7 +354,12 @@ def run_point(
         callbacks = _callbacks(point, save_at, out_dir)
         train = train_fn or default_train_fn()
         result = train(
-            point.model, point.run, workdir, callbacks=callbacks, **_start_arguments(point, parents, out_dir)
+            point.model,
+            point.run,
+            workdir,
+            callbacks=callbacks,
+            **_start_arguments(point, parents, out_dir),
+            **_module_arguments(point, parents, out_dir),
         )
         record.update(status=STATUS_OK, error=None, **_result_fields(result))
         for callback in callbacks:

@@ -200,3 +200,45 @@ def test_identity_ignores_fields_left_at_their_defaults():
     assert digest(stable_dict(Before(d_model=32))) == digest(stable_dict(After(d_model=32)))
     assert digest(stable_dict(After(d_model=32, loss_chunk_tokens=1))) != digest(stable_dict(Before(d_model=32)))
     assert stable_dict(After()) == {}
+
+
+PLAIN_CHILD_HASH = "49adcecd2aa2"
+"""The child of :func:`_module_points` without a module, hashed by the engine before Point.module existed."""
+
+
+def _module_points(module):
+    from moe_lit.config import ModelConfig
+    from moe_lit.lit.run_config import RunConfig
+    from moe_lit.studies.engine import Point, Start, finalize
+
+    model = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    run = RunConfig.from_dict({"data": {"data_dir": "x", "seq_len": 8}, "train": {"max_steps": 2}})
+    parent = Point("parent", "parent", 0, model, run)
+    child = Point("child", "child", 0, model, run, start=Start(parent="parent", mode="init"), module=module)
+    return finalize([parent, child])
+
+
+def test_a_point_with_a_module_trains_with_it_built_over_its_parents_checkpoint(tmp_path):
+    from moe_lit.studies.engine import Call, fork_checkpoint, run_points
+
+    parent, child = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "kd"}))
+    records = run_points([parent, child], tmp_path, train_fn=fakes.train_with_module, log=lambda _: None)
+    assert "module" not in records[0]  # no module: train_fn gets no module_factory (the plain LM module)
+    assert records[1]["module"] == {
+        "d_ff": 32,
+        "lr": child.run.optim.lr,
+        "parent": str(fork_checkpoint(tmp_path, parent, None)),
+        "tag": "kd",
+    }
+
+
+def test_the_module_joins_the_identity_only_when_set():
+    from moe_lit.studies.engine import Call
+
+    parent, plain = _module_points(None)
+    _, with_module = _module_points(Call("tests.studies.fakes:module_probe"))
+    _, other_kwargs = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "x"}))
+    assert "module" not in plain.identity(parent.hash)
+    # the hash this point had before Point gained the module field (computed with that engine)
+    assert plain.hash == PLAIN_CHILD_HASH
+    assert len({plain.hash, with_module.hash, other_kwargs.hash}) == 3
