@@ -25,6 +25,7 @@ KINDS = {
     "language_expansion": "moe_lit.studies.kinds.language_expansion",
     "partition": "moe_lit.studies.kinds.partition",
     "pruning": "moe_lit.studies.kinds.pruning",
+    "sparsity": "moe_lit.studies.kinds.sparsity",
 }
 
 
