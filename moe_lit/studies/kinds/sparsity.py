@@ -348,7 +348,11 @@ def _timings(model, sample, best, granularity, eval_batches, timing_tokens, roun
     first = next(iter(eval_batches.values()))[0][:1]
     block = len(model.blocks) // 2
     captured = {}
-    handle = model.blocks[block].ffn.register_forward_pre_hook(lambda _m, args: captured.setdefault("x", args[0]))
+
+    def capture(_module, args) -> None:
+        captured["x"] = args[0]
+
+    handle = model.blocks[block].ffn.register_forward_pre_hook(capture)
     with torch.inference_mode():
         model(first[:, :timing_tokens])
     handle.remove()
