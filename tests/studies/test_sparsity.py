@@ -189,3 +189,75 @@ def test_a_model_on_disk_runs_only_the_measurement_with_its_own_tokenizer(tmp_pa
     assert record["steps"] == 0 and record["checkpoint"] == str(directory)
     zero = [r for r in record["curve"] if r["target"] == 0.0]
     assert all(r["loss"] == pytest.approx(r["dense_loss"], abs=1e-5) for r in zero)
+
+
+def _record(seed, granularity, increase_at_09, layer_speedup=2.0):
+    """A measurement record with two languages of equal weight and a hand-chosen curve."""
+    curve = []
+    for target, increase in ((0.0, 0.0), (0.5, 0.001), (0.9, increase_at_09)):
+        for language in ("en", "de"):
+            curve.append(
+                {
+                    "target": target,
+                    "rule": "gate",
+                    "granularity": granularity,
+                    "language": language,
+                    "loss": 2.0 * (1 + increase),
+                    "dense_loss": 2.0,
+                    "increase": increase,
+                    "inactive": target,
+                }
+            )
+    best = 0.9 if increase_at_09 <= 0.01 else 0.5
+    return {
+        "name": f"moe/gate/{granularity}/s{seed}",
+        "status": "ok",
+        "arm": "sparsity",
+        "model_name": "moe",
+        "rule": "gate",
+        "granularity": granularity,
+        "seed": seed,
+        "curve": curve,
+        "eval_tokens_per_language": {"en": 100, "de": 100},
+        "best_target": best,
+        "best_inactive": best,
+        "layer_speedup": layer_speedup,
+        "decode_speedup": 1.1,
+        "statistics_target": 0.9,
+        "statistics": [
+            {"language": lang, "ffn": "blocks.0.ffn.experts", "expert": e, "assignments": 10, "inactive": 0.8 + e / 10}
+            for lang in ("en", "de")
+            for e in range(2)
+        ],
+    }
+
+
+def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
+    from moe_lit.studies.kinds.sparsity import analyse
+
+    records = [_record(s, "layer", 0.005 + s * 0.002) for s in (0, 1)]
+    records += [_record(s, "expert", 0.02 + s * 0.01, layer_speedup=3.0) for s in (0, 1)]
+    records.append({**_record(2, "layer", 0.0), "status": "failed"})  # failed: left out
+    analysis = analyse({"spec": {"max_increase": 0.01}}, records, tmp_path)
+    curve = analysis.tables["Val loss vs target sparsity (token-weighted over languages; mean ± std over seeds)"]
+    row = next(r for r in curve if (r["granularity"], r["target"]) == ("layer", "0.9"))
+    assert row["increase"] == "0.60 ± 0.14 % (n=2)" and row["inactive reached"] == "0.900 ± 0.000 (n=2)"
+    (layer, expert) = analysis.tables[
+        "Highest target within the loss budget in every language, and the speedup measured there"
+    ]
+    assert (
+        layer["highest target within 1%"] == "0.900 ± 0.000 (n=2)"
+        and expert["FFN-layer speedup"] == "3.00 ± 0.00 (n=2)"
+    )
+    claim_layer, speed_layer, claim_expert, speed_expert, granularity = analysis.findings
+    assert "moe, gate/layer: 90% of the neurons skipped" in claim_layer and claim_layer.endswith("(budget 1%).")
+    assert "**reproduced**" in claim_layer and "**not reproduced**" in claim_expert
+    assert "layer **not reproduced**" in speed_layer and "layer **reproduced**" in speed_expert
+    assert "per-expert vs per-layer" in granularity and "diff 0.0190" in granularity
+    (sparsest, *_rest) = analysis.tables["Sparsest and densest routed experts at target 0.9 (layer thresholds)"]
+    assert (sparsest["rank"], sparsest["expert"], sparsest["inactive (mean over languages)"]) == (
+        "sparsest",
+        1,
+        "0.900",
+    )
+    assert [p.name for p in analysis.plots] == ["loss_vs_sparsity.png"] and analysis.plots[0].stat().st_size > 0
