@@ -342,7 +342,7 @@ def _callbacks(point: Point, save_at: Sequence[int], out_dir: Path) -> list[Any]
     return callbacks
 
 
-def _measure_only(point: Point) -> bool:
+def measure_only(point: Point) -> bool:
     """A 0-step point started from a path with a measurement runs only the measurement."""
     # NOTE: a model on disk (e.g. an imported HF model) has its own tokenizer, so validating it on
     # the study's data could even be refused (another vocabulary); its measurement evaluates it.
@@ -370,7 +370,7 @@ def run_point(
     try:
         callbacks = _callbacks(point, save_at, out_dir)
         start_arguments = _start_arguments(point, parents, out_dir)
-        if _measure_only(point):
+        if measure_only(point):
             result = {"steps": 0, "checkpoint": str(start_arguments["init_from"])}
         else:
             train = train_fn or default_train_fn()
@@ -610,6 +610,7 @@ __all__ = [
     "Start",
     "digest",
     "finalize",
+    "measure_only",
     "path_fingerprint",
     "point_record",
     "point_status",

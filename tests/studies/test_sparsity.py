@@ -54,13 +54,13 @@ def test_each_seed_pretrains_every_model_and_measures_each_rule_and_granularity(
     assert len({p.hash for p in points}) == len(points)
 
 
-def _export(tmp_path, name="disk"):
+def _export(tmp_path, name="disk", vocab_size=300):
     from moe_lit.checkpoint import export_model
     from moe_lit.config import ModelConfig
     from moe_lit.model import Transformer
 
     directory = tmp_path / name
-    export_model(Transformer(ModelConfig.from_dict({**MOE, "seq_len": 16})), directory)
+    export_model(Transformer(ModelConfig.from_dict({**MOE, "vocab_size": vocab_size, "seq_len": 16})), directory)
     return directory
 
 
@@ -171,7 +171,8 @@ def test_a_model_on_disk_runs_only_the_measurement_with_its_own_tokenizer(tmp_pa
 
     from moe_lit.studies.study import run_study
 
-    directory = _export(tmp_path)
+    # another vocabulary than the data's: the model brings its own tokenizer (here a copy of the data's)
+    directory = _export(tmp_path, vocab_size=320)
     shutil.copy(tiny_data / "tokenizer.json", directory / "tokenizer.json")
     spec = {
         **TINY,
