@@ -618,11 +618,13 @@ def plot_curves(arms, max_increase: float, path: Path) -> Path:
     models = list(dict.fromkeys(m for m, _, _ in arms))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
+        top = 100 * max_increase
         for (name, rule, granularity), recs in arms.items():
             if name != model:
                 continue
             targets = _targets({0: recs})
             stats = [summarize([100 * increase_at(r, t) for r in recs]) for t in targets]
+            top = max([top, *(s.mean + (s.std if s.n > 1 else 0.0) for s in stats if s.n)])
             ax.errorbar(
                 targets,
                 [s.mean for s in stats],
@@ -634,6 +636,8 @@ def plot_curves(arms, max_increase: float, path: Path) -> Path:
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.axhline(100 * max_increase, color="red", linewidth=0.8, linestyle="--", label=f"{max_increase:.0%} budget")
         ax.set_yscale("symlog", linthresh=1.0)
+        ticks = [t for t in (0, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500) if t <= 1.5 * top]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax.set_xlabel("target sparsity (fraction of neurons skipped)")
         ax.set_title(model)
         ax.legend(fontsize=8)
