@@ -592,19 +592,22 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     first = next(iter(arms.values()))[0]
     max_increase = plan.get("spec", {}).get("max_increase", 0.01) if isinstance(plan.get("spec"), dict) else 0.01
     target = first["statistics_target"]
+    experts = _expert_table(arms)
+    tables = {
+        "Val loss vs target sparsity (token-weighted over languages; mean ± std over seeds)": _curve_table(arms),
+        "Highest target within the loss budget in every language, and the speedup measured there": _best_table(
+            arms, max_increase
+        ),
+        f"Loss increase per language at target {target:g}": _language_table(arms, target),
+        f"Inactive fraction per FFN and language at target {target:g} (layer thresholds, seed mean)": (
+            _layer_table(arms)
+        ),
+    }
+    if experts:  # none when every model is dense: no routed experts to rank
+        tables[f"Sparsest and densest routed experts at target {target:g} (layer thresholds)"] = experts
     return Analysis(
         findings=_claim_findings(arms, max_increase),
-        tables={
-            "Val loss vs target sparsity (token-weighted over languages; mean ± std over seeds)": _curve_table(arms),
-            "Highest target within the loss budget in every language, and the speedup measured there": _best_table(
-                arms, max_increase
-            ),
-            f"Loss increase per language at target {target:g}": _language_table(arms, target),
-            f"Inactive fraction per FFN and language at target {target:g} (layer thresholds, seed mean)": (
-                _layer_table(arms)
-            ),
-            f"Sparsest and densest routed experts at target {target:g} (layer thresholds)": _expert_table(arms),
-        },
+        tables=tables,
         plots=[plot_curves(arms, max_increase, Path(plots_dir) / "loss_vs_sparsity.png")],
     )
 
