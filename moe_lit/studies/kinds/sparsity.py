@@ -25,6 +25,7 @@ measured side by side, the absolute times are not benchmarks.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -145,8 +146,6 @@ def model_on_disk(path: str) -> ModelConfig:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise ConfigError(f"models: {path} holds no {CONFIG_FILE}; give an exported or imported model directory")
-    import json
-
     return ModelConfig.from_dict(json.loads(file.read_text()))
 
 
@@ -288,7 +287,7 @@ def measure_sparsity(
     import torch
 
     from moe_lit.checkpoint import load_model
-    from moe_lit.inference.sparsity import collect_scores, sample_loss_curve, token_batches
+    from moe_lit.inference.sparsity import collect_scores, highest_target_within, sample_loss_curve, token_batches
 
     checkpoint = result["checkpoint"] if isinstance(result, dict) else result.checkpoint
     torch.manual_seed(seed)
@@ -302,7 +301,7 @@ def measure_sparsity(
     eval_batches = {lang: token_batches(ids, window + 1, EVAL_BATCH) for lang, ids in evaluation.items()}
     sample = collect_scores(model, calibration_batches, rule, calibration_tokens, seed=seed)
     curve, statistics = sample_loss_curve(model, sample, eval_batches, targets, granularity)
-    best = highest_target(curve, max_increase)
+    best = highest_target_within(curve, max_increase)
     weights = {lang: sum(b[:, 1:].numel() for b in batches) for lang, batches in eval_batches.items()}
     return {
         "curve": [_rounded(row) for row in curve],
@@ -315,13 +314,6 @@ def measure_sparsity(
         "statistics_target": statistics_target,
         "statistics": [{**r, "inactive": round(r["inactive"], 5)} for r in statistics[statistics_target]],
     }
-
-
-def highest_target(curve: list[dict[str, Any]], max_increase: float) -> float | None:
-    """:func:`~moe_lit.inference.sparsity.highest_target_within` (every language within ``max_increase``)."""
-    from moe_lit.inference.sparsity import highest_target_within
-
-    return highest_target_within(curve, max_increase)
 
 
 def _overall(curve: list[dict[str, Any]], target: float, weights: dict[str, int], key: str) -> float:
