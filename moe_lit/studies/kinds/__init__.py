@@ -26,6 +26,7 @@ KINDS = {
     "partition": "moe_lit.studies.kinds.partition",
     "pruning": "moe_lit.studies.kinds.pruning",
     "moe_to_dense": "moe_lit.studies.kinds.moe_to_dense",
+    "sparsity": "moe_lit.studies.kinds.sparsity",
 }
 
 
