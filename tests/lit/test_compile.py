@@ -23,7 +23,7 @@ from moe_lit.lit.run_config import RunConfig, TrainConfig
 from moe_lit.lit.runner import _trainer_kwargs
 from moe_lit.model import Transformer
 from moe_lit.model.compile import INDUCTOR_CACHE_ENV, compile_blocks, is_compiled, use_inductor_cache_dir
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=1, schedule="constant")

@@ -207,7 +207,7 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
-    from tests.data.conftest import write_corpus
+    from tests.helpers.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
     prepare(

@@ -118,7 +118,7 @@ def test_spec_errors_name_the_field(change, message):
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     from moe_lit.data.prepare import PrepareConfig, prepare
-    from tests.data.conftest import write_corpus
+    from tests.helpers.corpus import write_corpus
 
     root = tmp_path_factory.mktemp("sparsity")
     corpus = write_corpus(root / "corpus", files=2, paragraphs=30)
