@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from moe_lit.model.transformer import Transformer
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 DEFAULT_INDUCTOR_CACHE = Path("~/.cache/moe_lit/inductor")
@@ -45,7 +49,7 @@ def use_inductor_cache_dir() -> str:
     return os.environ[INDUCTOR_CACHE_ENV]
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
+def compile_blocks(model: Transformer, backend: str = "inductor") -> int:
     """Compile, in place, every transformer block of ``model`` not compiled yet with ``backend``;
     the number compiled.
 
