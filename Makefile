@@ -3,44 +3,75 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The CPU build of torch that lies on this machine's disk; pinned so that no dependency pulls a
-# multi-GB CUDA build. Override on GPU machines: make TORCH_SPEC=torch==2.7.0 ...
-TORCH_SPEC ?= torch==2.13.0
+# Every package the tests run with, pinned (pip-tools; `make lock` refreshes it). Its torch is the
+# CPU build that lies on this machine's disk, so no dependency pulls a multi-GB CUDA build.
+LOCK := requirements/lock.txt
+# Another torch on top of the lock, e.g. on GPU machines: make TORCH_SPEC=torch==2.7.0 ...
+TORCH_SPEC ?=
+LOCK_EXTRAS := --extra dev --extra benchmarks --extra tensorboard
+# NOTE: litdata declares torchvision, whose PyPI build fails to import beside the pinned torch and
+# then breaks `import lightning`; nothing here uses it, so the lock leaves it out (--unsafe-package)
+# and the install takes the lock as it is (--no-deps), which never pulls it back.
+LOCK_FLAGS := $(LOCK_EXTRAS) --unsafe-package torchvision --strip-extras --no-emit-index-url \
+	--no-emit-find-links --no-emit-trusted-host
 
-.PHONY: venv demo test clean eval
+.PHONY: venv demo test test-fast test-install lint lock clean eval
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile scripts/check_imports.py
+$(STAMP): pyproject.toml $(LOCK) Makefile scripts/check_imports.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" -e ".[dev,benchmarks]" "$(TORCH_SPEC)"
-	# NOTE: litdata pulls torchvision, whose PyPI build fails to import beside the pinned torch and
-	# then breaks `import lightning`; nothing here needs torchvision, so it goes.
-	$(PY) -m pip uninstall -q -y torchvision || true
+	$(PY) -m pip install -q --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
 	$(PY) scripts/check_imports.py
 	touch $(STAMP)
+
+# `make lock`: re-resolve pyproject.toml into the lock, keeping every pin that still fits;
+# `make lock UPGRADE=1` moves every package to its newest release (then run make lint test).
+lock: $(STAMP)
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile --quiet $(if $(UPGRADE),--upgrade) \
+	  $(LOCK_FLAGS) --output-file $(LOCK) pyproject.toml
+
+# `make lint`: what CI and the pre-commit hooks check (ruff rules and format, mypy on the typed modules).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-demo: $(STAMP)
-	$(PY) -m moe_lit.cli demo
+# The edit loop: every test not marked slow (docs/install.md#testing).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
-# `make eval`: the local multilingual suite (results/eval/<name>/) and, for MoE checkpoints, the
-# per-language routing analysis (results/analysis/<name>/) of every demo checkpoint: the exported
-# models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
+# A built wheel installed without -e runs from outside the checkout (packaged configs, console script).
+test-install: $(STAMP)
+	$(PY) -m pytest -q tests/test_install.py
+
+demo: $(STAMP)
+	$(PY) -m moe_lit.cli demo --force
+
+# `make eval`: the local multilingual suite ($(EVAL_RESULTS)/eval/<name>/) and, for MoE checkpoints,
+# the per-language routing analysis ($(EVAL_RESULTS)/analysis/<name>/) of every demo checkpoint:
+# the exported models under DEMO_DIR, else its .ckpt files. EVAL_CHECKPOINTS="a b" picks others.
+# <name> is <run dir>-<name> (demo-moe for results/demo/models/moe); the docs link these tracked
+# results, so the outputs are explicit and a rerun replaces them (--force). Without --out, eval and
+# analyze write under runs/ instead.
 DEMO_DIR ?= results/demo
 EVAL_CHECKPOINTS ?= $(or $(patsubst %/model.safetensors,%,$(shell find $(DEMO_DIR) -name model.safetensors 2>/dev/null | sort)),$(shell find $(DEMO_DIR) -name '*.ckpt' 2>/dev/null | sort))
 EVAL_ARGS ?= --batch-size 32
+EVAL_RESULTS ?= results
 
 eval: $(STAMP)
 	@test -n "$(strip $(EVAL_CHECKPOINTS))" || { echo "make eval: no checkpoints under $(DEMO_DIR); run make demo first"; exit 1; }
 	@for ckpt in $(EVAL_CHECKPOINTS); do \
 	  echo "== $$ckpt"; \
-	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite $(EVAL_ARGS) || exit $$?; \
+	  name=$$(basename $$(dirname $$(dirname $$ckpt)))-$$(basename $$ckpt .ckpt); \
+	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
-	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt || exit $$?; fi; \
+	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
 	done
 
 clean:

@@ -1,6 +1,7 @@
 """Full training step (forward, backward, AdamW) tokens/s: our MoE vs transformers' OLMoE vs our dense.
 
     .venv/bin/python -m benchmarks.train_step [--rounds 7] [--threads 2] [--clock wall|cpu] [--optimizer fused]
+        [--compile] [--shapes E16k2F256 E64k8F64]
 
 All models are built from random weights with identical dimensions (vocab 8192, d_model 256,
 4 layers, 4 heads, seq 256, batch 8, fp32) and timed INTERLEAVED in one process. For each MoE shape
@@ -11,11 +12,19 @@ the same AdamW (fused by default) for all. OLMoE additionally RMS-normalises q a
 elementwise ops per layer; its 2*256 norm weights per layer replace our 256 expert-bias entries in
 the parameter count) and runs its experts with transformers' default ``grouped_mm`` path
 (``torch._grouped_mm``; ``--olmoe-experts eager`` times the per-expert loop instead).
+
+``--compile`` adds a compiled twin of every model (same initial weights; each transformer block /
+OLMoE decoder layer compiled in place with inductor, as ``train.compile`` does), timed in the same
+interleaved rounds; the warmup rounds include the compile (keep ``--warmup`` >= 2: our MoE
+compiles a second graph at its second forward, once its routers hold pending sums). Every
+model's ``floor_fraction`` is the FLOP floor over its median step time (1.0 = every FLOP at the
+best GEMM rate of the run).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 
 import torch
@@ -26,6 +35,7 @@ from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, r
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.lit.optim import ADAMW_KERNELS
+from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
 
@@ -129,10 +139,16 @@ def flop_floor(times: dict[str, list[float]], tag: str, shape: tuple[int, int, i
     }
 
 
-def build_models(olmoe_experts: str, loss_chunk_tokens: int, strategy: str) -> dict[str, tuple[nn.Module, bool]]:
+def shape_tag(shape: tuple[int, int, int]) -> str:
+    return "E{}k{}F{}".format(*shape)
+
+
+def build_models(
+    olmoe_experts: str, loss_chunk_tokens: int, strategy: str, shapes=SHAPES
+) -> dict[str, tuple[nn.Module, bool]]:
     """Ours and OLMoE for every MoE shape, and our dense model once per distinct d_ff = k*F (name -> (model, hf))."""
     models: dict[str, tuple[nn.Module, bool]] = {}
-    for shape in SHAPES:
+    for shape in shapes:
         tag, d_ff = "E{}k{}F{}".format(*shape), shape[1] * shape[2]
         ours = Transformer(our_config(shape, d_ff, loss_chunk_tokens))
         for layer in ours.moe_layers():
@@ -141,6 +157,17 @@ def build_models(olmoe_experts: str, loss_chunk_tokens: int, strategy: str) -> d
         models[f"olmoe_{tag}"] = (olmoe(shape, olmoe_experts), True)
         models.setdefault(f"ours_dense_dff{d_ff}", (Transformer(our_config(None, d_ff, loss_chunk_tokens)), False))
     return models
+
+
+def compiled_twin(model: nn.Module, hf: bool) -> nn.Module:
+    """A copy of ``model`` with each transformer block (OLMoE: decoder layer) compiled in place."""
+    twin = copy.deepcopy(model)
+    if hf:
+        for layer in twin.model.layers:
+            layer.compile()
+    else:
+        compile_blocks(twin)
+    return twin
 
 
 def main() -> None:
@@ -163,11 +190,18 @@ def main() -> None:
         help="our models' fused head + cross-entropy chunk (0 = plain logits + F.cross_entropy, as OLMoE)",
     )
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto", help="our experts' slot geometry")
+    parser.add_argument("--compile", action="store_true", help="also time a compiled twin of every model")
+    parser.add_argument(
+        "--shapes", nargs="+", choices=[shape_tag(s) for s in SHAPES], help="MoE shapes to time (default: all)"
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
     torch.manual_seed(0)
-    built = build_models(args.olmoe_experts, args.loss_chunk_tokens, args.strategy)
+    shapes = tuple(s for s in SHAPES if args.shapes is None or shape_tag(s) in args.shapes)
+    built = build_models(args.olmoe_experts, args.loss_chunk_tokens, args.strategy, shapes)
+    if args.compile:
+        built.update({f"{name}_compiled": (compiled_twin(m, hf), hf) for name, (m, hf) in list(built.items())})
     cases = {name: step_fn(model, hf, args.optimizer) for name, (model, hf) in built.items()}
     cases.update({f"gemm_{m}x{k}x{n}": gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES})
     times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup, clock=args.clock)
@@ -183,8 +217,8 @@ def main() -> None:
         if name in built
     }
     ratios = {}
-    for shape in SHAPES:
-        tag = "E{}k{}F{}".format(*shape)
+    for shape in shapes:
+        tag = shape_tag(shape)
         speedup = paired_ratio(times, f"olmoe_{tag}", f"ours_moe_{tag}")
         dense = f"ours_dense_dff{shape[1] * shape[2]}"
         over_dense = paired_ratio(times, f"ours_moe_{tag}", dense)
@@ -198,6 +232,13 @@ def main() -> None:
             "over_dense_goal_met": over_dense <= GOALS["moe_over_dense_time"][tag],
             **flop_floor(times, tag, shape),
         }
+        floor_s = ratios[tag]["flop_floor_s"]
+        names = [name for name in models if tag in name or name.startswith(dense)]
+        ratios[tag]["floor_fraction"] = {name: floor_s / models[name]["median_s"] for name in names}
+        if args.compile:
+            ratios[tag]["compiled_speedup"] = {
+                name: paired_ratio(times, name, f"{name}_compiled") for name in names if not name.endswith("_compiled")
+            }
     setup = {
         "vocab": VOCAB,
         "d_model": D_MODEL,
@@ -213,6 +254,7 @@ def main() -> None:
         "ours_experts_strategy": args.strategy,
         "olmoe_notes": "q/k RMSNorm (OLMoE only); sdpa attention",
         "olmoe_experts_implementation": args.olmoe_experts,
+        "compile": "each block / decoder layer, inductor" if args.compile else "off",
     }
     report("train_step", {"setup": setup, "goals": GOALS, "models": models, "ratios": ratios}, save=not args.no_save)
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-from torch import nn
+from typing import TYPE_CHECKING, Literal
 
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+
+if TYPE_CHECKING:
+    from moe_lit.model.transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def count_config_params(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(total=total, active=active, embedding=embedding)
 
 
-def count_model_params(model: nn.Module) -> ParamCounts:
+def count_model_params(model: Transformer) -> ParamCounts:
     """The same counts measured on a built :class:`~moe_lit.model.Transformer`."""
     from moe_lit.model.moe import MoELayer
 

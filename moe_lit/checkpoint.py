@@ -1,5 +1,10 @@
 """Load and export models: Lightning ``.ckpt`` files and exported directories.
 
+:func:`load_config` is the one resolver of a model given on the command line: a model YAML, an
+experiment YAML (``moe-lit fit --config``), a ``.ckpt``, an exported directory (ours, or a
+transformers one). :func:`load_model` needs weights, so it takes the last two; a YAML is a one-line
+error saying what to pass.
+
 An exported directory holds ``config.json`` (the ``ModelConfig``), ``model.safetensors`` (the
 ``Transformer`` state dict, MegaBlocks expert layout) and, when known, ``tokenizer.json``.
 A Lightning checkpoint of ``MoELitModule`` keeps the config in ``hyper_parameters['model']`` and
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.errors import MoeLitError
@@ -35,6 +41,9 @@ STATE_PREFIX = "model."
 SAFE_GLOBALS = (ModelConfig, MoEConfig, pathlib.PosixPath, pathlib.WindowsPath)
 """Classes a checkpoint may hold besides tensors and plain data: configs (checkpoints written before
 hyper-parameters became plain dicts keep the dataclasses) and paths (a datamodule's ``data_dir``)."""
+YAML_SUFFIXES = (".yaml", ".yml")
+EXPERIMENT_KEYS = {"data", "trainer", "seed_everything", "checkpoint", "routing", "train", "ckpt_path"}
+"""Top-level keys that make a YAML an experiment (LightningCLI) config rather than a model YAML."""
 _UNSUPPORTED = re.compile(r"(?:[Uu]nsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
 
 
@@ -57,7 +66,7 @@ def export_model(model, out_dir: str | Path, tokenizer_file: str | Path | None =
 def _config_from(value: Any, path: Path) -> ModelConfig:
     if isinstance(value, ModelConfig):
         return value
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if not isinstance(value, dict):
         raise MoeLitError(f"checkpoint {path}: no moe_lit model config inside; is it a moe_lit checkpoint?")
@@ -72,6 +81,11 @@ def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     path = _existing(path)
     if path.is_dir():
         raise MoeLitError(f"checkpoint {path}: is a directory, expected a Lightning .ckpt file")
+    if path.suffix in YAML_SUFFIXES:
+        raise MoeLitError(
+            f"checkpoint {path}: a config holds no weights; pass a .ckpt or an exported directory "
+            f"(train one with moe-lit fit --config {path})"
+        )
     from moe_lit.lit.optim import OptimConfig
 
     try:
@@ -101,24 +115,115 @@ def _refusal(message: str) -> str:
     return "not a readable checkpoint (truncated or another format)"
 
 
+def checkpoint_config(checkpoint: dict[str, Any], path: str | Path) -> ModelConfig:
+    """The ModelConfig inside a checkpoint dict read from ``path`` (see read_lightning_checkpoint)."""
+    return _config_from(checkpoint.get("hyper_parameters", {}).get("model"), Path(path))
+
+
 def load_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of any model input (module docstring); an experiment YAML's ``seq_len`` is
+    its ``data.seq_len`` (else the datamodule's default), its ``vocab_size`` that of its prepared data
+    when that exists (else the model YAML's)."""
     path = _existing(path)
+    if path.is_file() and path.name == CONFIG_FILE:
+        path = path.parent
     if path.is_dir():
+        if _is_transformers_dir(path):
+            from moe_lit.convert.hf import hf_config_dir_to_ours
+
+            return hf_config_dir_to_ours(path)
         return _exported_config(path)
-    return _config_from(read_lightning_checkpoint(path).get("hyper_parameters", {}).get("model"), path)
+    if path.suffix in YAML_SUFFIXES:
+        return _yaml_config(path)
+    return checkpoint_config(read_lightning_checkpoint(path), path)
+
+
+def _yaml_config(path: Path) -> ModelConfig:
+    """A model YAML (``model:`` fields, optionally beside ``optim:``) or an experiment YAML."""
+    doc = _read_yaml(path)
+    if not (isinstance(doc, dict) and EXPERIMENT_KEYS & set(doc)):
+        return _model_yaml(path)
+    # NOTE: relative paths in an experiment YAML resolve against its own directory (docs/training.md).
+    model = doc.get("model") or {}
+    cfg = _model_yaml(path.parent / model) if isinstance(model, str) else _model_section(model, path)
+    data = doc.get("data") or {}
+    data = _read_yaml(path.parent / data) if isinstance(data, str) else data
+    changes: dict[str, Any] = {"seq_len": data["seq_len"]} if "seq_len" in data else {}
+    meta = path.parent / str(data.get("data_dir", "")) / "meta.json"
+    if data.get("data_dir") and meta.is_file():
+        changes["vocab_size"] = json.loads(meta.read_text())["vocab_size"]
+    return cfg.replace(**changes)
+
+
+def _model_yaml(path: Path) -> ModelConfig:
+    _read_yaml(path)  # one line naming the file if it is missing, binary or not YAML
+    try:
+        return ModelConfig.from_yaml(path)
+    except MoeLitError as exc:
+        raise MoeLitError(f"{path}: {exc}") from exc
+
+
+def _model_section(section: Any, path: Path) -> ModelConfig:
+    """An experiment's inline ``model:`` section: ``{model: {...fields}, optim: {...}}``."""
+    fields = section.get("model") if isinstance(section, dict) else None
+    if not isinstance(fields, dict):
+        raise MoeLitError(f"{path}: model: expected a YAML file name or a mapping with a model: mapping")
+    try:
+        return ModelConfig.from_dict(fields)
+    except MoeLitError as exc:
+        raise MoeLitError(f"{path}: {exc}") from exc
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(_existing(path).read_text())
+    except UnicodeDecodeError as exc:
+        raise MoeLitError(f"{path}: not a YAML file (binary; a checkpoint is a .ckpt or a directory)") from exc
+    except yaml.YAMLError as exc:
+        raise MoeLitError(f"{path}: not valid YAML ({_first_line(exc)})") from exc
+
+
+def _is_transformers_dir(directory: Path) -> bool:
+    """A transformers model directory: its ``config.json`` names a ``model_type``."""
+    try:
+        return "model_type" in json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when CUDA is available, else ``cpu``; any other name is checked and kept.
+
+    NOTE: ``auto`` is every command's default, as Lightning's ``accelerator: auto`` is fit's."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise MoeLitError(f"device: {device!r} is not a torch device; allowed: auto, cpu, cuda, cuda:N") from exc
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise MoeLitError(f"device: {device} requested but CUDA is not available; use auto or cpu")
+    return device
 
 
 def load_model(path: str | Path, map_location: str = "cpu"):
-    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory."""
+    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory (ours, or a
+    transformers one of a supported family, imported as ``moe-lit convert import-hf`` does), on
+    ``map_location`` (a device name or ``auto``, see :func:`resolve_device`)."""
     from moe_lit.model import Transformer
 
+    map_location = resolve_device(map_location)
     path = _existing(path)
+    if path.is_dir() and _is_transformers_dir(path):
+        from moe_lit.convert.hf import from_hf
+
+        return from_hf(path).to(map_location).eval()  # imported on the fly (convert import-hf keeps it)
     if path.is_dir():
         cfg = _exported_config(path)
         state = _exported_weights(path / WEIGHTS_FILE, map_location)
     else:
         ckpt = read_lightning_checkpoint(path)
-        cfg = _config_from(ckpt.get("hyper_parameters", {}).get("model"), path)
+        cfg = checkpoint_config(ckpt, path)
         state = {k[len(STATE_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)}
     model = Transformer(cfg)
     try:

@@ -171,7 +171,7 @@ class MoEConfig:
             self._validate_layer_expert_sizes()
 
     def _validate_layer_expert_sizes(self) -> None:
-        layers = self.layer_expert_sizes
+        layers: Any = self.layer_expert_sizes  # user data (YAML): its shape is what this checks
         _require(
             isinstance(layers, (list, tuple)) and len(layers) > 0,
             "moe.layer_expert_sizes",
@@ -183,8 +183,9 @@ class MoEConfig:
                 f"moe.layer_expert_sizes[{m}]",
                 f"must be a list of expert sizes, got {sizes!r}",
             )
-        self.layer_expert_sizes = [list(sizes) for sizes in layers]
-        for m, sizes in enumerate(self.layer_expert_sizes):
+        checked = [list(sizes) for sizes in layers]
+        self.layer_expert_sizes = checked
+        for m, sizes in enumerate(checked):
             _require(
                 len(sizes) >= self.top_k,
                 f"moe.layer_expert_sizes[{m}]",
@@ -223,11 +224,6 @@ class MoEConfig:
     def total_expert_size(self) -> int:
         """Sum of the routed experts' hidden sizes: the rows of the stacked w1/v1/w2."""
         return sum(self.expert_sizes)
-
-    @property
-    def mean_active_expert_size(self) -> float:
-        """Expected routed hidden size per token: k * mean(F_e) (exact for equal experts)."""
-        return self.top_k * self.total_expert_size / self.num_experts
 
     def capacity(self, num_tokens: int) -> int | None:
         """Tokens each expert may take for a batch of ``num_tokens``; None when dropless."""
@@ -347,9 +343,15 @@ class ModelConfig:
         first, every = self.moe.first_dense_layers, self.moe.layer_interval
         return tuple(i for i in range(first, self.n_layers) if (i - first) % every == 0)
 
+    def moe_section(self) -> MoEConfig:
+        """The ``moe`` section, for code that needs an MoE model (a dense config is an error naming it)."""
+        if self.moe is None:
+            raise ConfigError("moe: this needs an MoE model, the config is dense (moe: null)")
+        return self.moe
+
     def moe_layer_config(self, layer_id: int) -> MoEConfig:
         """The MoE config of block ``layer_id`` (per-layer expert sizes applied)."""
-        return self.moe.layer(self.moe_layer_ids.index(layer_id))
+        return self.moe_section().layer(self.moe_layer_ids.index(layer_id))
 
     # ------------------------------------------------------------------ serialization
     def to_dict(self) -> dict[str, Any]:
@@ -390,14 +392,4 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def dense_config(**kwargs: Any) -> ModelConfig:
-    """Shorthand for a dense model config."""
-    return ModelConfig(moe=None, **kwargs)
-
-
-def moe_config(moe: dict[str, Any] | None = None, **kwargs: Any) -> ModelConfig:
-    """Shorthand for an MoE model config: ``moe`` holds MoEConfig fields."""
-    return ModelConfig(moe=MoEConfig(**(moe or {})), **kwargs)
-
-
-__all__ = ["ConfigError", "MoEConfig", "ModelConfig", "dense_config", "moe_config"]
+__all__ = ["ConfigError", "MoEConfig", "ModelConfig"]

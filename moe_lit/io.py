@@ -1,5 +1,9 @@
 """Atomic file output: nothing half-written ever looks complete.
 
+:func:`check_output` is the one overwrite rule of every command that writes: an output that is, holds
+or lies inside one of the command's inputs is always refused; an existing non-empty one only
+without ``--force``.
+
 A write that the system refuses (disk full, permission denied, read-only file system) raises
 :class:`~moe_lit.errors.MoeLitError` naming the target (one line, exit 2) and leaves no temporary
 file or directory behind; the previous content of the target, if any, stays as it was.
@@ -11,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,26 @@ from typing import Any
 from moe_lit.errors import MoeLitError
 
 PathLike = str | os.PathLike
+
+
+def check_output(
+    out: PathLike, inputs: Mapping[str, PathLike | None] | None = None, force: bool = False, flag: str = "--out"
+) -> Path:
+    """Refuse ``out`` (option ``flag``) if it is, holds or lies inside an input (``{flag: path}``,
+    ``None`` paths skipped), or if it exists and is not empty unless ``force``; returns ``out``."""
+    out = Path(out)
+    target = out.resolve()
+    for input_flag, source in (inputs or {}).items():
+        if source is None:
+            continue
+        source = Path(source).resolve()
+        if target == source or target in source.parents:
+            raise MoeLitError(f"{flag}: {out} is or contains the input {input_flag}; write the output elsewhere")
+        if source in target.parents:
+            raise MoeLitError(f"{flag}: {out} lies inside the input {input_flag}; write the output elsewhere")
+    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
+        raise MoeLitError(f"{flag}: {out} exists and is not empty; pass --force to replace it")
+    return out
 
 
 def atomic_write_text(path: PathLike, text: str) -> Path:
@@ -50,8 +74,10 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
         try:
             yield tmp
-            if path.exists():
+            if path.is_dir():
                 shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
             os.replace(tmp, path)
         finally:
             if tmp.exists():

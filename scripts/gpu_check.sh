@@ -74,6 +74,9 @@ EOF
 )
 export CPATH="${CUDA_WHEEL_INCLUDES}${CPATH:+:$CPATH}"
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+# NOTE: the GPU machine's torch is its own, not the lock's; the parity tests exist to exercise the
+# private APIs of moe_lit/_compat.py on it, so its version check is lifted here.
+export MOE_LIT_ALLOW_UNTESTED=1
 PIP_TARGET_INSTALL=("$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE")
 (timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$GROUPED_GEMM" > "$BUILD/grouped_gemm.log" 2>&1; echo "grouped_gemm build exit $?") &
 (timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$MEGABLOCKS" "$BUILD/$STK" > "$BUILD/megablocks.log" 2>&1; echo "megablocks build exit $?") &

@@ -9,7 +9,7 @@ from moe_lit.accounting import (
 )
 from moe_lit.config import ConfigError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 # The options the transformers MoE families need (moe_lit.convert.hf), alone and together.
 HF_FEATURES = [

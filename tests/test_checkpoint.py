@@ -8,7 +8,8 @@ from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoi
 from moe_lit.cli import main
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.checkpoints import CASES, bad_checkpoint, lightning_checkpoint
+from tests.helpers.models import tiny
 
 
 @pytest.mark.parametrize("cfg", [tiny(), tiny(dense=True, tie_embeddings=True), tiny(balancing="bias")])
@@ -41,13 +42,6 @@ class Payload:
 
     def __reduce__(self):
         return os.system, (f"touch {self.marker}",)
-
-
-def lightning_checkpoint(path, model):
-    """A checkpoint as MoELitModule writes it: weights under ``model.``, the config as a plain dict."""
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    torch.save({"state_dict": state, "hyper_parameters": {"model": model.config.to_dict()}}, path)
-    return path
 
 
 @pytest.fixture
@@ -100,11 +94,6 @@ def test_a_checkpoint_with_old_dataclass_hyper_parameters_still_loads(tmp_path):
     assert load_model(tmp_path / "old.ckpt").config == model.config
 
 
-def _truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
 @pytest.fixture
 def files(tmp_path):
     """A valid .ckpt and export of the same tiny model, plus a dense model's export."""
@@ -117,47 +106,9 @@ def files(tmp_path):
     }
 
 
-def _case(name, tmp_path, files):
-    """Make the bad input of table case ``name``; returns (path given to the command, expected words)."""
-    if name == "missing":
-        return tmp_path / "nope.ckpt", "no such file"
-    if name == "truncated ckpt":
-        _truncate(files["ckpt"])
-        return files["ckpt"], "not a readable checkpoint"
-    if name == "truncated safetensors":
-        _truncate(files["export"] / "model.safetensors")
-        return files["export"], "not a readable safetensors file"
-    if name == "not a checkpoint":
-        (tmp_path / "notes.ckpt").write_text("hello")
-        return tmp_path / "notes.ckpt", "not a readable checkpoint"
-    if name == "another lightning module":
-        torch.save({"state_dict": {"w": torch.zeros(1)}, "hyper_parameters": {"lr": 1.0}}, tmp_path / "other.ckpt")
-        return tmp_path / "other.ckpt", "no moe_lit model config inside"
-    if name == "export without config.json":
-        (files["export"] / "config.json").unlink()
-        return files["export"], "no config.json"
-    if name == "weights of another shape":
-        cfg = tiny().to_dict()
-        cfg["d_model"] = 64
-        (files["export"] / "config.json").write_text(__import__("json").dumps(cfg))
-        return files["export"], "do not fit its config"
-    raise AssertionError(name)
-
-
-CASES = [
-    "missing",
-    "truncated ckpt",
-    "truncated safetensors",
-    "not a checkpoint",
-    "another lightning module",
-    "export without config.json",
-    "weights of another shape",
-]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_bad_checkpoint_files_are_one_line_naming_the_file(capsys, tmp_path, files, case):
-    path, words = _case(case, tmp_path, files)
+    path, words = bad_checkpoint(case, tmp_path, files)
     argv = ["convert", "expand", "--checkpoint", str(path), "--factor", "2", "--out", str(tmp_path / "out")]
     err = _one_line_exit_2(capsys, argv)
     assert words in err and str(path) in err
@@ -198,8 +149,20 @@ def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_not
     out.mkdir()
     (out / "previous.txt").write_text("kept")
     err = _one_line_exit_2(
-        capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out)]
+        capsys, ["convert", "expand", "--checkpoint", str(files["ckpt"]), "--factor", "2", "--out", str(out), "--force"]
     )
     assert f"{out}: cannot write ({os.strerror(error)})" in err
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no temporary left
     assert (out / "previous.txt").read_text() == "kept"  # the previous output is untouched
+
+
+def test_resolve_device_auto_and_refusals():
+    from moe_lit.checkpoint import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(MoeLitError, match="device: 'gpu0' is not a torch device; allowed: auto, cpu"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(MoeLitError, match="device: cuda:0 requested but CUDA is not available"):
+            resolve_device("cuda:0")

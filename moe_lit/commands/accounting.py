@@ -1,19 +1,20 @@
-"""``moe-lit accounting``: parameter / FLOP table of one or more model configs, optionally matched.
+"""``moe-lit accounting``: parameter / FLOP table of one or more models, optionally matched.
 
-A ``--config`` is a model YAML file or a model directory: one of ours (``moe-lit convert`` output)
-or a transformers one (``moe-lit export`` output, or a downloaded checkpoint of a supported family).
+A ``--config`` is anything :func:`moe_lit.checkpoint.load_config` resolves: a model YAML, an
+experiment YAML, a Lightning ``.ckpt`` or a model directory (one of ours, ``moe-lit convert``
+output, or a transformers one: ``moe-lit export`` output or a downloaded checkpoint of a supported
+family). FLOPs per token depend on the sequence length (attention); each row states the one it
+assumes: ``--seq-len``, else the input's own (an experiment's ``data.seq_len``, a checkpoint's).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from moe_lit.accounting import accounting_rows, markdown_table, matched_moe_config
 from moe_lit.checkpoint import load_config
 from moe_lit.config import ModelConfig
-from moe_lit.errors import MoeLitError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         required=True,
         type=Path,
-        help="model YAML file(s) or model dir(s) (ours or transformers')",
+        help="model YAML, experiment YAML, .ckpt or model dir (ours or transformers'), one or more",
     )
+    parser.add_argument("--seq-len", type=int, help="sequence length of the FLOPs (default: each input's own)")
     parser.add_argument("--match", choices=["active", "total"], help="also build an MoE matched to each (dense) config")
     parser.add_argument("--num-experts", type=int, default=8, help="experts of the matched MoE")
     parser.add_argument("--top-k", type=int, default=2, help="top-k of the matched MoE")
@@ -32,27 +34,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configs: dict[str, ModelConfig] = {}
-    for path in args.config:
-        cfg = _read_config(path)
-        configs[path.stem] = cfg
+    for label, path in zip(row_labels(args.config), args.config, strict=True):
+        cfg = load_config(path)
+        cfg = cfg.replace(seq_len=args.seq_len) if args.seq_len else cfg
+        configs[label] = cfg
         if args.match:
             matched = matched_moe_config(
                 cfg.replace(moe=None), args.num_experts, args.top_k, args.match, args.shared_fraction
             )
-            configs[f"{path.stem}->moe[{args.match}]"] = matched
-    print(markdown_table(accounting_rows(configs)))
+            configs[f"{label}->moe[{args.match}]"] = matched
+    rows = [
+        {"name": row["name"], "seq_len": cfg.seq_len, **{k: v for k, v in row.items() if k != "name"}}
+        for row, cfg in zip(accounting_rows(configs), configs.values(), strict=True)
+    ]
+    print(markdown_table(rows))
+    print("\nfwd_flops/token: forward FLOPs of one token in a sequence of seq_len tokens (attention grows with it).")
     return 0
 
 
-def _read_config(path: Path) -> ModelConfig:
-    """The ModelConfig of a YAML file, of our model directory or of a transformers model directory."""
-    if path.is_file():
-        return ModelConfig.from_yaml(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise MoeLitError(f"--config: {path} is neither a YAML file nor a model directory with config.json")
-    if "model_type" in json.loads(config_file.read_text()):
-        from moe_lit.convert.hf import hf_config_dir_to_ours
+def row_labels(paths: list[Path]) -> list[str]:
+    """A distinct label per input: its name (a file's stem), with as many parent folders as it takes
+    to tell it apart from other inputs of the same name (``a/last``, ``b/last``)."""
+    parts = [(Path(p).resolve().with_suffix("") if Path(p).is_file() else Path(p).resolve()).parts for p in paths]
+    return ["/".join(p[-_depth(p, [q for q in parts if q != p]) :]) for p in parts]
 
-        return hf_config_dir_to_ours(path)
-    return load_config(path)
+
+def _depth(path: tuple[str, ...], others: list[tuple[str, ...]]) -> int:
+    """The fewest trailing parts of ``path`` that no other path ends with."""
+    depth = 1
+    while depth < len(path) and any(other[-depth:] == path[-depth:] for other in others):
+        depth += 1
+    return depth

@@ -7,7 +7,8 @@ GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`
 experts, scores and memory saved) and ``moe-to-dense`` (score, select, group, scale and
 concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan). Inputs are a
 Lightning ``.ckpt`` or an exported directory; the
-tokenizer found beside the input travels with the output.
+tokenizer found beside the input travels with the output. Every action refuses an ``--out`` that
+is, holds or lies inside its input, and a non-empty one unless ``--force``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
 from moe_lit.errors import MoeLitError
+from moe_lit.io import check_output
 
 PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe", "pruning")
 
@@ -54,17 +56,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
     )
     hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    hf.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
     up.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
-    up.add_argument("--recipe", choices=RECIPES, default="copy")
-    up.add_argument("--num-experts", type=int, default=8)
-    up.add_argument("--top-k", type=int, default=2)
+    up.add_argument("--recipe", choices=RECIPES, default="copy", help="how the dense FFN becomes experts")
+    up.add_argument("--num-experts", type=int, default=8, help="experts E of the MoE")
+    up.add_argument("--top-k", type=int, default=2, help="experts routed per token")
     up.add_argument("--granularity", type=int, default=1, help="shards of d_ff per expert group (granular, drop)")
     up.add_argument("--drop-fraction", type=float, default=0.5, help="neurons re-initialised per expert (drop)")
-    up.add_argument("--balancing", choices=BALANCING, default="aux_loss")
-    up.add_argument("--seed", type=int, default=0)
-    up.add_argument("--out", required=True, type=Path)
+    up.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
+    up.add_argument("--seed", type=int, default=0, help="seed of the new routers (and drop re-init)")
+    up.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    up.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     ex = actions.add_parser("expand", help="E -> mE experts by duplication (uniform factor or per-expert counts)")
     ex.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
@@ -72,9 +76,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--factor", type=int, help="m: every expert gets m-1 copies")
     group.add_argument("--counts", type=_counts, help="instances per expert, e.g. 3,1,2,2")
     ex.add_argument("--noise", type=float, default=1e-3, help="U(-noise, noise) on the copies' selection bias")
-    ex.add_argument("--balancing", choices=BALANCING, default="bias")
-    ex.add_argument("--seed", type=int, default=0)
-    ex.add_argument("--out", required=True, type=Path)
+    ex.add_argument("--balancing", choices=BALANCING, default="bias", help="load balancing of the expanded MoE")
+    ex.add_argument("--seed", type=int, default=0, help="seed of the --noise")
+    ex.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
 
     pa = actions.add_parser(
         "partition",
@@ -82,9 +87,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "structured-pruning baseline at the same active width (pruning)",
     )
     pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
-    pa.add_argument("--method", choices=PARTITION_METHODS, required=True)
+    pa.add_argument("--method", choices=PARTITION_METHODS, required=True, help="how neurons are grouped into experts")
     pa.add_argument("--experts", "--num-experts", dest="num_experts", type=int, default=8, help="E (divides d_ff)")
-    pa.add_argument("--top-k", type=int, default=2)
+    pa.add_argument("--top-k", type=int, default=2, help="experts routed per token")
     pa.add_argument(
         "--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own"
     )
@@ -99,9 +104,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers"
     )
     pa.add_argument("--batch-size", type=int, default=8, help="sequences per calibration / training batch")
-    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss")
-    pa.add_argument("--seed", type=int, default=0)
-    pa.add_argument("--out", required=True, type=Path)
+    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
+    pa.add_argument("--seed", type=int, default=0, help="seed of the partition and the routers")
+    pa.add_argument("--out", required=True, type=Path, help="exported model directory to write")
     pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
     _configure_prune(actions)
     _configure_moe_to_dense(actions)
@@ -118,7 +123,7 @@ def _configure_calibration(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--split", default="val", help="parallel split of the calibration text (default: val)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens per language")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
 
 
 def _configure_moe_to_dense(actions) -> None:
@@ -136,7 +141,7 @@ def _configure_moe_to_dense(actions) -> None:
     md.add_argument("--feature-tokens", type=int, default=1024, help="tokens of the output features (do_acp, output)")
     md.add_argument("--seed", type=int, default=0, help="seed of --score random")
     md.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    md.add_argument("--out", required=True, type=Path)
+    md.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
 
 def _configure_prune(actions) -> None:
@@ -144,7 +149,7 @@ def _configure_prune(actions) -> None:
 
     pr = actions.add_parser("prune", help="remove experts scored on calibration text (MAESTRO, REAP, NAEE, ...)")
     pr.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
-    pr.add_argument("--method", choices=METHODS, default="maestro")
+    pr.add_argument("--method", choices=METHODS, default="maestro", help="expert importance score")
     budget = pr.add_mutually_exclusive_group(required=True)
     budget.add_argument("--fraction", type=float, help="share of the experts removed, in [0, 1)")
     budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
@@ -163,10 +168,12 @@ def _configure_prune(actions) -> None:
     )
     pr.add_argument("--seed", type=int, default=0, help="seed of --method random")
     pr.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    pr.add_argument("--out", required=True, type=Path)
+    pr.add_argument("--out", required=True, type=Path, help="exported model directory to write")
 
 
 def run(args: argparse.Namespace) -> int:
+    flag = "--model" if args.action == "import-hf" else "--checkpoint"
+    check_output(args.out, {flag: getattr(args, flag[2:])}, args.force)
     if args.action == "prune":
         return _run_prune(args)
     if args.action == "moe-to-dense":
@@ -217,15 +224,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def checked_out(out: Path, checkpoint: Path, force: bool, flag: str = "--checkpoint") -> None:
-    """Refuse an --out that is (or holds) the input ``flag``, or a non-empty one without --force."""
-    out, source = out.resolve(), checkpoint.resolve()
-    if out == source or out in source.parents:
-        raise MoeLitError(f"--out: {out} is or contains the input {flag}; write the output elsewhere")
-    if out.exists() and (out.is_file() or any(out.iterdir())) and not force:
-        raise MoeLitError(f"--out: {out} exists and is not empty; pass --force to replace it")
-
-
 def _calibration(args: argparse.Namespace, model, record_inputs: bool):
     """The routing trace of the calibration text (or the one stored in ``--calibration FILE.pt``)."""
     from moe_lit.convert.importance import calibration_trace
@@ -249,7 +247,6 @@ def _run_prune(args: argparse.Namespace) -> int:
     from moe_lit.convert.prune import memory_saved, prune_experts
     from moe_lit.io import atomic_write_json
 
-    checked_out(args.out, args.checkpoint, args.force)
     maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
@@ -312,7 +309,6 @@ def _run_moe_to_dense(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.feature_tokens,
     )
-    checked_out(args.out, args.checkpoint, args.force)
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; moe-to-dense needs MoE layers")

@@ -8,14 +8,13 @@ centroid|trained|random``; ``--method dot_moe`` learns the split and the routers
 that keeps each FFN's d_ff * k / E most active neurons on ``--calibration-tokens`` tokens. The output
 directory holds the exported model (config.json, model.safetensors, tokenizer.json) and
 ``partition.json`` (what was done, with which token budget). A non-empty ``--out`` is refused
-unless ``--force``.
+unless ``--force``, an ``--out`` that is or holds the input always.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,6 @@ def run_partition(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, find_tokenizer, load_model
     from moe_lit.io import atomic_write_json
 
-    _check_out(args.out, args.force)
     _check_arguments(args)
     dense = load_model(args.checkpoint)
     if dense.config.is_moe:
@@ -114,13 +112,6 @@ def partition_dense(
         balancing,
         seed,
     )
-
-
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise MoeLitError(f"--out: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise MoeLitError(f"--out: {out} is not empty; pass --force to replace it")
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

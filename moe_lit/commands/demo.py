@@ -9,7 +9,8 @@
    models exported to ``models/<name>/`` (config, safetensors, tokenizer: what ``make eval`` reads;
    git-ignored, being large).
 
-Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``).
+Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``). A non-empty ``--out`` or
+``--work-dir`` is refused unless ``--force`` (``make demo`` passes it: it rebuilds the tracked results).
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import ModelConfig
 from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text
+from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text, check_output
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
+from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
     from moe_lit.lit.runner import RunResult
 
-REPO = Path(__file__).resolve().parents[2]
-MODELS = {"dense": REPO / "configs/model/tiny-dense.yaml", "moe": REPO / "configs/model/tiny-moe.yaml"}
+MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
 MODELS_DIR = "models"
 COMMAND = "make demo"
@@ -50,7 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
     parser.add_argument("--evals", type=int, default=6, help="validations per run (the plotted curve)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run of the demo")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out and --work-dir")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
         if getattr(args, name) < 1:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
+        check_output(path, {"--data": args.data}, args.force, flag)
     data_dir = prepare_default_data(args.data)
     steps = args.tokens // (args.seq_len * args.batch_size)
     results = {}
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
         shutil.rmtree(args.work_dir / name, ignore_errors=True)  # a previous demo's logs and checkpoints
         results[name] = train_run(model_cfg, run_cfg, args.work_dir / name)
-    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir", "force")}
     write_results(results, settings, tokenizer_file(data_dir), args.out)
     print((args.out / RESULTS_MD).read_text())
     return 0
@@ -123,11 +127,9 @@ def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
 
 
 def plot_curves(results: dict[str, RunResult], path: Path) -> None:
-    import matplotlib
+    from moe_lit.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for name, result in results.items():
         tokens, losses = val_curve(result)

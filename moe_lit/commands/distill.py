@@ -35,11 +35,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
     parser.add_argument("--evals", type=int, default=4, help="validations during the run")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak AdamW learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--warmup-steps", type=int, default=10, help="optimizer steps of linear learning-rate warmup")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature of the KL term")
     parser.add_argument("--kl-weight", type=float, default=1.0, help="weight of the forward KL (times tau^2)")
     parser.add_argument("--ce-weight", type=float, default=1.0, help="weight of the LM cross-entropy")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the run")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--out", required=True, type=Path, help="run directory to write")
 
@@ -55,8 +55,7 @@ def distill_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: Disti
 
 def run(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, find_tokenizer, load_model
-    from moe_lit.commands.convert import checked_out
-    from moe_lit.io import atomic_write_json
+    from moe_lit.io import atomic_write_json, check_output
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
     from moe_lit.lit.runner import train_run
 
@@ -64,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     distill = DistillConfig(temperature=args.temperature, kl_weight=args.kl_weight, ce_weight=args.ce_weight)
-    for flag, source in (("--teacher", args.teacher), ("--student", args.student)):
-        checked_out(args.out, source, args.force, flag)
+    check_output(args.out, {"--teacher": args.teacher, "--student": args.student}, args.force)
     if args.force and args.out.exists():
         # NOTE: a run directory is appended to (metrics, checkpoints): replacing one means removing it.
         shutil.rmtree(args.out) if args.out.is_dir() else args.out.unlink()

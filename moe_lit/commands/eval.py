@@ -1,4 +1,7 @@
-"""``moe-lit eval``: lm-eval tasks on a checkpoint; results JSON + markdown under ``results/eval/<name>/``.
+"""``moe-lit eval``: lm-eval tasks on a checkpoint; ``results.json`` + ``results.md`` in ``--out``.
+
+``--out`` is the results directory itself (default ``runs/eval/<checkpoint name>-<path hash>``,
+untracked); an existing non-empty one is refused unless ``--force``.
 
 Task names: the local multilingual suite (``moe_lit_suite``, ``moe_lit_ppl``, ``moe_lit_next``,
 ``moe_lit_pairs`` or ``moe_lit_<kind>_<lang>``; built from ``--data``'s parallel test split) and any
@@ -28,7 +31,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
     parser.add_argument("--tasks", nargs="+", default=["moe_lit_suite"], help="task names (space or comma separated)")
     parser.add_argument("--limit", type=float, help="at most N documents per task (a fraction when < 1)")
-    parser.add_argument("--name", help="results/eval/<name> (default: the checkpoint's name)")
     parser.add_argument("--data", type=Path, help="prepared data dir for the local suite (default: the checkpoint's)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument(
@@ -38,25 +40,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="TASK=FILE",
         help="run built-in TASK on a local JSONL in its schema (repeatable); it runs as TASK_local",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests scored per forward")
+    parser.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
     parser.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for stderr (0: none)")
-    parser.add_argument("--out-dir", type=Path, default=Path("results/eval"))
+    parser.add_argument("--out", type=Path, help="results directory (default: runs/eval/<checkpoint name>-<hash>)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     from moe_lit.commands.generate import add_sparsity_arguments
 
     add_sparsity_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.evaluation.harness import checkpoint_name, result_rows
+    from moe_lit.evaluation.harness import default_out, result_rows
+    from moe_lit.io import check_output
 
     if not args.checkpoint.exists():
         raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
+    out = check_output(args.out or default_out(args.checkpoint, "eval"), {"--checkpoint": args.checkpoint}, args.force)
     results, suite = _evaluate(args)
-    name = args.name or checkpoint_name(args.checkpoint)
-    markdown = results_markdown(name, _command(args), result_rows(results), task_languages(results), suite)
-    out = _write(args.out_dir / name, results, suite, markdown)
+    markdown = results_markdown(out.name, _command(args), result_rows(results), task_languages(results), suite)
+    out = _write(out, results, suite, markdown)
     print(markdown)
     print(f"wrote {out}/results.json and results.md")
     return 0
@@ -181,7 +185,7 @@ def _command(args: argparse.Namespace) -> str:
         ("--sparsity-granularity", args.sparsity_granularity if args.sparsity is not None else None),
         ("--calibration", args.calibration),
     )
-    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--name", args.name), *sparsity):
+    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--out", args.out), *sparsity):
         if value is not None:
             parts += [flag, str(value)]
     for item in args.task_data:

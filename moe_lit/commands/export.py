@@ -13,12 +13,15 @@ from pathlib import Path
 from moe_lit.checkpoint import find_tokenizer, load_model
 from moe_lit.convert.hf.export import DTYPES, export_hf
 from moe_lit.convert.hf.families import FAMILIES
+from moe_lit.io import check_output
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="model: .ckpt or exported dir")
     parser.add_argument("--format", required=True, choices=list(FAMILIES), help="transformers model family to write")
-    parser.add_argument("--out", required=True, type=Path, help="directory to write (must be empty or absent)")
+    parser.add_argument(
+        "--out", required=True, type=Path, help="directory to write (absent or empty, unless --force; never the input)"
+    )
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--eos-token", help="end-of-text token (default: the first known one, e.g. <|endoftext|>)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the written weights")
@@ -27,8 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.checkpoint)
     tokenizer = args.tokenizer or find_tokenizer(args.checkpoint)
+    check_output(args.out, {"--checkpoint": args.checkpoint, "--tokenizer": tokenizer}, args.force)
+    model = load_model(args.checkpoint)
     export_hf(
         model,
         args.format,

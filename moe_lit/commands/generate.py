@@ -44,14 +44,14 @@ def sparse_from_args(model, tokenizer, args: argparse.Namespace):
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    parser.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with probability >= p")
     parser.add_argument("--seed", type=int, help="sampling seed (same seed, same text)")
     parser.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     add_sparsity_arguments(parser)
 
 

@@ -70,6 +70,12 @@ def _run_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_label(start) -> str:
+    if start is None:
+        return ""
+    return start.path if start.path is not None else f"{start.parent}@{start.step or 'final'}"
+
+
 def _points_table(study, out_dir: Path) -> str:
     from moe_lit.accounting import markdown_table, training_flops_per_token
     from moe_lit.studies.engine import point_record, point_status
@@ -84,7 +90,7 @@ def _points_table(study, out_dir: Path) -> str:
             {
                 "point": point.name,
                 "hash": point.hash,
-                "from": f"{point.start.parent}@{point.start.step or 'final'}" if point.start else "",
+                "from": _start_label(point.start),
                 "E": info["num_experts"],
                 "k": info["top_k"],
                 "total": info["total_params"],

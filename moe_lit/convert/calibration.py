@@ -37,7 +37,7 @@ def ffn_inputs(model: Transformer, batches: Iterable[torch.Tensor], max_tokens: 
     layer_ids = dense_ffn_ids(model)
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
     handles = [
-        model.blocks[i].ffn.register_forward_pre_hook(
+        model.dense_ffn(i).register_forward_pre_hook(
             lambda _module, args, i=i: seen[i].append(args[0].reshape(-1, args[0].shape[-1]).float().cpu())
         )
         for i in layer_ids

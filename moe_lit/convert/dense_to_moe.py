@@ -65,8 +65,8 @@ def dense_to_moe(
     new = rebuild(model, upcycled_config(cfg, recipe, num_experts, top_k, granularity, drop_fraction, **moe_fields))
     generator = torch.Generator().manual_seed(seed)
     for layer_id in new.config.moe_layer_ids:
-        layer = new.blocks[layer_id].ffn
-        _upcycle_layer(model.blocks[layer_id].ffn, layer, granularity, cfg.init_std, generator)
+        layer = new.moe_layer(layer_id)
+        _upcycle_layer(model.dense_ffn(layer_id), layer, granularity, cfg.init_std, generator)
         if recipe == "drop":
             drop_neurons(layer, drop_fraction, generator)
     return new

@@ -136,6 +136,9 @@ class DotMoELayer(MoELayer):
     Returns ``(y_BLD, losses)`` like :class:`MoELayer`, whose auxiliary losses it computes.
     """
 
+    temperature: torch.Tensor
+    """The Sinkhorn temperature (a buffer set by :class:`SinkhornAnnealing`)."""
+
     def __init__(
         self,
         dense: SwiGLU,
@@ -218,8 +221,8 @@ def dot_moe_student(
         else:
             affinity_FE = torch.randn(dense.config.d_ff, num_experts, generator=generator) * cfg.affinity_scale
         student.blocks[layer_id].ffn = DotMoELayer(
-            dense.blocks[layer_id].ffn,
-            moe_cfg.moe,
+            dense.dense_ffn(layer_id),
+            moe_cfg.moe_section(),
             len(layer_ids),
             affinity_FE,
             routers[layer_id],
@@ -239,10 +242,10 @@ def export_dot_moe(student: Transformer) -> Transformer:
     layers = {i: block.ffn for i, block in enumerate(student.blocks) if isinstance(block.ffn, DotMoELayer)}
     if not layers:
         raise MoeLitError("export_dot_moe: the model has no DOT-MoE layers (build it with dot_moe_student)")
-    moe = student.config.moe
+    moe = student.config.moe_section()
     dense = rebuild(student, student.config.replace(moe=None))
     for layer_id, layer in layers.items():
-        dense.blocks[layer_id].ffn.load_state_dict(layer.dense.state_dict())
+        dense.dense_ffn(layer_id).load_state_dict(layer.dense.state_dict())
     fields = {
         k: v
         for k, v in dataclasses.asdict(moe).items()
@@ -251,7 +254,7 @@ def export_dot_moe(student: Transformer) -> Transformer:
     assignment = {i: layer.assignment() for i, layer in layers.items()}
     moe_model = partition_ffn(dense, assignment, moe.num_experts, moe.top_k, **fields)
     for layer_id, layer in layers.items():
-        moe_model.blocks[layer_id].ffn.router.load_state_dict(layer.router.state_dict())
+        moe_model.moe_layer(layer_id).router.load_state_dict(layer.router.state_dict())
     return moe_model.train(student.training)
 
 
@@ -316,7 +319,7 @@ def fit_dot_moe(
     )
     # NOTE: Lightning keeps the modules' train/eval mode as it finds them.
     student.train()
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))  # type: ignore[arg-type]  # torch types the dataset as Dataset; any sequence works
     return student.eval()
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lit.config import ConfigError
+from moe_lit.config import Balancing, ConfigError
 from moe_lit.convert.common import next_token_loss, rebuild
 from moe_lit.convert.dense_to_moe import drop_neurons
 from moe_lit.errors import MoeLitError
@@ -90,7 +90,7 @@ class UtilityAccumulator:
     def add(self, model: Transformer, grads: dict[int, Sequence[torch.Tensor]]) -> None:
         """One batch: ``grads[block]`` holds the gradients of that block's w1, v1, w2 (S, D)."""
         for block, (g_w1, g_v1, g_w2) in grads.items():
-            layer: MoELayer = model.blocks[block].ffn
+            layer = model.moe_layer(block)
             expert_of_row_S = layer.experts.layout.expert_of_row().to(g_w1.device)
             mlp = layer.experts.mlp
 
@@ -120,7 +120,7 @@ def _squared_norm_per_expert(
     tensors_SD: Sequence[torch.Tensor], expert_of_row_S: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
     """Sum over each expert's rows of the squared entries of every tensor in ``tensors_SD``."""
-    rows_S = sum(t.float().square().sum(-1) for t in tensors_SD)
+    rows_S = torch.stack([t.float().square().sum(-1) for t in tensors_SD]).sum(0)
     return torch.zeros(num_experts, device=rows_S.device).index_add_(0, expert_of_row_S, rows_S)
 
 
@@ -128,7 +128,7 @@ def expert_gradients(model: Transformer) -> dict[int, tuple[torch.Tensor, ...]]:
     """The ``.grad`` of every MoE block's w1, v1, w2 (as left by a backward pass)."""
     grads = {}
     for block in model.config.moe_layer_ids:
-        mlp = model.blocks[block].ffn.experts.mlp
+        mlp = model.moe_layer(block).experts.mlp
         if mlp.w1.grad is not None:
             grads[block] = tuple(getattr(mlp, name).grad for name in EXPERT_MATRICES)
     return grads
@@ -144,7 +144,7 @@ def expert_utility(model: Transformer, batches: Iterable[torch.Tensor], num_batc
         raise MoeLitError("expert_utility: the model is dense (model.moe is null)")
     accumulator = UtilityAccumulator()
     blocks = model.config.moe_layer_ids
-    params = [getattr(model.blocks[b].ffn.experts.mlp, name) for b in blocks for name in EXPERT_MATRICES]
+    params = [getattr(model.moe_layer(b).experts.mlp, name) for b in blocks for name in EXPERT_MATRICES]
     was_training = model.training
     model.train()  # NOTE: routers record their counts (the routing frequency) only in training mode
     try:
@@ -198,7 +198,7 @@ class ExpertExpansion:
         """
         out = {}
         for block, src in self.sources.items():
-            rows = _source_rows(source.blocks[block].ffn.experts.layout, src)
+            rows = _source_rows(source.moe_layer(block).experts.layout, src)
             prefix = f"blocks.{block}.ffn."
             out[prefix + "router.layer.weight"] = torch.tensor(src)
             for name in EXPERT_MATRICES:
@@ -276,7 +276,7 @@ def apply_expansion(
     model: Transformer,
     plan: ExpertExpansion,
     noise: float = 1e-3,
-    balancing: str | None = "bias",
+    balancing: Balancing | None = "bias",
     seed: int = 0,
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,
@@ -288,7 +288,7 @@ def apply_expansion(
     copy and its source get different gate weights; ``drop_fraction`` re-initialises that fraction
     of every copy's neurons (drop-upcycling, :func:`moe_lit.convert.dense_to_moe.drop_neurons`).
     """
-    moe = model.config.moe
+    moe = model.config.moe_section()
     balancing = balancing or moe.balancing
     for name, value in (("noise", noise), ("router_noise", router_noise)):
         if value < 0:
@@ -308,8 +308,8 @@ def apply_expansion(
     new = rebuild(model, model.config.replace(moe=new_moe))
     generator = torch.Generator().manual_seed(seed)
     for block, src in plan.sources.items():
-        layer = new.blocks[block].ffn
-        _expand_layer(model.blocks[block].ffn, layer, src, noise, generator)
+        layer = new.moe_layer(block)
+        _expand_layer(model.moe_layer(block), layer, src, noise, generator)
         _break_symmetry(layer, moe.num_experts, router_noise, drop_fraction, generator)
     return new
 
@@ -360,7 +360,7 @@ def expand_experts(
     metric: str = "grad_sq",
     max_copies: int = 3,
     noise: float = 1e-3,
-    balancing: str | None = "bias",
+    balancing: Balancing | None = "bias",
     seed: int = 0,
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,

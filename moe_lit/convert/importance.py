@@ -129,7 +129,7 @@ def reap_scores(model: Transformer, trace: RoutingTrace) -> torch.Tensor:
     inputs_MND = _layer_inputs(trace, "reap")
     scores_ME = torch.zeros(trace.num_layers, trace.num_experts, dtype=torch.float64)
     for m, block in enumerate(trace.layer_ids):
-        layer = model.blocks[block].ffn
+        layer = model.moe_layer(block)
         weight = layer.experts.mlp.w1
         x_ND = inputs_MND[m].to(weight)
         for expert in range(layer.cfg.num_experts):
@@ -303,7 +303,7 @@ def naee_keep(
     tokens_P = torch.linspace(0, trace.num_tokens - 1, min(max_tokens, trace.num_tokens)).round().long().unique()
     result = NaeeResult({}, {}, {})
     for m, block in enumerate(trace.layer_ids):
-        layer = model.blocks[block].ffn
+        layer = model.moe_layer(block)
         keep = keep_counts[block]
         if not 1 <= keep <= layer.cfg.num_experts:
             raise ConfigError(f"naee: block {block} has {layer.cfg.num_experts} experts, cannot keep {keep}")
@@ -424,7 +424,7 @@ def plan_keep(
         raise ConfigError(f"method: got {method!r}, allowed values: {', '.join(METHODS)}")
     if method != "naee":
         scores = expert_scores(method, trace, model, seed, maestro)
-        min_keep = 1 if clamp_top_k else model.config.moe.top_k
+        min_keep = 1 if clamp_top_k else model.config.moe_section().top_k
         keep = plan_pruning(scores.by_block(model), fraction, num, global_budget, min_keep)
         return keep, {"scores": scores.scores_ME.tolist(), **scores.info}
     if global_budget:

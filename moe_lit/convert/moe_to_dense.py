@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,7 @@ def router_probability(model: Transformer, trace: RoutingTrace) -> torch.Tensor:
     rows = []
     with torch.no_grad():
         for m, block in enumerate(trace.layer_ids):
-            router = model.blocks[block].ffn.router
+            router = model.moe_layer(block).router
             scores_NE = router(inputs_MND[m].to(router.layer.weight)).scores_TE
             rows.append(F.pad(scores_NE.double().cpu().mean(0), (0, trace.num_experts - scores_NE.shape[-1])))
     return torch.stack(rows)
@@ -186,9 +186,11 @@ def taylor_scores(model: Transformer, trace: RoutingTrace, max_tokens: int = 409
         model.train(was_training)
     scores_ME = torch.zeros(trace.num_layers, trace.num_experts, dtype=torch.float64)
     for m, block in enumerate(trace.layer_ids):
-        layout = model.blocks[block].ffn.experts.layout
+        layout = model.moe_layer(block).experts.layout
         prefix = f"blocks.{block}.ffn.experts.mlp."
-        taylor_S = sum((leaves[prefix + w].detach() * grads[prefix + w]).double().sum(-1) for w in ("w1", "v1", "w2"))
+        taylor_S = torch.stack(
+            [(leaves[prefix + w].detach() * grads[prefix + w]).double().sum(-1) for w in ("w1", "v1", "w2")]
+        ).sum(0)
         for e in range(layout.num_experts):
             scores_ME[m, e] = taylor_S[layout.rows(e)].sum().abs().cpu()
     return scores_ME
@@ -212,8 +214,9 @@ def d_optimal_gains(features_EX: torch.Tensor, activation_E: torch.Tensor, ridge
     gains_E = torch.zeros(len(a_E), dtype=torch.float64)
     logdet = 0.0
     while len(chosen) < len(a_E):
-        best, best_logdet = None, -float("inf")
-        for e in (e for e in range(len(a_E)) if e not in chosen):
+        remaining = [e for e in range(len(a_E)) if e not in chosen]
+        best, best_logdet = remaining[0], -float("inf")
+        for e in remaining:
             subset = chosen + [e]
             value = float(torch.linalg.slogdet(gram_EE[subset][:, subset]).logabsdet)
             if value > best_logdet:
@@ -231,7 +234,7 @@ def do_acp_scores(model: Transformer, trace: RoutingTrace, max_tokens: int, ridg
     inputs_MND = _inputs(trace, "do_acp")
     scores_ME = torch.zeros_like(activation_ME)
     for m, block in enumerate(trace.layer_ids):
-        layer = model.blocks[block].ffn
+        layer = model.moe_layer(block)
         features_EX = output_features(layer, inputs_MND[m][tokens_P])
         experts = layer.cfg.num_experts
         scores_ME[m, :experts] = d_optimal_gains(features_EX, activation_ME[m, :experts], ridge)
@@ -380,7 +383,7 @@ def _merged(layer: MoELayer, group: list[int], scores_E: torch.Tensor) -> dict[s
 
 
 def _layer_plan(model, trace, m, block, scores_E, cfg) -> dict[str, Any]:
-    layer = model.blocks[block].ffn
+    layer = model.moe_layer(block)
     kept = select_experts(scores_E, cfg.keep)
     features_CX = None
     if cfg.grouping in ("output", "kmeans_output"):
@@ -411,11 +414,11 @@ def moe_to_dense(
     for m, block in enumerate(trace.layer_ids):
         experts = model.config.moe_layer_config(block).num_experts
         plans[block] = _layer_plan(model, trace, m, block, scores_ME[m, :experts], cfg)
-    widths = {block: _width(model.blocks[block].ffn, plan["groups"]) for block, plan in plans.items()}
+    widths = {block: _width(model.moe_layer(block), plan["groups"]) for block, plan in plans.items()}
     width = _one_width(model, widths)
     new = rebuild(model, model.config.replace(moe=None, d_ff=width))
     for m, (block, plan) in enumerate(plans.items()):
-        layer, target = model.blocks[block].ffn, new.blocks[block].ffn
+        layer, target = model.moe_layer(block), new.dense_ffn(block)
         experts = model.config.moe_layer_config(block).num_experts
         parts = []
         for group, scale in zip(plan["groups"], plan["scales"], strict=False):
@@ -438,12 +441,18 @@ def moe_to_dense(
 
 
 def screen(
-    model: Transformer, trace: RoutingTrace, configs: Sequence[MoeToDenseConfig], batches: Sequence[torch.Tensor]
+    model: Transformer,
+    trace: RoutingTrace,
+    configs: Sequence[MoeToDenseConfig],
+    batches: Sequence[torch.Tensor] | Mapping[str, Sequence[torch.Tensor]],
 ) -> list[dict[str, Any]]:
     """The pre-distillation screen of a grid: every config's dense model and its mean next-token
     loss on the ``(B, L+1)`` token ``batches``, best (lowest loss) first. Scores are computed once
-    per score setting and shared by that score's groupings and scalings."""
-    if not batches:
+    per score setting and shared by that score's groupings and scalings. ``batches`` given as
+    ``{label: batches}`` (e.g. one entry per language) also gives each row ``loss_per_label``;
+    ``loss`` is then the mean over all batches."""
+    labelled = dict(batches) if isinstance(batches, Mapping) else {"": list(batches)}
+    if not any(labelled.values()):
         raise MoeLitError("screen: no batches to measure the loss on")
     scores: dict[tuple, torch.Tensor] = {}
     rows = []
@@ -454,19 +463,24 @@ def screen(
         dense, _ = moe_to_dense(model, trace, cfg, scores[key])
         dense.eval()
         with torch.no_grad():
-            loss = sum(float(next_token_loss(dense, batch_BL1)) for batch_BL1 in batches) / len(batches)
-        rows.append(
-            {
-                "config": cfg.name,
-                "score": cfg.score,
-                "grouping": cfg.grouping,
-                "scaling": cfg.scaling,
-                "keep": cfg.keep,
-                "groups": cfg.groups,
-                "params": count_model_params(dense).total,
-                "loss": loss,
+            losses = {
+                label: [float(next_token_loss(dense, batch_BL1)) for batch_BL1 in group]
+                for label, group in labelled.items()
             }
-        )
+        every = [loss for group in losses.values() for loss in group]
+        row = {
+            "config": cfg.name,
+            "score": cfg.score,
+            "grouping": cfg.grouping,
+            "scaling": cfg.scaling,
+            "keep": cfg.keep,
+            "groups": cfg.groups,
+            "params": count_model_params(dense).total,
+            "loss": sum(every) / len(every),
+        }
+        if isinstance(batches, Mapping):
+            row["loss_per_label"] = {label: sum(group) / len(group) for label, group in losses.items() if group}
+        rows.append(row)
     return sorted(rows, key=lambda row: row["loss"])
 
 

@@ -79,8 +79,8 @@ def partition_ffn(
         if layer_id not in assignment:
             raise MoeLitError(f"assignment: no neuron assignment for block {layer_id}")
         experts_F = _checked_assignment(assignment[layer_id], cfg.d_ff, num_experts, layer_id)
-        layer = new.blocks[layer_id].ffn
-        copy_neurons(model.blocks[layer_id].ffn, layer, torch.argsort(experts_F, stable=True))
+        layer = new.moe_layer(layer_id)
+        copy_neurons(model.dense_ffn(layer_id), layer, torch.argsort(experts_F, stable=True))
         rows_ED = (routers or {}).get(layer_id)
         if rows_ED is None:
             rows_ED = torch.randn(num_experts, cfg.d_model, generator=generator) * cfg.init_std
@@ -200,12 +200,13 @@ def assign_neurons(
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for layer_id in layer_ids if layer_ids is not None else dense_ffn_ids(model):
-        ffn = model.blocks[layer_id].ffn
+        ffn = model.dense_ffn(layer_id)
         if method == "random":
             out[layer_id] = random_assignment(ffn.w1.weight.shape[0], num_experts, generator)
         elif method == "kmeans":
             out[layer_id] = balanced_kmeans(ffn.w1.weight, num_experts, generator)
         else:
+            assert calibration is not None  # _require_calibration refused None for this method
             magnitudes_TF = neuron_activations(ffn, calibration[layer_id]).abs()
             out[layer_id] = balanced_kmeans(magnitudes_TF.t(), num_experts, generator)
     return out
@@ -228,13 +229,14 @@ def build_routers(
     generator = torch.Generator().manual_seed(seed)
     rows = {}
     for layer_id, experts_F in assignment.items():
-        ffn = model.blocks[layer_id].ffn
+        ffn = model.dense_ffn(layer_id)
         w1_FD = ffn.w1.weight.detach().float().cpu()
         if kind == "random":
             rows[layer_id] = torch.randn(num_experts, w1_FD.shape[1], generator=generator) * model.config.init_std
             continue
         rows[layer_id] = _group_means(w1_FD, experts_F.long().cpu(), num_experts)
         if kind == "trained":
+            assert calibration is not None  # _require_calibration refused None for this kind
             rows[layer_id] = _train_router(ffn, rows[layer_id], experts_F, calibration[layer_id], steps, lr)
     return rows
 

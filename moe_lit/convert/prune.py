@@ -169,7 +169,7 @@ def prune_experts(model: Transformer, keep: Mapping[int, Sequence[int]], clamp_t
     """The model keeping only ``keep[block]`` experts in every MoE block (``model`` untouched)."""
     new = rebuild(model, pruned_config(model.config, keep, clamp_top_k))
     for block in model.config.moe_layer_ids:
-        _prune_layer(model.blocks[block].ffn, new.blocks[block].ffn, list(keep[block]))
+        _prune_layer(model.moe_layer(block), new.moe_layer(block), list(keep[block]))
     return new
 
 
@@ -189,7 +189,7 @@ def copy_router_rows(old: Router, new: Router, keep: Sequence[int]) -> None:
     """Copy the router rows (and selection biases) of the experts ``keep`` into ``new``."""
     index_E = torch.tensor(list(keep), device=old.layer.weight.device)
     new.layer.weight.copy_(old.layer.weight[index_E])
-    if old.expert_bias is not None:
+    if old.expert_bias is not None and new.expert_bias is not None:
         new.expert_bias.copy_(old.expert_bias[index_E])
 
 

@@ -31,7 +31,7 @@ def neuron_importance(model: Transformer, calibration: Mapping[int, torch.Tensor
     missing = [i for i in dense_ffn_ids(model) if i not in calibration]
     if missing:
         raise MoeLitError(f"calibration: no FFN inputs for dense block(s) {missing}")
-    return {i: neuron_activations(model.blocks[i].ffn, calibration[i]).abs().mean(0) for i in dense_ffn_ids(model)}
+    return {i: neuron_activations(model.dense_ffn(i), calibration[i]).abs().mean(0) for i in dense_ffn_ids(model)}
 
 
 @torch.no_grad()
@@ -44,7 +44,7 @@ def prune_dense_ffn(model: Transformer, calibration: Mapping[int, torch.Tensor],
     new = rebuild(model, model.config.replace(d_ff=keep))
     for layer_id, score_F in importance.items():
         kept_F = torch.sort(torch.topk(score_F, keep).indices).values
-        source, target = model.blocks[layer_id].ffn, new.blocks[layer_id].ffn
+        source, target = model.dense_ffn(layer_id), new.dense_ffn(layer_id)
         kept_F = kept_F.to(source.w1.weight.device)
         target.w1.weight.copy_(source.w1.weight[kept_F])
         target.v1.weight.copy_(source.v1.weight[kept_F])

@@ -57,9 +57,10 @@ def read_meta(root: PathLike) -> dict[str, Any]:
     """``meta.json`` of a prepared directory, or a one-line error saying how to create it."""
     path = Path(root) / META_FILE
     if not path.is_file():
+        looked_at = Path(root).resolve()
         raise MoeLitError(
-            f"data_dir {str(root)!r} holds no prepared data ({META_FILE} missing); "
-            f"create it with: moe-lit data prepare --out {root}"
+            f"data_dir {str(root)!r} holds no prepared data (no {looked_at / META_FILE}); "
+            f"create it with: moe-lit data prepare --out {looked_at}"
         )
     meta = json.loads(path.read_text())
     if meta.get("format") != FORMAT_VERSION:

@@ -35,7 +35,7 @@ from moe_lit.data.layout import (
 )
 from moe_lit.data.tokenizer import DEFAULT_VOCAB_SIZE, EOS, encode_paragraphs, load_tokenizer, train_tokenizer
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory, atomic_write_json
+from moe_lit.io import atomic_directory, atomic_write_json, check_output
 
 CHUNK_TOKENS = 2**20
 """Tokens per litdata chunk (4 MiB of int32); a training block never spans two chunks."""
@@ -68,7 +68,8 @@ class PrepareConfig:
     cache_dir: Path | None = None
     """Package / paragraph cache; default ``$MOE_LIT_CACHE`` or ``~/.cache/moe_lit``."""
     force: bool = False
-    """Rebuild even when ``out`` was prepared with the same settings."""
+    """Rebuild even when ``out`` was prepared with the same settings; replace an ``out`` that holds
+    anything else (refused without it). An ``out`` holding the source or the tokenizer is always refused."""
     progress: bool = True
     """Show progress bars and messages."""
 
@@ -177,8 +178,8 @@ def write_tokens(tokenizer, paragraphs: list[Paragraph], out_dir: Path) -> int:
         encode_paragraphs(tokenizer, [par.text for par in paragraphs[start : start + PARAGRAPHS_PER_ITEM]])
         for start in range(0, len(paragraphs), PARAGRAPHS_PER_ITEM)
     ]
-    # NOTE: "fork" because litdata's default "spawn" re-imports torch in the worker (seconds per
-    # call, 27 calls); the worker only serializes the arrays tokenized here.
+    # NOTE: "fork" because litdata's default "spawn" re-imports torch in the worker on every call;
+    # the worker only serializes the arrays tokenized here.
     litdata.optimize(
         fn=_yield_item,
         inputs=items,
@@ -248,6 +249,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, object]:
             print(f"data already prepared at {cfg.out} with these settings: reusing it (--force rebuilds)")
             print(summary(meta, cfg.out))
         return meta
+    local_source = cfg.source if Path(cfg.source).is_dir() else None
+    check_output(cfg.out, {"--source": local_source, "--tokenizer": cfg.tokenizer}, cfg.force)
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size) if cfg.tokenizer is not None else None
     paragraphs = load_corpus(cfg, languages)
     splits = {split: {lang: [] for lang in languages} for split in SPLITS}

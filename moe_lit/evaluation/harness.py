@@ -22,6 +22,9 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +67,22 @@ GENERIC_DIRS = ("checkpoints", "models")
 
 
 def checkpoint_name(checkpoint: str | Path) -> str:
-    """A results folder name: ``<run dir>-<file stem or export dir>``, e.g. ``demo-tiny-moe`` for
-    ``results/demo/models/tiny-moe`` and ``<run>-last`` for ``<run>/checkpoints/last.ckpt``."""
+    """A results folder name: ``<run dir>-<file stem or export dir>-<hash>``, e.g.
+    ``demo-tiny-moe-1a2b3c4d`` for ``results/demo/models/tiny-moe`` and ``<run>-last-<hash>`` for
+    ``<run>/checkpoints/last.ckpt``; the hash is of the absolute path, so two runs never share one."""
     checkpoint = Path(checkpoint).resolve()
     run = checkpoint.parent.parent if checkpoint.parent.name in GENERIC_DIRS else checkpoint.parent
-    return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}"
+    digest = hashlib.sha1(str(checkpoint).encode()).hexdigest()[:8]
+    return f"{run.name}-{checkpoint.stem if checkpoint.is_file() else checkpoint.name}-{digest}"
+
+
+RUNS_DIR = Path("runs")
+"""Default root of what eval and analyze write (untracked; the repo's ``results/`` holds curated results)."""
+
+
+def default_out(checkpoint: str | Path, kind: str) -> Path:
+    """``runs/<kind>/<checkpoint_name>``: the default ``--out`` of ``eval`` and ``analyze``."""
+    return RUNS_DIR / kind / checkpoint_name(checkpoint)
 
 
 def stored_tokenizer(checkpoint: str | Path) -> Path:
@@ -90,7 +104,7 @@ class MoeLitLM(TemplateLM):
         checkpoint: str | Path | None = None,
         tokenizer: str | Path | Any | None = None,
         batch_size: int | str = 8,
-        device: str = "cpu",
+        device: str = "auto",
         max_length: int | None = None,
         max_gen_toks: int = 256,
         eot_token: str | None = None,
@@ -107,7 +121,7 @@ class MoeLitLM(TemplateLM):
             tokenizer: ``tokenizer.json`` path or a loaded ``tokenizers.Tokenizer``; default: the
                 one stored with the checkpoint.
             batch_size: requests scored per forward.
-            device: torch device of the model.
+            device: torch device of the model; ``auto`` (default): CUDA when available, else CPU.
             max_length: context window in tokens; default the model's ``seq_len``.
             max_gen_toks: generation limit when a task does not set one.
             eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
@@ -121,11 +135,12 @@ class MoeLitLM(TemplateLM):
         """
         super().__init__()
         del max_batch_size
+        from moe_lit.checkpoint import load_model, resolve_device
+
         if (checkpoint is None) == (model is None):
             raise MoeLitError("moe_lit model: pass exactly one of checkpoint=PATH or model=")
+        device = resolve_device(device)
         if model is None:
-            from moe_lit.checkpoint import load_model
-
             model = load_model(checkpoint, map_location=device)
             tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
         if tokenizer is None:
@@ -313,6 +328,38 @@ def _positive_int(value: int | str, name: str) -> int:
     return number
 
 
+def _disabled_tqdm(*args: Any, **kwargs: Any) -> tqdm:
+    return tqdm(*args, **{**kwargs, "disable": True})
+
+
+@contextmanager
+def scoring_bars_only() -> Iterator[None]:
+    """Inside the block lm-eval shows only our scoring bars (one per request type), none per task.
+
+    NOTE: per task, lm-eval draws a `datasets` bar ("Generating test split") and a tqdm bar while it
+    builds the requests (``Task.build_all_requests``), then one while tokenizing
+    (``TemplateLM.loglikelihood``); its API cannot turn them off, and with the local suite's 27 tasks
+    they are most of the console. ``datasets`` has a switch (restored after the block); lm-eval's two
+    module-level ``tqdm`` names are swapped for a disabled tqdm inside the block."""
+    import datasets
+    import lm_eval.api.model
+    import lm_eval.api.task
+
+    modules = (lm_eval.api.task, lm_eval.api.model)
+    saved = [module.tqdm for module in modules]
+    datasets_bars = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    for module in modules:
+        module.tqdm = _disabled_tqdm
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved, strict=True):
+            module.tqdm = original
+        if datasets_bars:
+            datasets.enable_progress_bars()
+
+
 def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` on ``lm``; ``options`` go to it (limit, bootstrap_iters, ...).
 
@@ -323,7 +370,8 @@ def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> di
 
     options.setdefault("log_samples", False)
     try:
-        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
+        with scoring_bars_only():
+            results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
     except (ConnectionError, DatasetNotFoundError) as exc:
         raise MoeLitError(
             f"--tasks: a task's dataset is not reachable ({exc}); offline, run a built-in task on a local "
@@ -352,9 +400,11 @@ __all__ = [
     "EOT_CANDIDATES",
     "MoeLitLM",
     "checkpoint_name",
+    "default_out",
     "evaluate",
     "load_tokenizer",
     "resolve_eot_id",
     "result_rows",
+    "scoring_bars_only",
     "stored_tokenizer",
 ]

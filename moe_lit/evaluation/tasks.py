@@ -35,7 +35,8 @@ from typing import Any
 
 from moe_lit.errors import MoeLitError
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "eval" / "templates"
+TEMPLATES_DIR = Path(__file__).parent / "templates"
+"""``eval/templates`` of the checkout (a symlink there), package data in an installed wheel."""
 SUITE_PREFIX = "moe_lit_"
 SUITE_KINDS = {"ppl": "ppl.yaml.in", "next": "next_paragraph.yaml.in", "pairs": "minimal_pairs.yaml.in"}
 SUITE_TAGS = ("moe_lit_suite", *(f"{SUITE_PREFIX}{kind}" for kind in SUITE_KINDS))
@@ -281,7 +282,7 @@ def render_template(template: str, out_file: Path, **values: str) -> Path:
     """Substitute ``values`` (JSON-quoted, so any path is valid YAML) into ``eval/templates/<template>``."""
     source = TEMPLATES_DIR / template
     if not source.is_file():
-        raise MoeLitError(f"eval templates: {source} is missing (run from a source checkout)")
+        raise MoeLitError(f"eval templates: {source} is missing (a broken install: reinstall moe_lit)")
     quoted = {k: (v if k in ("lang_key", "task") else json.dumps(v)) for k, v in values.items()}
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(string.Template(source.read_text()).substitute(quoted))
@@ -330,12 +331,12 @@ def _builtin_yaml_texts():
 
 def builtin_task_yaml(name: str) -> Path:
     """The built-in lm-eval YAML that defines task ``name`` (a leaf task, not a group)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    from moe_lit._compat import load_task_yaml
 
-    # NOTE: a text scan of lm-eval's task dir takes ~2 s; TaskManager's full index takes >10 s.
+    # NOTE: a text scan of lm-eval's task dir, because TaskManager's full index parses every task (slow).
     pattern = re.compile(rf"^task:\s*['\"]?{re.escape(name)}['\"]?\s*$", re.MULTILINE)
     for path, text in _builtin_yaml_texts():
-        if pattern.search(text) and load_yaml(path, resolve_func=False).get("task") == name:
+        if pattern.search(text) and load_task_yaml(path).get("task") == name:
             return path
     raise MoeLitError(f"--task-data: {name!r} is not a built-in lm-eval task (a leaf task such as xcopa_it)")
 

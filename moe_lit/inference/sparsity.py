@@ -380,6 +380,35 @@ def text_calibration(tokenizer, path: Any, seq_len: int, max_tokens: int) -> lis
 
 
 # ---------------------------------------------------------------------- statistics and loss
+Counts = dict[tuple[str, str, int], list[float]]
+
+
+def _inactive_counter(thresholds: Sequence[Thresholds], counts: Sequence[Counts], language: str):
+    """A :func:`scores_hook` callback adding, per thresholds, routed tokens and inactive fractions."""
+
+    def count(name: str, expert: int, scores_pF: torch.Tensor) -> None:
+        for limits, into in zip(thresholds, counts, strict=True):
+            entry = into.setdefault((language, name, expert), [0.0, 0.0])
+            entry[0] += scores_pF.shape[0]
+            entry[1] += float((scores_pF <= limits.values[name][expert]).sum()) / scores_pF.shape[1]
+
+    return count
+
+
+def _statistics_rows(counts: Counts) -> list[dict[str, Any]]:
+    return [
+        {"language": language, "ffn": name, "expert": expert, "assignments": int(n), "inactive": inactive / n}
+        for (language, name, expert), (n, inactive) in counts.items()
+    ]
+
+
+def _one_rule(thresholds: Sequence[Thresholds]) -> Rule:
+    rules = {t.rule for t in thresholds}
+    if len(rules) != 1:
+        raise ConfigError(f"sparsity.rule: the thresholds must share one rule, got {sorted(rules)}")
+    return rules.pop()
+
+
 @torch.inference_mode()
 def sparsity_statistics(
     model: nn.Module, thresholds: Thresholds, batches_by_language: Mapping[str, Iterable[torch.Tensor]]
@@ -389,22 +418,28 @@ def sparsity_statistics(
     Rows: ``language, ffn, expert, assignments`` (routed tokens), ``inactive`` (fraction of their
     neuron activations at or below the threshold). Sort by ``inactive`` for the sparsest experts.
     """
-    counts: dict[tuple[str, str, int], list[float]] = {}
+    counts: Counts = {}
     device = next(model.parameters()).device
     for language, batches in batches_by_language.items():
-
-        def count(name: str, expert: int, scores_pF: torch.Tensor, language: str = language) -> None:
-            entry = counts.setdefault((language, name, expert), [0.0, 0.0])
-            entry[0] += scores_pF.shape[0]
-            entry[1] += float((scores_pF <= thresholds.values[name][expert]).sum()) / scores_pF.shape[1]
-
-        with scores_hook(model, thresholds.rule, count):
+        with scores_hook(model, thresholds.rule, _inactive_counter([thresholds], [counts], language)):
             for idx_BL in batches:
                 model(idx_BL.to(device))
-    return [
-        {"language": language, "ffn": name, "expert": expert, "assignments": int(n), "inactive": inactive / n}
-        for (language, name, expert), (n, inactive) in counts.items()
-    ]
+    return _statistics_rows(counts)
+
+
+@torch.inference_mode()
+def dense_loss_and_statistics(
+    model: nn.Module, thresholds: Sequence[Thresholds], eval_by_language: Mapping[str, Sequence[torch.Tensor]]
+) -> tuple[dict[str, float], list[list[dict[str, Any]]]]:
+    """The dense model's :func:`mean_loss` per language and, from the same forwards, the
+    :func:`sparsity_statistics` rows of every thresholds (one pass for all targets)."""
+    counts: list[Counts] = [{} for _ in thresholds]
+    rule = _one_rule(thresholds)
+    dense = {}
+    for language, batches in eval_by_language.items():
+        with scores_hook(model, rule, _inactive_counter(thresholds, counts, language)):
+            dense[language] = mean_loss(model, batches)
+    return dense, [_statistics_rows(c) for c in counts]
 
 
 @torch.inference_mode()
@@ -422,6 +457,39 @@ def mean_loss(model: nn.Module, batches: Iterable[torch.Tensor]) -> float:
     return total / count
 
 
+def sample_loss_curve(
+    model: nn.Module,
+    sample: ScoreSample,
+    eval_by_language: Mapping[str, Sequence[torch.Tensor]],
+    targets: Sequence[float],
+    granularity: Granularity = "layer",
+) -> tuple[list[dict[str, Any]], dict[float, list[dict[str, Any]]]]:
+    """:func:`sparsity_loss_curve` from a calibration sample, with the :func:`sparsity_statistics`
+    rows of every target (target -> rows) measured on the evaluation tokens."""
+    thresholds = [thresholds_at(sample, target, granularity) for target in targets]
+    dense, statistics = dense_loss_and_statistics(model, thresholds, eval_by_language)
+    rows = []
+    for target, limits, stats in zip(targets, thresholds, statistics, strict=True):
+        sparse = sparsify(model, limits)
+        for language, batches in eval_by_language.items():
+            mine = [r for r in stats if r["language"] == language]
+            weight = sum(r["assignments"] for r in mine)
+            loss = mean_loss(sparse, batches)
+            rows.append(
+                {
+                    "target": target,
+                    "rule": sample.rule,
+                    "granularity": granularity,
+                    "language": language,
+                    "loss": loss,
+                    "dense_loss": dense[language],
+                    "increase": loss / dense[language] - 1.0,
+                    "inactive": sum(r["inactive"] * r["assignments"] for r in mine) / max(weight, 1),
+                }
+            )
+    return rows, dict(zip(targets, statistics, strict=True))
+
+
 def sparsity_loss_curve(
     model: nn.Module,
     calibration: Iterable[torch.Tensor],
@@ -435,32 +503,10 @@ def sparsity_loss_curve(
 
     One calibration sample serves every target. Rows: ``target, rule, granularity, language, loss,
     dense_loss, increase`` (relative loss increase, 0.01 = 1%) and ``inactive`` (mean inactive
-    fraction over the language's routed activations).
+    fraction over the language's routed activations, on the evaluated positions).
     """
     sample = collect_scores(model, calibration, rule, calibration_tokens)
-    dense = {language: mean_loss(model, batches) for language, batches in eval_by_language.items()}
-    rows = []
-    for target in targets:
-        thresholds = thresholds_at(sample, target, granularity)
-        sparse = sparsify(model, thresholds)
-        stats = sparsity_statistics(model, thresholds, eval_by_language)
-        for language, batches in eval_by_language.items():
-            mine = [r for r in stats if r["language"] == language]
-            weight = sum(r["assignments"] for r in mine)
-            loss = mean_loss(sparse, batches)
-            rows.append(
-                {
-                    "target": target,
-                    "rule": rule,
-                    "granularity": granularity,
-                    "language": language,
-                    "loss": loss,
-                    "dense_loss": dense[language],
-                    "increase": loss / dense[language] - 1.0,
-                    "inactive": sum(r["inactive"] * r["assignments"] for r in mine) / max(weight, 1),
-                }
-            )
-    return rows
+    return sample_loss_curve(model, sample, eval_by_language, targets, granularity)[0]
 
 
 def highest_target_within(rows: Sequence[Mapping[str, Any]], max_increase: float = 0.01) -> float | None:

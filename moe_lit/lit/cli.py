@@ -9,13 +9,31 @@ Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: 
 rewritten every 100 steps; ``--checkpoint.*`` changes it), a ``routing`` monitor
 (RoutingMonitor), a ``divergence`` guard (DivergenceGuard: a non-finite loss stops the run with one
 line and exit 2; ``--divergence.policy skip`` skips such steps instead), a ThroughputMonitor
-(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a RichProgressBar (unless
-``trainer.enable_progress_bar`` is false) and a CSV logger under ``runs/``
+(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a progress bar (MoEProgressBar: step /
+max_steps, loss, ce, aux losses, lr, tokens/s, load imbalance; unless ``trainer.enable_progress_bar``
+is false), a model summary with the analytic FLOPs per token (MoEModelSummary; unless
+``trainer.enable_model_summary`` is false) and a CSV logger in the run directory
 (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
-``--trainer.default_root_dir DIR`` puts the run's logs, ``config.yaml`` and checkpoints under DIR
-instead of ``runs/``. ``--ckpt_path`` checkpoints load with ``weights_only=True``.
-Resume a run with ``moe-lit fit --config ... --ckpt_path .../last.ckpt``; with ``--ckpt_path`` the
-model section comes from the checkpoint's hyper-parameters.
+
+Every run writes into one run directory (``--out DIR``, or ``--trainer.default_root_dir DIR``, or
+the ``save_dir`` of a logger configured with one; by default the run holding ``--ckpt_path``,
+else ``runs/<first --config's stem>``, else ``runs/<subcommand>``), with a fixed layout::
+
+    DIR/checkpoints/last.ckpt           the checkpoints (printed at the end of fit)
+    DIR/logs/<segment>/metrics.csv      one log folder per invocation, with its config.yaml
+
+``<segment>`` is ``fit`` for a fresh run, ``fit-step<N>`` for a resume from a checkpoint at step
+N, ``validate-step<N>`` / ``test-step<N>`` for an evaluation of one: a name that follows from
+the inputs, so a resume or validate never opens a new ``version_N`` and a rerun of the same
+command replaces its own log. A fresh ``fit`` refuses a non-empty DIR unless ``--force``.
+
+``--ckpt_path`` takes a Lightning ``.ckpt`` (loaded with ``weights_only=True``; resume with
+``moe-lit fit --config ... --ckpt_path DIR/checkpoints/last.ckpt``) or an exported directory
+(fit starts from its weights, validate and test evaluate them). The model section and, unless
+given, ``data.seq_len`` come from it, so ``moe-lit validate --ckpt_path CK --data.data_dir D``
+needs no config.
+
+``validate`` and ``test`` print one table, a row per language (loss and perplexity), then overall.
 
 A config mistake (unknown key, wrong type, invalid value) prints one line naming the key and exits
 with status 2, like every other ``moe-lit`` error.
@@ -24,19 +42,29 @@ with status 2, like every other ``moe-lit`` error.
 from __future__ import annotations
 
 import argparse
+import codecs
+import inspect
+import os
 import re
+import shutil
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from jsonargparse import ActionYesNo
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from moe_lit._compat import require_tested
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
-from moe_lit.checkpoint import read_lightning_checkpoint
+from moe_lit.callbacks.compile import CompileBlocks
+from moe_lit.checkpoint import checkpoint_config, load_config, load_model, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
+from moe_lit.io import check_output
+from moe_lit.lit.console import MoEModelSummary, MoEProgressBar, evaluation_table, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.runner import throughput_monitor
@@ -45,7 +73,7 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves itself (``last``: the newest checkpoint of the run's
 ModelCheckpoint, or a fresh start when there is none); it loads them with weights_only=True too."""
 DEFAULT_LOG_DIR = "runs"
-"""Where a run's logs and checkpoints go unless ``--trainer.default_root_dir`` says otherwise."""
+"""The parent of the default run directories (``runs/<config stem>``)."""
 CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": 0}
 
 
@@ -62,6 +90,17 @@ class MoELightningCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         for name, help_text in TRAIN_FIELDS.items():
             parser.add_argument(f"--train.{name}", type=int | None, default=None, help=help_text)
+        parser.add_argument(
+            "--out",
+            type=str | None,
+            default=None,
+            help="run directory: checkpoints/, logs/<segment>/ (default: the run of --ckpt_path, "
+            "else runs/<first --config's stem>, else runs/<subcommand>); same as --trainer.default_root_dir",
+        )
+        parser.add_argument(
+            "--force", action=ActionYesNo, default=False, help="fit: replace a non-empty --out (a fresh run)"
+        )
+        parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -69,13 +108,18 @@ class MoELightningCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as exc:
             raise MoeLitError(config_error_line(str(exc))) from exc
+        except UnicodeDecodeError as exc:  # e.g. a .ckpt given to --config
+            raise MoeLitError(f"{binary_argument(args)}: not a YAML file; a checkpoint goes to --ckpt_path") from exc
         validate_module_config(self._section()["model"])
         apply_train_section(self._section())
+        absolute_data_dir(self._section()["data"])
 
     @override
     def _parse_ckpt_path(self) -> None:
         # NOTE: `--ckpt_path` is read first by our loader (weights_only=True, one line naming the file
         # when it is missing, corrupt or holds code), then Lightning parses its hyper-parameters.
+        # Lightning's hook is private: a rename would skip this check silently.
+        require_tested("lightning")
         section = self._section()
         if section.get("weights_only") is False:
             raise MoeLitError(
@@ -84,9 +128,24 @@ class MoELightningCLI(LightningCLI):
         if "weights_only" in section:
             section["weights_only"] = True
         ckpt_path = section.get("ckpt_path")
+        self.exported: Path | None = None
+        self.start_step: int | None = None
+        trained: ModelConfig | None = None
         if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES and not str(ckpt_path).startswith("registry"):
-            read_lightning_checkpoint(ckpt_path)
+            if Path(ckpt_path).is_dir():
+                # NOTE: Lightning resumes from files only; an export's config goes in the model
+                # section here and its weights into the module before the run (_start_from_export).
+                self.exported, section["ckpt_path"], trained = Path(ckpt_path), None, load_config(ckpt_path)
+                model = {"model": {"model": trained.to_dict()}}
+                self.config = self.parser.parse_object({self.config["subcommand"]: model}, self.config)
+            else:
+                checkpoint = read_lightning_checkpoint(ckpt_path)
+                self.start_step, trained = checkpoint.get("global_step"), checkpoint_config(checkpoint, ckpt_path)
+        default_seq_len = self._section()["data"]["seq_len"] == data_default("seq_len")
         super()._parse_ckpt_path()
+        if trained is not None and default_seq_len:
+            # NOTE: the link data.seq_len -> model.model.seq_len ran at parse time, with the default.
+            self._section()["data"]["seq_len"] = self._section()["model"]["model"]["seq_len"] = trained.seq_len
 
     def _section(self) -> Any:
         """The parsed config of the running subcommand."""
@@ -94,13 +153,40 @@ class MoELightningCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        # NOTE: the default RichProgressBar goes when the config turns the progress bar off
-        # (Lightning refuses a progress-bar callback with enable_progress_bar=False).
+        # NOTE: the default progress bar goes when the config turns the progress bar off
+        # (Lightning refuses a progress-bar callback with enable_progress_bar=False); the summary
+        # likewise with enable_model_summary=False (Lightning would still run a given one).
         trainer = self._section()["trainer"]
-        if trainer.get("enable_progress_bar") is False:
-            callbacks = self.trainer_defaults.get("callbacks", [])
-            self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, RichProgressBar)]
-        follow_root_dir(trainer)
+        for flag, kind in (("enable_progress_bar", RichProgressBar), ("enable_model_summary", ModelSummary)):
+            if trainer.get(flag) is False:
+                callbacks = self.trainer_defaults.get("callbacks", [])
+                self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, kind)]
+        if (self._section().get("train") or {}).get("compile"):
+            # NOTE: trainer_defaults' callbacks come after the configured ones (upcycling swaps included).
+            self.trainer_defaults["callbacks"] = [*self.trainer_defaults.get("callbacks", []), CompileBlocks()]
+        subcommand = self.config["subcommand"]
+        run_dir = use_run_dir(self._section(), subcommand, self.start_step)
+        if subcommand == "fit":
+            prepare_fit_dir(run_dir, self._section().get("ckpt_path"), self.exported, self._section()["force"])
+
+    def validate(self, **kwargs: Any) -> None:
+        """``trainer.validate``, its metrics printed as one table (a row per language)."""
+        self._evaluate("val", self.trainer.validate, kwargs)
+
+    def test(self, **kwargs: Any) -> None:
+        """``trainer.test``, its metrics printed as one table (a row per language)."""
+        self._evaluate("test", self.trainer.test, kwargs)
+
+    def _evaluate(self, stage: str, method: Any, kwargs: dict[str, Any]) -> None:
+        # NOTE: Lightning's own printout repeats the epoch-level metrics under one column per
+        # dataloader (language) without naming them; the table names the languages instead.
+        results = method(**{**kwargs, "verbose": False})
+        if not results or not self.trainer.is_global_zero:
+            return
+        from moe_lit.accounting import markdown_table
+
+        languages = self.model.language_names(len(results))
+        print(markdown_table(evaluation_table(results[0], stage, languages)))
 
     @override
     def instantiate_classes(self) -> None:
@@ -110,7 +196,38 @@ class MoELightningCLI(LightningCLI):
         except MoeLitError:
             raise
         except (argparse.ArgumentError, ValueError, TypeError) as exc:
-            raise MoeLitError(config_error_line(str(exc))) from exc
+            line = config_error_line(str(exc))
+            if "`tensorboard`" in line:
+                # NOTE: tensorboard is an extra, only Lightning's TensorBoardLogger uses it.
+                line += " (TensorBoardLogger: pip install 'moe_lit[tensorboard]')"
+            raise MoeLitError(line) from exc
+
+    def before_fit(self) -> None:
+        self._start_from_export()
+
+    def before_validate(self) -> None:
+        self._start_from_export()
+
+    def before_test(self) -> None:
+        self._start_from_export()
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            checkpoint = self.trainer.checkpoint_callback
+            path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
+            print(f"fit: checkpoint {path or '(none written)'}; logs {self.trainer.log_dir}", flush=True)
+
+    def _start_from_export(self) -> None:
+        """The weights of an exported ``--ckpt_path`` directory, into the module built from its config."""
+        if self.exported is None:
+            return
+        try:
+            self.model.model.load_state_dict(load_model(self.exported).state_dict())
+        except RuntimeError as exc:
+            raise MoeLitError(
+                f"--ckpt_path: the weights of {self.exported} do not fit the configured model (is data.vocab_size "
+                f"{self.model.config.vocab_size} its vocabulary?)"
+            ) from exc
 
 
 TRAIN_FIELDS = {
@@ -121,6 +238,7 @@ TRAIN_FIELDS = {
     "seed": "seed of the run (seed_everything)",
 }
 """The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
+TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
 
 
 def apply_train_section(section: Any) -> None:
@@ -147,6 +265,29 @@ def apply_train_section(section: Any) -> None:
         section["seed_everything"] = cfg.seed
 
 
+def binary_argument(args: Any) -> str:
+    """The first command-line value naming a file that is not UTF-8 text (``a config file`` if none)."""
+    for value in args if isinstance(args, list | tuple) else []:
+        path = Path(str(value))
+        try:
+            if path.is_file():
+                with path.open("rb") as handle:  # a cut multi-byte character at the end is fine (final=False)
+                    codecs.getincrementaldecoder("utf-8")().decode(handle.read(4096))
+        except UnicodeDecodeError:
+            return str(path)
+        except OSError:
+            continue
+    return "a config file"
+
+
+def absolute_data_dir(data: Any) -> None:
+    """``data.data_dir`` as the absolute path it resolved to (against its config file or the cwd),
+    so that the saved ``config.yaml`` and the checkpoint name the same directory from anywhere."""
+    data_dir = data.get("data_dir")
+    if isinstance(data_dir, os.PathLike):
+        data["data_dir"] = type(data_dir)(os.path.normpath(os.fspath(data_dir)))
+
+
 def validate_module_config(model_section: Any) -> None:
     """Build the model and optim dataclasses once, right after parsing, so that their ConfigError
     (one line naming the field) comes before any run output; the linked vocab size is checked later."""
@@ -154,22 +295,70 @@ def validate_module_config(model_section: Any) -> None:
     OptimConfig(**model_section["optim"].as_dict())
 
 
-def follow_root_dir(trainer: Any) -> None:
-    """``trainer.default_root_dir`` decides where the run's logs, config and checkpoints go.
+def data_default(name: str) -> Any:
+    """The default of a MoEDataModule argument."""
+    from moe_lit.lit.datamodule import MoEDataModule
 
-    NOTE: the logger's ``save_dir`` defaults to ``runs`` (so a run without either option lands in
-    ``runs/``); Lightning puts checkpoints under the logger's directory, so that default would win
-    over ``default_root_dir``. A ``save_dir`` the user set to anything else still wins."""
-    root, logger = trainer.get("default_root_dir"), trainer.get("logger")
-    init_args = getattr(logger, "init_args", None)
-    if root is not None and init_args is not None and getattr(init_args, "save_dir", None) == DEFAULT_LOG_DIR:
-        init_args.save_dir = str(root)
+    return inspect.signature(MoEDataModule).parameters[name].default
+
+
+def run_dir_of(section: Any, subcommand: str) -> Path:
+    """``--out``, else ``trainer.default_root_dir``, else a ``save_dir`` given to the logger, else
+    the run holding ``--ckpt_path`` (``<run>/checkpoints/x.ckpt``), else ``runs/<first --config's
+    stem>``, else ``runs/<subcommand>``."""
+    save_dir = getattr(getattr(section["trainer"].get("logger"), "init_args", None), "save_dir", None)
+    custom_save_dir = save_dir if save_dir not in (None, DEFAULT_LOG_DIR) else None
+    chosen = section.get("out") or section["trainer"].get("default_root_dir") or custom_save_dir
+    if chosen:
+        return Path(chosen)
+    ckpt_path = section.get("ckpt_path")
+    if ckpt_path and Path(ckpt_path).is_file() and Path(ckpt_path).parent.name == "checkpoints":
+        return Path(ckpt_path).parent.parent
+    configs = section.get("config") or []
+    return Path(DEFAULT_LOG_DIR) / (Path(str(configs[0])).stem if configs else subcommand)
+
+
+def use_run_dir(section: Any, subcommand: str, start_step: int | None) -> Path:
+    """Point the trainer, the default logger and the checkpoint callback at the run directory.
+
+    NOTE: the logger's name and version are fixed (``logs/<segment>``) instead of Lightning's
+    counter, and the checkpoints live beside the logs, not inside one version's folder, so a resume
+    finds and continues the same ``checkpoints/``. A logger the user configured keeps its own
+    ``save_dir``/``name``/``version`` wherever they differ from the defaults."""
+    run_dir = run_dir_of(section, subcommand)
+    trainer = section["trainer"]
+    trainer["default_root_dir"] = str(run_dir)
+    init_args = getattr(trainer.get("logger"), "init_args", None)
+    if init_args is not None and getattr(init_args, "save_dir", None) == DEFAULT_LOG_DIR:
+        init_args.save_dir = str(run_dir)
+        if getattr(init_args, "name", None) in ("lightning_logs", "default"):
+            init_args.name = "logs"
+        if getattr(init_args, "version", None) is None:
+            init_args.version = subcommand if start_step is None else f"{subcommand}-step{start_step}"
+    if section["checkpoint"].get("dirpath") is None:
+        section["checkpoint"]["dirpath"] = str(run_dir / "checkpoints")
+    return run_dir
+
+
+def prepare_fit_dir(run_dir: Path, ckpt_path: Any, exported: Path | None, force: bool) -> None:
+    """A resume (``--ckpt_path`` inside the run) continues ``run_dir``; a fresh fit needs it absent
+    or empty, or ``--force`` (which removes it first; never the working directory or its parents)."""
+    resolved = run_dir.resolve()
+    source = Path(ckpt_path).resolve() if ckpt_path and Path(ckpt_path).is_file() else None
+    if source is not None and resolved in source.parents:
+        return
+    check_output(run_dir, {"--ckpt_path": exported}, force)
+    if force and run_dir.exists():
+        cwd = Path.cwd().resolve()
+        if resolved == cwd or resolved in cwd.parents:
+            raise MoeLitError(f"--out: {run_dir} holds the working directory; --force never removes it")
+        shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
 
 
 def _trainer_defaults() -> dict[str, Any]:
     return {
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
-        "callbacks": [RichProgressBar(), throughput_monitor()],
+        "callbacks": [MoEProgressBar(), MoEModelSummary(), throughput_monitor()],
     }
 
 
@@ -211,7 +400,7 @@ def run_lightning_cli(argv: Sequence[str]) -> int:
     # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), quiet_lightning():
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             _run_cli(argv)

@@ -14,11 +14,13 @@ order, over the fixed (unshuffled) blocks of that split, so every evaluation see
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from jsonargparse.typing import path_type
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
 
@@ -27,6 +29,9 @@ from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.errors import MoeLitError
 
 TRAIN_LOADER_KEY = "train_loader"
+ConfigRelativePath = path_type("")
+"""A path jsonargparse resolves (no existence check): a relative one in a config file against that
+file's directory, on the command line against the working directory (docs/training.md, Paths)."""
 
 
 def collate_tokens(blocks: list[np.ndarray]) -> torch.Tensor:
@@ -39,7 +44,7 @@ class MoEDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data_dir: str,
+        data_dir: ConfigRelativePath | str,
         seq_len: int = 256,
         batch_size: int = 8,
         num_workers: int = 0,
@@ -51,7 +56,8 @@ class MoEDataModule(LightningDataModule):
         """
         Args:
             data_dir: A directory written by ``moe-lit data prepare`` (holds ``meta.json``,
-                ``tokenizer.json`` and one litdata dataset per split and language).
+                ``tokenizer.json`` and one litdata dataset per split and language). Relative:
+                in a config file, to that file's directory; on the command line, to the cwd.
             seq_len: Tokens per training sequence; batches hold ``seq_len + 1`` tokens per row
                 (inputs ``[:, :-1]``, targets ``[:, 1:]``).
             batch_size: Sequences per batch (per device).
@@ -66,6 +72,7 @@ class MoEDataModule(LightningDataModule):
             seed: Seed of the shuffling and of the language sampling.
         """
         super().__init__()
+        data_dir = os.fspath(data_dir)  # a plain str in the hyper-parameters (absolute when from the CLI)
         self.save_hyperparameters()
         meta = read_meta(data_dir)
         _require_int(seq_len, "seq_len", 1)

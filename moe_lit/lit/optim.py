@@ -51,8 +51,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr (cosine and wsd)."""
     implementation: Implementation = "fused"
-    """AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; 11 vs 83 ms per step of an
-    18M-parameter model on 2 CPU threads) | foreach | for_loop (torch's CPU default)."""
+    """AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; the fastest, see
+    docs/performance.md) | foreach | for_loop (torch's CPU default)."""
 
     def __post_init__(self) -> None:
         if self.implementation not in IMPLEMENTATIONS:

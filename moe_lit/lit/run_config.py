@@ -2,7 +2,7 @@
 
 * ``data``: the :class:`~moe_lit.lit.datamodule.MoEDataModule` arguments (same names);
 * ``optim``: :class:`~moe_lit.lit.optim.OptimConfig` (AdamW + LR schedule);
-* ``train``: the budget (tokens or steps), validation and checkpoint cadence, seed;
+* ``train``: the budget (tokens or steps), validation and checkpoint cadence, seed, compile;
 * ``trainer``: extra Lightning ``Trainer`` arguments (precision, accelerator, gradient_clip_val, ...).
 
 The LightningCLI experiment YAMLs use the same sections and names (``data:``, ``train:``,
@@ -123,6 +123,9 @@ class TrainConfig:
     """Optimizer steps between rewrites of checkpoints/last.ckpt (null = val_every)."""
     seed: int = 0
     """Seed of the model initialisation, the data order and the language sampling."""
+    compile: bool = False
+    """torch.compile each transformer block (inductor; the routed experts stay eager): same losses
+    and checkpoints as eager, compile time on the first step (moe_lit.callbacks.compile)."""
 
     def __post_init__(self) -> None:
         if (self.max_tokens is None) == (self.max_steps is None):
@@ -137,6 +140,8 @@ class TrainConfig:
         _positive(self.checkpoint_every, "checkpoint_every", allow_none=True)
         if not _is_int(self.seed):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile: must be true or false, got {self.compile!r}")
 
     def steps(self, tokens_per_step: int) -> int:
         """Optimizer steps of the run."""

@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
+from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
+from moe_lit.lit.console import MoEProgressBar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import RunConfig
@@ -143,18 +145,19 @@ def train_run(
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
-    if run.steps > 0:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
-    else:
-        trainer.validate(module, datamodule=datamodule, verbose=False)
-    # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
-    # is the final weights, so they are saved there too.
-    trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
-    # NOTE: the result is the validation of the final weights. Lightning counts the validation
-    # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
-    # last validation fell on the last step is read from the curve, not computed from the interval.
-    if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+    with quiet_lightning():
+        if run.steps > 0:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+        else:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+        # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
+        # is the final weights, so they are saved there too.
+        trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
+        # NOTE: the result is the validation of the final weights. Lightning counts the validation
+        # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
+        # last validation fell on the last step is read from the curve, not computed from the interval.
+        if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
+            trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
     return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s, curve.curve)
 
@@ -192,8 +195,11 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     log_every = max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
     callbacks.append(DivergenceGuard())
+    if run.train.compile:
+        # NOTE: after the extra callbacks: a model swap at a batch start is compiled in that batch.
+        callbacks.append(CompileBlocks())
     if run.trainer.get("enable_progress_bar", True):
-        callbacks.append(RichProgressBar())
+        callbacks.append(MoEProgressBar())
     kwargs = {
         "max_steps": run.steps,
         "val_check_interval": eval_every,

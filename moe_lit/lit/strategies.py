@@ -1,5 +1,8 @@
 """Distributed training strategies for :class:`~moe_lit.lit.module.MoELitModule`, selectable in YAML.
 
+Thin Lightning glue: the sharding plans, the expert-parallel mesh and the optimizer-state
+renumbering they apply live in :mod:`moe_lit.distributed`.
+
 * ``ddp``: Lightning's ``DDPStrategy`` (CPU with gloo, or GPUs with NCCL); nothing to configure.
 * :class:`FSDPStrategy` (FSDP1, GPUs only): Lightning's FSDPStrategy with one FSDP unit per
   transformer ``Block`` (the MoE layer's router, experts and shared expert shard together),
@@ -10,7 +13,7 @@
   so every parameter the step uses (embeddings, final norm and head included) is sharded. It runs on
   CPU with gloo too. ``MoELitModule.configure_model`` calls :func:`shard_for_strategy`. With
   ``expert_parallel_size`` > 1 it also splits the experts of MegaBlocks MoE layers over groups of
-  consecutive ranks (:func:`apply_expert_parallel`).
+  consecutive ranks (:func:`~moe_lit.distributed.mesh.apply_expert_parallel`).
 
 Every strategy saves a checkpoint with the same ``model.``-prefixed state-dict keys as a
 single-device run (FSDP1 with ``state_dict_type: full`` and FSDP2 by default write one consolidated
@@ -30,17 +33,23 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from moe_lit._compat import (
+    attached_trainer,
+    fsdp_state_dict_type,
+    load_raw_module_state,
+    resolve_data_parallel_size,
+    saves_distributed_checkpoint,
+)
+from moe_lit.distributed.mesh import apply_expert_parallel, expert_parallel_mesh
+from moe_lit.distributed.optim_state import full_optimizer_state, load_full_optimizer_states
+from moe_lit.distributed.sharding import (
+    MixedPrecisionName,
+    apply_fsdp2,
+    check_mixed_precision,
+    fsdp1_mixed_precision,
+)
 from moe_lit.errors import MoeLitError
-from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
-from moe_lit.model.moe import MoELayer
 from moe_lit.model.transformer import Block
-
-MixedPrecisionName = Literal["bf16"] | None
-
-
-def _check_mixed_precision(value: MixedPrecisionName) -> None:
-    if value not in (None, "bf16"):
-        raise MoeLitError(f"strategy.mixed_precision: got {value!r}, allowed values: bf16, null")
 
 
 class FSDPStrategy(_LightningFSDPStrategy):
@@ -62,11 +71,11 @@ class FSDPStrategy(_LightningFSDPStrategy):
             sharding_strategy: FSDP sharding strategy (FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2).
             state_dict_type: full = one consolidated checkpoint file; sharded = one file per rank.
         """
-        _check_mixed_precision(mixed_precision)
+        check_mixed_precision(mixed_precision)
         super().__init__(
             auto_wrap_policy={Block},
             activation_checkpointing_policy={Block} if activation_checkpointing else None,
-            mixed_precision=_fsdp1_mixed_precision() if mixed_precision == "bf16" else None,
+            mixed_precision=fsdp1_mixed_precision() if mixed_precision == "bf16" else None,
             sharding_strategy=sharding_strategy,
             state_dict_type=state_dict_type,
             **kwargs,
@@ -74,7 +83,7 @@ class FSDPStrategy(_LightningFSDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._state_dict_type != "full":
+        if fsdp_state_dict_type(self) != "full":
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -85,12 +94,6 @@ class FSDPStrategy(_LightningFSDPStrategy):
             return super().load_checkpoint(path, weights_only=weights_only)
         # NOTE: FSDP1 loads full optimizer states on every rank (no rank-0 broadcast), as Lightning does.
         return load_full_checkpoint(self, path, weights_only, broadcast_from_rank0=False)
-
-
-def _fsdp1_mixed_precision():
-    from torch.distributed.fsdp import MixedPrecision
-
-    return MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -118,7 +121,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 (MegaBlocks backend only; ep divides the world size and moe.num_experts); the
                 checkpoint keeps the full expert layout. 1 = every rank holds every expert.
         """
-        _check_mixed_precision(mixed_precision)
+        check_mixed_precision(mixed_precision)
         if (
             isinstance(expert_parallel_size, bool)
             or not isinstance(expert_parallel_size, int)
@@ -142,15 +145,14 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        resolve_data_parallel_size(self)
         super().setup_environment()
         if self.expert_parallel_size > 1:
             self.expert_mesh = expert_parallel_mesh(self.root_device.type, self.world_size, self.expert_parallel_size)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._save_distributed_checkpoint:
+        if saves_distributed_checkpoint(self):
             return super().optimizer_state(optimizer)
         return full_optimizer_state(self.model, optimizer)
 
@@ -182,180 +184,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
 
 
-# NOTE: a plain optimizer state dict numbers the parameters in param-group order; Lightning's
-# FSDP2 save/load converts between numbers and names assuming module order, which scrambles the
-# Adam moments of any optimizer with several groups (ours: decay / no decay) when a checkpoint
-# moves between FSDP2 and DDP or one device. These two keep the plain numbering on both sides.
-def optimizer_state_by_id(named_state: dict[str, Any]) -> dict[str, Any]:
-    """Parameter-name keys -> the ids ``torch.optim.Optimizer.state_dict`` would use (group order)."""
-    if not named_state:
-        return named_state  # ranks other than 0 get nothing from a full state dict
-    ids: dict[str, int] = {}
-    groups = []
-    for group in named_state["param_groups"]:
-        groups.append({**group, "params": [ids.setdefault(name, len(ids)) for name in group["params"]]})
-    return {"state": {ids[name]: value for name, value in named_state["state"].items()}, "param_groups": groups}
-
-
-def optimizer_state_by_name(state: dict[str, Any], optimizer: Optimizer, model: nn.Module) -> dict[str, Any]:
-    """A plain (id-keyed) optimizer state -> parameter-name keys, via ``optimizer``'s own groups.
-
-    Names are the unwrapped module's (FSDP1 and activation-checkpoint wrapper prefixes removed).
-    """
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    if not state["state"] or isinstance(next(iter(state["state"])), str):
-        return state
-    # NOTE: torch's own helper, the one FSDP1's optimizer state dicts name parameters with.
-    name_of = {id(p): clean_tensor_name(name) for name, p in model.named_parameters()}
-    if len(state["param_groups"]) != len(optimizer.param_groups):
-        raise MoeLitError(
-            f"checkpoint: optimizer has {len(state['param_groups'])} parameter groups, this run has "
-            f"{len(optimizer.param_groups)}; was it saved with another optimizer config?"
-        )
-    names: dict[int, str] = {}
-    groups = []
-    for saved, ours in zip(state["param_groups"], optimizer.param_groups, strict=False):
-        if len(saved["params"]) != len(ours["params"]):
-            raise MoeLitError("checkpoint: optimizer parameter groups differ in size from this run's")
-        group_names = [name_of[id(p)] for p in ours["params"]]
-        names.update(zip(saved["params"], group_names, strict=False))
-        groups.append({**saved, "params": group_names})
-    return {"state": {names[i]: value for i, value in state["state"].items()}, "param_groups": groups}
-
-
-def full_optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The full optimizer state of a sharded model (FSDP1 or FSDP2) on rank 0, keyed by plain ids."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-    # NOTE: offloading a CPU model's state "to CPU" makes FSDP1 return exp_avg and exp_avg_sq as
-    # one aliased buffer (torch 2.13, measured): offload only from an accelerator. Without
-    # offload every rank gets the full state; Lightning writes rank 0's.
-    on_accelerator = next(model.parameters()).device.type != "cpu"
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
-    return optimizer_state_by_id(get_optimizer_state_dict(model, optimizer, options=options))
-
-
-def load_full_optimizer_states(
-    model: nn.Module,
-    optimizers: list[Optimizer],
-    states: list[dict[str, Any]],
-    broadcast_from_rank0: bool,
-    strict: bool,
-) -> None:
-    """Load plain (id-keyed) full optimizer states, e.g. from any strategy's checkpoint, into a sharded model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0, strict=strict)
-    for state, optimizer in zip(states, optimizers, strict=False):
-        named = optimizer_state_by_name(state, optimizer, model)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=named, options=options)
-
-
 def load_full_checkpoint(
     strategy: Any, path: Path, weights_only: bool | None, broadcast_from_rank0: bool
 ) -> dict[str, Any]:
     """``load_checkpoint`` body of our sharded strategies for a one-file checkpoint (any strategy's)."""
-    from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
     strict = strategy.lightning_module.strict_loading
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    _load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
+    load_raw_module_state(checkpoint.pop("state_dict"), strategy.model, world_size=strategy.world_size, strict=strict)
     states = checkpoint.get("optimizer_states", [])
     load_full_optimizer_states(strategy.model, strategy.optimizers, states, broadcast_from_rank0, strict)
     return checkpoint
 
 
-def expert_parallel_mesh(device_type: str, world_size: int, expert_parallel_size: int) -> Any:
-    """A 2-D DeviceMesh ("expert_data_parallel", "expert_parallel"): ep groups of consecutive ranks.
-
-    Rank r holds the experts of ep rank ``r % ep``; the ranks holding the same experts form an
-    "expert_data_parallel" group, over which (and only over which) those experts' gradients are reduced.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if world_size % expert_parallel_size:
-        raise MoeLitError(
-            f"strategy.expert_parallel_size: {expert_parallel_size} does not divide the world size {world_size}"
-        )
-    shape = (world_size // expert_parallel_size, expert_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("expert_data_parallel", "expert_parallel"))
-
-
-def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
-    """Split every MoE layer's experts over a 1-D expert-parallel mesh (in place, idempotent)."""
-    for name, module in model.named_modules():
-        if not isinstance(module, MoELayer):
-            continue
-        if not isinstance(module.experts, MegaBlocksExperts):
-            raise MoeLitError(
-                f"strategy.expert_parallel_size: {mesh.size()} needs the MegaBlocks backend "
-                f"(moe.backend: megablocks), but {name}.experts is {type(module.experts).__name__}"
-            )
-        module.experts.shard_experts(mesh)
-
-
-def apply_fsdp2(
-    model: nn.Module,
-    mesh: Any,
-    mixed_precision: MixedPrecisionName = None,
-    activation_checkpointing: bool = False,
-    reshard_after_forward: bool = True,
-    experts_mesh: Any = None,
-) -> None:
-    """``fully_shard`` each Block (with optional activation checkpointing), then the whole model.
-
-    With ``experts_mesh`` (expert parallelism), each expert-parallel MegaBlocks ``experts.mlp``
-    first becomes its own unit over that mesh.
-    """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-    _check_mixed_precision(mixed_precision)
-    if isinstance(model, FSDPModule):
-        return
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if experts_mesh is not None:
-        for module in model.modules():
-            if isinstance(module, MegaBlocksExperts) and module.expert_parallel_group is not None:
-                # NOTE: the expert weights (DTensors over the expert-parallel mesh) are sharded and
-                # their gradients averaged over the ranks holding the SAME experts only; MegaBlocks
-                # already scaled them by 1/ep, so together: the mean over every rank's tokens. The
-                # experts' output bias is not expert-parallel and stays in the Block's unit.
-                fully_shard(module.mlp, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
-    for module in model.modules():
-        if isinstance(module, Block):
-            if activation_checkpointing:
-                # NOTE: the composable checkpoint hooks the module in place: unlike
-                # checkpoint_wrapper it adds no submodule, so parameter names stay unchanged.
-                from torch.distributed._composable import checkpoint
-
-                checkpoint(module)
-            fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)
-    # NOTE: the root unit holds what the blocks do not (embeddings, final norm, head); the root
-    # keeps its parameters after the forward, the backward needs the head first anyway.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
-
-
 def shard_for_strategy(module: Any) -> None:
     """``configure_model`` hook body: shard ``module.model`` when the trainer runs FSDP2."""
-    trainer = getattr(module, "_trainer", None)
+    trainer = attached_trainer(module)
     if trainer is not None and isinstance(trainer.strategy, FSDP2Strategy):
         trainer.strategy.shard(module.model)
 
 
-__all__ = [
-    "FSDP2Strategy",
-    "FSDPStrategy",
-    "apply_expert_parallel",
-    "apply_fsdp2",
-    "expert_parallel_mesh",
-    "full_optimizer_state",
-    "load_full_checkpoint",
-    "load_full_optimizer_states",
-    "optimizer_state_by_id",
-    "optimizer_state_by_name",
-    "shard_for_strategy",
-]
+__all__ = ["FSDP2Strategy", "FSDPStrategy", "load_full_checkpoint", "shard_for_strategy"]

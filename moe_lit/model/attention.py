@@ -64,6 +64,9 @@ def qk_norms(cfg: ModelConfig) -> tuple[nn.Module, nn.Module]:
 
 
 class CausalSelfAttention(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim

@@ -42,9 +42,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_C = torch.arange(t_C.shape[0], device=t_C.device)
             probs_CV[rows_C[valid_C], t_C[valid_C]] -= 1.0
             probs_CV.mul_((valid_C.to(probs_CV.dtype) / num_valid).unsqueeze(1))
-            if need_x:
+            if grad_x_ND is not None:
                 grad_x_ND[start : start + chunk_tokens] = probs_CV.to(x_ND.dtype) @ weight_for_x_VD
-            if need_w:
+            if grad_w_VD is not None:
                 grad_w_VD.addmm_(probs_CV.t(), x_CD.float())
         ctx.save_for_backward(grad_x_ND, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype

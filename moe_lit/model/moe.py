@@ -32,14 +32,14 @@ class MoELayer(nn.Module):
         capacity = self.cfg.capacity(x_TD.shape[0])
         y_TD, plan = self.experts(x_TD, routing.weights_TK, routing.indices_TK, capacity)
         if self.shared_expert is not None:
-            y_TD = y_TD + self._shared(x_TD)
+            y_TD = y_TD + self._shared(self.shared_expert, x_TD)
         if self.training:
             self.router.record(plan.routed_counts_E, plan.dropped)
         return y_TD.view_as(x_BLD), self._losses(routing, plan.routed_counts_E)
 
-    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def _shared(self, shared_expert: SwiGLU, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared expert's output, scaled by its sigmoid gate when it has one (Qwen2-MoE)."""
-        out_TD = self.shared_expert(x_TD)
+        out_TD = shared_expert(x_TD)
         if self.shared_expert_gate is None:
             return out_TD
         return torch.sigmoid(self.shared_expert_gate(x_TD)) * out_TD

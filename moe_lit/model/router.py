@@ -16,7 +16,7 @@ counts, dropped assignments and score entropy to the router's pending sums, so t
 micro-batches of an optimizer step; :func:`finish_routing_step` then all-reduces the pending sums
 of every layer in one collective over the data-parallel ranks, stores them as the step's
 :class:`RoutingStats` (the one object the bias update, RoutingMonitor, utility selection and the
-runner read), nudges the selection biases from them and resets the pending sums.
+study records read), nudges the selection biases from them and resets the pending sums.
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ class RoutingStats:
 
 class Router(nn.Module):
     """Learned top-k router; accumulates its training statistics until :func:`finish_routing_step`."""
+
+    # NOTE: buffers, declared for the type checker (nn.Module's __getattr__ types them Tensor | Module).
+    expert_bias: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    step_totals: torch.Tensor
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -205,14 +210,14 @@ def finish_routing_step(
     if not routers or all(p is None for p in pending):
         return False
     like = next(p for p in pending if p is not None)
-    pending = [
+    filled = [
         torch.zeros(r.num_experts + PENDING_EXTRA, dtype=like.dtype, device=like.device) if p is None else p
         for r, p in zip(routers, pending, strict=False)
     ]
-    flat = torch.cat(pending)
+    flat = torch.cat(filled)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, group=group)
-    for router, totals in zip(routers, flat.split([p.numel() for p in pending]), strict=False):
+    for router, totals in zip(routers, flat.split([p.numel() for p in filled]), strict=False):
         router.finish_step(totals, update_biases)
     return True
 

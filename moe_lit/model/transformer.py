@@ -6,8 +6,9 @@ Shape legend: B batch, L sequence, D d_model, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 from torch import nn
@@ -35,8 +36,10 @@ class LMOutput:
     @property
     def aux_loss(self) -> torch.Tensor:
         """Sum of all auxiliary losses (0 for a dense model)."""
-        device = (self.logits_BLV if self.logits_BLV is not None else self.ce).device
-        return sum(self.aux_losses.values(), torch.zeros((), device=device))
+        like = self.logits_BLV if self.logits_BLV is not None else self.ce
+        if like is None:
+            raise ValueError("LMOutput holds neither logits nor ce")
+        return sum(self.aux_losses.values(), torch.zeros((), device=like.device))
 
 
 class Block(nn.Module):
@@ -65,12 +68,27 @@ class Block(nn.Module):
         return x_BLD + ffn_out, losses
 
 
+if TYPE_CHECKING:
+
+    class BlockList(nn.ModuleList):
+        """What the type checker sees of ``Transformer.blocks``: an ``nn.ModuleList`` of :class:`Block`."""
+
+        @overload
+        def __getitem__(self, idx: slice) -> BlockList: ...
+        @overload
+        def __getitem__(self, idx: int) -> Block: ...
+        def __getitem__(self, idx: int | slice) -> Block | BlockList: ...
+        def __iter__(self) -> Iterator[Block]: ...
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # NOTE: a plain ModuleList at run time (every wrapper and checkpoint sees the usual module);
+        # the cast only tells the type checker that its items are Blocks.
+        self.blocks = cast("BlockList", nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers)))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -78,7 +96,21 @@ class Transformer(nn.Module):
         self.reset_parameters()
 
     def moe_layers(self) -> list[MoELayer]:
-        return [block.ffn for block in self.blocks if block.is_moe]
+        return [block.ffn for block in self.blocks if isinstance(block.ffn, MoELayer)]
+
+    def moe_layer(self, layer_id: int) -> MoELayer:
+        """The MoE FFN of block ``layer_id`` (an error for a dense block)."""
+        ffn = self.blocks[layer_id].ffn
+        if not isinstance(ffn, MoELayer):
+            raise TypeError(f"block {layer_id} has a {type(ffn).__name__} FFN, not an MoE layer")
+        return ffn
+
+    def dense_ffn(self, layer_id: int) -> SwiGLU:
+        """The dense SwiGLU FFN of block ``layer_id`` (an error for an MoE block)."""
+        ffn = self.blocks[layer_id].ffn
+        if not isinstance(ffn, SwiGLU):
+            raise TypeError(f"block {layer_id} has a {type(ffn).__name__} FFN, not a dense SwiGLU")
+        return ffn
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -129,4 +161,4 @@ class Transformer(nn.Module):
 
     def routing_stats(self) -> dict[int, RoutingStats]:
         """The last finished step's routing statistics, by block index of each MoE layer."""
-        return {i: block.ffn.router.stats() for i, block in enumerate(self.blocks) if block.is_moe}
+        return {i: block.ffn.router.stats() for i, block in enumerate(self.blocks) if isinstance(block.ffn, MoELayer)}

@@ -7,8 +7,10 @@ spec into :class:`Point` s (``expand``) and the finished records into tables, fi
 * a **point** is one small pipeline: start (from scratch, or from a parent point's checkpoint at
   a step: ``resume`` keeps the whole trainer state, ``init`` only the weights) -> optional
   transform (a pure function of :mod:`moe_lit.convert`) -> train (:func:`~moe_lit.lit.runner.train_run`
-  with the point's callbacks) -> optional measurement. Its hash covers everything that determines
-  it (model, run config, seed, start incl. the parent's hash, transform, callbacks, measurement);
+  with the point's callbacks and, optionally, its own LightningModule, e.g. a distillation module
+  whose frozen teacher is the parent's checkpoint) -> optional measurement. Its hash covers
+  everything that determines it (model, run config, seed, start incl. the parent's hash,
+  transform, module, callbacks, measurement);
   fields left at their defaults are not hashed, so a config that gains a field with a default
   keeps every point's identity;
 * a parent is trained once and keeps a checkpoint at every step a child forks from, so a child
@@ -26,6 +28,7 @@ committed with the results), ``runs/<hash>/`` (checkpoints and logs, git-ignored
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -119,19 +122,35 @@ class Call:
 
 @dataclass(frozen=True)
 class Start:
-    """Where a point's weights come from when not from scratch: a parent point's checkpoint."""
+    """Where a point's weights come from when not from scratch: a parent point's checkpoint, or an
+    existing checkpoint / exported model directory (``path``, e.g. an imported HF model)."""
 
-    parent: str
-    """Name of the parent point (same study)."""
+    parent: str | None = None
+    """Name of the parent point (same study); null with ``path``."""
     step: int | None = None
     """The parent's checkpoint after this many optimizer steps (null: its final weights)."""
     mode: str = "resume"
     """resume: continue the parent's run (weights, optimizer, schedule, data position, step) up to
     this point's budget | init: a new run (fresh optimizer and schedule) from the parent's weights."""
 
+    path: str | None = None
+    """A ``.ckpt`` file or exported model directory (relative to the working directory) instead of a
+    parent; hashed with the size and mtime of its files, so a changed model is a new point."""
+
     def __post_init__(self) -> None:
         if self.mode not in START_MODES:
             raise ConfigError(f"start.mode: got {self.mode!r}, allowed values: {', '.join(START_MODES)}")
+        if (self.parent is None) == (self.path is None):
+            raise ConfigError("start: give exactly one of parent (a point of the study) and path (a model on disk)")
+
+
+def path_fingerprint(path: str | os.PathLike) -> list[list[Any]]:
+    """``[relative file, size, mtime_ns]`` of a file or of every file under a directory (sorted)."""
+    root = Path(path)
+    if not root.exists():
+        raise ConfigError(f"start.path: {root} does not exist")
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    return [[str(f.relative_to(root)) if f != root else f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 @dataclass(frozen=True)
@@ -158,19 +177,31 @@ class Point:
     """Lightning callbacks of the run; one with a ``study_record() -> dict`` method adds its dict to the record."""
     measure: Call | None = None
     """``fn(point, result, run_dir) -> dict`` run after training; its dict joins the record."""
+    module: Call | None = None
+    """``fn(model_cfg, optim, parent=Path | None) -> MoELitModule``: the run's LightningModule
+    (train_run's ``module_factory``); ``parent`` is the checkpoint of the parent point the run
+    starts from (e.g. a distillation teacher), None without a start. Null: the plain LM module."""
     hash: str = ""
     """Filled by :func:`finalize`."""
 
     def identity(self, parent_hash: str | None) -> dict[str, Any]:
+        # NOTE: the module joins the identity only when set, so points without one keep their hashes.
+        module = {"module": self.module.to_dict()} if self.module else {}
         return {
+            **module,
             "model": stable_dict(self.model),
             "run": stable_dict(self.run),
             "seed": self.seed,
-            "start": None if self.start is None else {**stable_dict(self.start), "parent": parent_hash},
+            "start": None if self.start is None else self._start_identity(parent_hash),
             "transform": self.transform.to_dict() if self.transform else None,
             "callbacks": [c.to_dict() for c in self.callbacks],
             "measure": self.measure.to_dict() if self.measure else None,
         }
+
+    def _start_identity(self, parent_hash: str | None) -> dict[str, Any]:
+        if self.start.path is not None:
+            return {**stable_dict(self.start), "files": path_fingerprint(self.start.path)}
+        return {**stable_dict(self.start), "parent": parent_hash}
 
 
 def finalize(points: Sequence[Point]) -> list[Point]:
@@ -186,14 +217,14 @@ def finalize(points: Sequence[Point]) -> list[Point]:
         if point.name in hashes:
             return hashes[point.name]
         parent_hash = None
-        if point.start is not None:
+        if point.start is not None and point.transform is not None and point.start.mode != "init":
+            raise ConfigError(f"{point.name}.transform: needs start.mode init (a resumed run keeps its model)")
+        if point.start is not None and point.start.parent is not None:
             parent = by_name.get(point.start.parent)
             if parent is None:
                 raise ConfigError(f"{point.name}.start.parent: no point named {point.start.parent!r} in the study")
             if parent.name in seen:
                 raise ConfigError(f"{point.name}.start.parent: the parent links form a cycle")
-            if point.transform is not None and point.start.mode != "init":
-                raise ConfigError(f"{point.name}.transform: needs start.mode init (a resumed run keeps its model)")
             parent_hash = hash_of(parent, (*seen, point.name))
         hashes[point.name] = digest(point.identity(parent_hash))
         return hashes[point.name]
@@ -205,7 +236,7 @@ def fork_steps(points: Sequence[Point]) -> dict[str, set[int]]:
     """Parent name -> the steps at which children fork (checkpoints the parent must keep)."""
     steps: dict[str, set[int]] = {}
     for point in points:
-        if point.start is not None and point.start.step is not None:
+        if point.start is not None and point.start.parent is not None and point.start.step is not None:
             steps.setdefault(point.start.parent, set()).add(point.start.step)
     return steps
 
@@ -285,6 +316,11 @@ def default_train_fn() -> TrainFn:
 def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> dict[str, Any]:
     if point.start is None:
         return {}
+    if point.start.path is not None:
+        checkpoint = Path(point.start.path)
+        if not checkpoint.exists():
+            raise MoeLitError(f"{point.name}: start.path {checkpoint} does not exist")
+        return _from_weights(point, checkpoint, out_dir)
     parent = parents[point.start.parent]
     checkpoint = fork_checkpoint(out_dir, parent, point.start.step)
     if not checkpoint.is_file():
@@ -292,6 +328,10 @@ def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> 
             f"{point.name}: the parent's checkpoint {checkpoint} is missing; delete {record_path(out_dir, parent)} "
             "to train the parent again"
         )
+    return _from_weights(point, checkpoint, out_dir)
+
+
+def _from_weights(point: Point, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
     if point.start.mode == "resume":
         return {"resume_from": checkpoint}
     if point.transform is None:
@@ -303,6 +343,18 @@ def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> 
     return {"init_from": transformed}
 
 
+def _module_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> dict[str, Any]:
+    """train_run's ``module_factory`` of a point with its own module (none: train_run's default)."""
+    if point.module is None:
+        return {}
+    parent = None
+    if point.start is not None and point.start.parent is not None:
+        parent = fork_checkpoint(out_dir, parents[point.start.parent], point.start.step)
+    elif point.start is not None:
+        parent = Path(point.start.path)  # a model on disk is the teacher
+    return {"module_factory": functools.partial(point.module, parent=parent)}
+
+
 def _callbacks(point: Point, save_at: Sequence[int], out_dir: Path) -> list[Any]:
     from moe_lit.callbacks.study import SaveAtSteps
 
@@ -310,6 +362,13 @@ def _callbacks(point: Point, save_at: Sequence[int], out_dir: Path) -> list[Any]
     if save_at:
         callbacks.append(SaveAtSteps({s: fork_checkpoint(out_dir, point, s) for s in sorted(save_at)}))
     return callbacks
+
+
+def measure_only(point: Point) -> bool:
+    """A 0-step point started from a path with a measurement runs only the measurement."""
+    # NOTE: a model on disk (e.g. an imported HF model) has its own tokenizer, so validating it on
+    # the study's data could even be refused (another vocabulary); its measurement evaluates it.
+    return point.start is not None and point.start.path is not None and point.run.steps == 0 and bool(point.measure)
 
 
 def run_point(
@@ -332,10 +391,19 @@ def run_point(
     start = time.perf_counter()
     try:
         callbacks = _callbacks(point, save_at, out_dir)
-        train = train_fn or default_train_fn()
-        result = train(
-            point.model, point.run, workdir, callbacks=callbacks, **_start_arguments(point, parents, out_dir)
-        )
+        start_arguments = _start_arguments(point, parents, out_dir)
+        if measure_only(point):
+            result = {"steps": 0, "checkpoint": str(start_arguments["init_from"])}
+        else:
+            train = train_fn or default_train_fn()
+            result = train(
+                point.model,
+                point.run,
+                workdir,
+                callbacks=callbacks,
+                **start_arguments,
+                **_module_arguments(point, parents, out_dir),
+            )
         record.update(status=STATUS_OK, error=None, **_result_fields(result))
         for callback in callbacks:
             if hasattr(callback, "study_record"):
@@ -426,7 +494,7 @@ class _Schedule:
         self.running: set[str] = set()
 
     def parent_status(self, point: Point) -> str:
-        if point.start is None:
+        if point.start is None or point.start.parent is None:
             return STATUS_OK
         parent = self.by_name[point.start.parent]
         if parent.name in self.running or any(p.name == parent.name for p in self.todo):
@@ -571,6 +639,8 @@ __all__ = [
     "Start",
     "digest",
     "finalize",
+    "measure_only",
+    "path_fingerprint",
     "point_record",
     "point_status",
     "read_record",

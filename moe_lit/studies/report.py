@@ -21,6 +21,9 @@ from typing import Any
 from moe_lit.accounting import markdown_table
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json, atomic_write_text
+
+# NOTE: re-exported for the kinds that import them from here; they live in moe_lit.plotting.
+from moe_lit.plotting import pyplot, save_figure
 from moe_lit.studies.engine import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
 from moe_lit.studies.kinds import Analysis, kind_module
 from moe_lit.studies.study import study_from_plan
@@ -118,33 +121,9 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["seeds"] = len(runs)
         row["loss_std"] = statistics.stdev(losses) if len(losses) > 1 else 0.0
         row["_losses"] = losses
+        row["_seeds"] = [r["seed"] for r in runs]
         rows.append(row)
     return rows
-
-
-# ----------------------------------------------------------------------------- plots
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Write ``fig`` to ``path`` atomically (a temporary file renamed into place) and close it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
 
 
 # ----------------------------------------------------------------------------- the report
@@ -239,6 +218,8 @@ def write_report(out_dir: Path, readme: Path | None = None, force: bool = False)
 
 __all__ = [
     "aggregate",
+    "pyplot",
+    "save_figure",
     "flat_row",
     "load_study",
     "runs_csv",

@@ -151,7 +151,8 @@ def ensure_data(study: Study) -> None:
         prepare(study.header.prepare_config())
     data_dir = study.header.run.data.resolved_dir()
     vocab = read_meta(data_dir).get("vocab_size")
-    wrong = sorted({p.model.vocab_size for p in study.points} - {vocab})
+    # NOTE: a measure-only point's model (on disk) brings its own tokenizer; the data is only text to it.
+    wrong = sorted({p.model.vocab_size for p in study.points if not engine.measure_only(p)} - {vocab})
     if wrong:
         raise MoeLitError(
             f"vocab_size: the study's models have {wrong} but data_dir {data_dir!r} has a tokenizer of {vocab}; "

@@ -11,7 +11,7 @@ from moe_lit.checkpoint import load_model
 from moe_lit.config import ConfigError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
 POISONED = "model.blocks.1.attn_norm.weight"

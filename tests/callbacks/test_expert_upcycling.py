@@ -9,7 +9,7 @@ from moe_lit.config import ConfigError
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, schedule="cosine")
 

@@ -11,8 +11,8 @@ from moe_lit.convert.moe_to_dense import MoeToDenseConfig, moe_to_dense
 from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.evaluation.routing_trace import routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.data.conftest import write_corpus
+from tests.helpers.corpus import write_corpus
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

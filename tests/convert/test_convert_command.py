@@ -3,7 +3,7 @@ import torch
 from moe_lit.checkpoint import export_model, load_model
 from moe_lit.cli import main
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def test_upcycle_then_expand_round_trip_through_exported_dirs(tmp_path, capsys):
@@ -58,3 +58,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         == 2
     )
     assert "counts: need 4 integers" in capsys.readouterr().err
+
+
+def test_expand_refuses_its_own_input_and_a_non_empty_out_unless_force(tmp_path, capsys):
+    torch.manual_seed(0)
+    source = tmp_path / "moe"
+    export_model(Transformer(tiny()).eval(), source)
+    before = (source / "model.safetensors").read_bytes()
+    expand = ["convert", "expand", "--checkpoint", str(source), "--factor", "2"]
+    assert main([*expand, "--out", str(source)]) == 2
+    assert main([*expand, "--out", str(source), "--force"]) == 2  # the input is refused even with --force
+    assert main([*expand, "--out", str(source / "inside")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert all("is or contains the input --checkpoint" in line for line in err[:2]) and len(err) == 3
+    assert "lies inside the input --checkpoint" in err[2]
+    assert (source / "model.safetensors").read_bytes() == before and sorted(p.name for p in source.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert main([*expand, "--out", str(out)]) == 2
+    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert (out / "keep.txt").is_file()
+    assert main([*expand, "--out", str(out), "--force"]) == 0
+    assert not (out / "keep.txt").exists() and load_model(out).config.moe.num_experts == 2 * tiny().moe.num_experts

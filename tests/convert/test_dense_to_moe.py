@@ -5,7 +5,7 @@ from moe_lit.config import ConfigError
 from moe_lit.convert import dense_to_moe
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

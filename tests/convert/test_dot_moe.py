@@ -13,7 +13,7 @@ from moe_lit.convert.dot_moe import (
 )
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from moe_lit.convert import allocate_copies, expand_experts, expert_utility, pla
 from moe_lit.convert.common import next_token_loss
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _model(**fields) -> Transformer:

@@ -19,7 +19,7 @@ from moe_lit.convert.prune import prune_experts
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace, routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _trace(indices_MNK, weights_MNK=None, seq_N=None, num_experts=3) -> RoutingTrace:

@@ -26,7 +26,7 @@ from moe_lit.convert.moe_to_dense import (
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace, routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _model(seed=0, **fields) -> Transformer:
@@ -295,3 +295,23 @@ def test_screen_ranks_the_grid_by_pre_distillation_loss():
     assert rows[0]["params"] == count_model_params(dense).total
     with pytest.raises(MoeLitError, match="no batches"):
         screen(model, trace, configs, [])
+    with pytest.raises(MoeLitError, match="no batches"):
+        screen(model, trace, configs, {"en": []})
+
+
+def test_screen_with_labelled_batches_gives_each_label_its_loss():
+    model = _model(num_experts=4, top_k=2)
+    trace = _trace(model, batch=2, length=8)
+    batches = [torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(s)) for s in (5, 6, 7)]
+    configs = [c for c in grid(keep=2, groups=2) if c.score == "frequency"]
+    flat = screen(model, trace, configs, batches)
+    rows = screen(model, trace, configs, {"en": batches[:1], "de": batches[1:]})
+    assert [r["config"] for r in rows] == [r["config"] for r in flat]
+    for row, plain in zip(rows, flat, strict=True):
+        assert row["loss"] == pytest.approx(plain["loss"], rel=1e-6)  # the mean over all batches
+        dense, _ = moe_to_dense(model, trace, next(c for c in configs if c.name == row["config"]))
+        with torch.no_grad():
+            en = float(next_token_loss(dense.eval(), batches[0]))
+            de = (float(next_token_loss(dense, batches[1])) + float(next_token_loss(dense, batches[2]))) / 2
+        assert row["loss_per_label"] == pytest.approx({"en": en, "de": de}, rel=1e-6)
+    assert "loss_per_label" not in flat[0]

@@ -1,4 +1,4 @@
-"""``moe-lit convert moe-to-dense`` end to end on the tiny parallel corpus (fixtures: tests/convert/conftest.py)."""
+"""``moe-lit convert moe-to-dense`` end to end on the tiny parallel corpus (fixtures: tests/helpers/fixtures.py)."""
 
 import json
 

@@ -12,7 +12,7 @@ from moe_lit.convert.partition import (
 )
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

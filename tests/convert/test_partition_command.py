@@ -6,8 +6,8 @@ import torch
 from moe_lit.checkpoint import export_model, load_model
 from moe_lit.cli import main
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.data.conftest import write_corpus
+from tests.helpers.corpus import write_corpus
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

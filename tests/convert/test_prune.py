@@ -8,7 +8,7 @@ from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import ConfigError
 from moe_lit.convert.prune import memory_saved, model_bytes, plan_pruning, prune_experts
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 SETTINGS = [
     dict(),

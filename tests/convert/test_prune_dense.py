@@ -5,7 +5,7 @@ from moe_lit.config import ConfigError
 from moe_lit.convert.calibration import ffn_inputs
 from moe_lit.convert.prune_dense import neuron_importance, prune_dense_ffn
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 @pytest.fixture(scope="module")

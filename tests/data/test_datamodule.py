@@ -11,8 +11,7 @@ from moe_lit.data.layout import read_meta, tokenizer_file
 from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.datamodule import MoEDataModule
-
-from .conftest import VOCAB, language_of
+from tests.helpers.corpus import VOCAB, language_of
 
 SEQ = 16
 

@@ -6,8 +6,8 @@ from moe_lit.data import prepare as prepare_module
 from moe_lit.data.layout import SPLITS, import_litdata, read_meta, text_file, tokenizer_file, tokens_dir
 from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.data.tokenizer import EOS, load_tokenizer
-
-from .conftest import ALPHABETS, FILES, PARAGRAPHS_PER_FILE, VOCAB
+from moe_lit.errors import MoeLitError
+from tests.helpers.corpus import ALPHABETS, FILES, PARAGRAPHS_PER_FILE, VOCAB
 
 LANGS = sorted(ALPHABETS)
 
@@ -98,3 +98,17 @@ def test_reusing_a_tokenizer(prepared, corpus_dir, tmp_path):
     assert meta["languages"] == ["de"]
     assert meta["tokens"]["train"]["de"] == read_meta(prepared)["tokens"]["train"]["de"]
     assert tokenizer_file(tmp_path / "de").read_text() == tokenizer_file(prepared).read_text()
+
+
+def test_other_content_is_refused_unless_force_and_the_source_always(corpus_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    cfg = dict(source=str(corpus_dir), vocab_size=VOCAB, val_fraction=0.1, test_fraction=0.1, progress=False)
+    with pytest.raises(MoeLitError, match="--out: .* exists and is not empty; pass --force"):
+        prepare(PrepareConfig(out=out, **cfg))
+    assert (out / "notes.txt").is_file()
+    with pytest.raises(MoeLitError, match="is or contains the input --source"):
+        prepare(PrepareConfig(out=corpus_dir.parent, force=True, **cfg))
+    prepare(PrepareConfig(out=out, force=True, **cfg))
+    assert not (out / "notes.txt").exists() and read_meta(out)["vocab_size"] == VOCAB

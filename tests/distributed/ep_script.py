@@ -34,7 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe_lit.config import ModelConfig, MoEConfig  # noqa: E402
-from moe_lit.lit.strategies import apply_expert_parallel, apply_fsdp2, expert_parallel_mesh  # noqa: E402
+from moe_lit.distributed.mesh import apply_expert_parallel, expert_parallel_mesh  # noqa: E402
+from moe_lit.distributed.sharding import apply_fsdp2  # noqa: E402
 from moe_lit.model import Transformer  # noqa: E402
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts, megablocks_arguments  # noqa: E402
 from moe_lit.model.moe import MoELayer  # noqa: E402

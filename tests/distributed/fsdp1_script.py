@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from moe_lit.distributed.optim_state import load_full_optimizer_states  # noqa: E402
 from moe_lit.lit.optim import OptimConfig, build_optimizer  # noqa: E402
-from moe_lit.lit.strategies import FSDPStrategy, load_full_optimizer_states  # noqa: E402
+from moe_lit.lit.strategies import FSDPStrategy  # noqa: E402
 from moe_lit.model import Transformer  # noqa: E402
 from moe_lit.model.transformer import Block  # noqa: E402
 from tests.distributed.train_script import CONFIG, tokens  # noqa: E402

@@ -30,3 +30,18 @@ def run_ranks(script: Path, args: list[str], world: int, timeout_s: float) -> No
             proc.kill()  # no-op for finished ranks; a hung rank must not outlive the test
     for rank, (proc, log) in enumerate(zip(procs, logs, strict=False)):
         assert proc.returncode == 0, f"{script.name} rank {rank} failed:\n{log[-4000:]}"
+
+
+TRAIN_SCRIPT = Path(__file__).with_name("train_script.py")
+RUN_TIMEOUT_S = 600
+
+
+def run_script(strategy: str, steps: int, out: Path, resume: Path | None = None, extra: list[str] = ()) -> Path:
+    """One ``train_script.py`` run under ``strategy`` (it launches its own ranks); its checkpoint."""
+    cmd = [sys.executable, str(TRAIN_SCRIPT), "--strategy", strategy, "--steps", str(steps), "--out", str(out), *extra]
+    if resume is not None:
+        cmd += ["--resume", str(resume)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    assert done.returncode == 0, f"{strategy} run failed:\n{done.stderr[-4000:]}"
+    return out / "model.ckpt"

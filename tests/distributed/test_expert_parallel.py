@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lit.distributed.mesh import apply_expert_parallel, expert_parallel_mesh
 from moe_lit.errors import MoeLitError
-from moe_lit.lit.strategies import FSDP2Strategy, apply_expert_parallel, expert_parallel_mesh
+from moe_lit.lit.strategies import FSDP2Strategy
 from moe_lit.model import Transformer
 from moe_lit.model.experts import TorchExperts
 from tests.distributed import ep_script, launch

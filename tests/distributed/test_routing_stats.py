@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import train_script
-from tests.distributed.test_strategies_cpu import run_script
+from tests.distributed.launch import run_script
 
 pytestmark = pytest.mark.slow
 STEPS, ACCUMULATE = 3, 2

@@ -10,31 +10,15 @@ process and each checkpoint, Adam moments included, resumes under another strate
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moe_lit.checkpoint import load_model
 from tests.distributed import train_script
+from tests.distributed.launch import run_script
 
 pytestmark = pytest.mark.slow
-SCRIPT = Path(train_script.__file__)
-TIMEOUT_S = 600
-
-
-def run_script(strategy: str, steps: int, out: Path, resume: Path | None = None, extra: list[str] = ()) -> Path:
-    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--steps", str(steps), "--out", str(out), *extra]
-    if resume is not None:
-        cmd += ["--resume", str(resume)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    assert done.returncode == 0, f"{strategy} run failed:\n{done.stderr[-4000:]}"
-    return out / "model.ckpt"
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ import pytest
 import torch
 import yaml
 
+from moe_lit.distributed.optim_state import optimizer_state_by_id, optimizer_state_by_name
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.optim import OptimConfig, build_optimizer
-from moe_lit.lit.strategies import FSDP2Strategy, FSDPStrategy, optimizer_state_by_id, optimizer_state_by_name
+from moe_lit.lit.strategies import FSDP2Strategy, FSDPStrategy
 from moe_lit.model import Transformer
 from moe_lit.model.transformer import Block
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 TRAINER_DIR = Path(__file__).resolve().parents[2] / "configs" / "trainer"
 

@@ -6,16 +6,16 @@ import torch
 from moe_lit.checkpoint import export_model
 from moe_lit.cli import main
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.evaluation.conftest import LANGUAGES
-from tests.test_checkpoint import CASES, _case, lightning_checkpoint
+from tests.helpers.checkpoints import CASES, bad_checkpoint, lightning_checkpoint
+from tests.helpers.corpus import LANGUAGES
+from tests.helpers.models import tiny
 
 
 def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepared_dir, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = "moe_lit_pairs,moe_lit_ppl_en"
     args = ["eval", "--checkpoint", str(exported), "--tasks", tasks, "--data", str(prepared_dir)]
-    assert main([*args, "--limit", "3", "--bootstrap-iters", "0", "--out-dir", str(tmp_path), "--name", "t"]) == 0
+    assert main([*args, "--limit", "3", "--bootstrap-iters", "0", "--out", str(tmp_path / "t")]) == 0
     results = json.loads((tmp_path / "t" / "results.json").read_text())
     assert set(results["results"]) == {"moe_lit_ppl_en", *(f"moe_lit_pairs_{lang}" for lang in LANGUAGES)}
     assert all(n["effective"] == 3 for task, n in results["n-samples"].items() if "pairs" in task)
@@ -29,7 +29,9 @@ def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepa
 
 def test_eval_errors_are_one_line_exit_2(tmp_path, exported, capsys):
     assert main(["eval", "--checkpoint", str(tmp_path / "missing.ckpt")]) == 2
-    assert main(["eval", "--checkpoint", str(exported), "--tasks", "no_such_task_xyz", "--out-dir", str(tmp_path)]) == 2
+    assert (
+        main(["eval", "--checkpoint", str(exported), "--tasks", "no_such_task_xyz", "--out", str(tmp_path / "o")]) == 2
+    )
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 2
     assert "no such file" in errors[0] and "unknown task 'no_such_task_xyz'" in errors[1]
@@ -60,7 +62,7 @@ def test_tokenizer_errors_are_one_line_naming_the_file(tmp_path, prepared_dir, c
         (broken, "not a readable tokenizer.json"),
     ):
         args = ["eval", "--checkpoint", str(small), "--tokenizer", str(given), "--tasks", "moe_lit_pairs"]
-        assert main([*args, "--data", str(prepared_dir), "--out-dir", str(tmp_path / "res")]) == 2
+        assert main([*args, "--data", str(prepared_dir), "--out", str(tmp_path / "res")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"tokenizer {given}" in err and words in err, err
     assert not (tmp_path / "res").exists()
@@ -77,7 +79,7 @@ def test_bad_checkpoint_files_given_to_eval_and_analyze_are_one_line_naming_the_
         "ckpt": lightning_checkpoint(tmp_path / "run.ckpt", model),
         "export": export_model(model, tmp_path / "export"),
     }
-    path, words = _case(case, tmp_path, files)
+    path, words = bad_checkpoint(case, tmp_path, files)
     given = [
         "--checkpoint",
         str(path),
@@ -87,7 +89,7 @@ def test_bad_checkpoint_files_given_to_eval_and_analyze_are_one_line_naming_the_
         str(prepared_dir / "tokenizer.json"),
     ]
     argv = ["eval", *given, "--tasks", "moe_lit_pairs"] if command == "eval" else ["analyze", "routing", *given]
-    assert main([*argv, "--out-dir", str(tmp_path / "out")]) == 2
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and str(path) in err, err
     assert not (tmp_path / "out").exists()

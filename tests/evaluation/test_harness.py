@@ -116,14 +116,17 @@ def test_user_errors_are_one_line_moe_lit_errors(tmp_path, exported, lm):
         lm.generate_until([request("generate_until", "Open", {"do_sample": True})])
 
 
-def test_checkpoint_names_skip_generic_folders(tmp_path):
-    from moe_lit.evaluation.harness import checkpoint_name
+def test_checkpoint_names_skip_generic_folders_and_never_collide(tmp_path):
+    from moe_lit.evaluation.harness import checkpoint_name, default_out
 
     (tmp_path / "demo" / "models" / "tiny-moe").mkdir(parents=True)
-    (tmp_path / "run7" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "run7" / "checkpoints" / "last.ckpt").write_bytes(b"")
-    assert checkpoint_name(tmp_path / "demo" / "models" / "tiny-moe") == "demo-tiny-moe"
-    assert checkpoint_name(tmp_path / "run7" / "checkpoints" / "last.ckpt") == "run7-last"
+    for run in ("a", "b"):
+        (tmp_path / run / "version_1" / "checkpoints").mkdir(parents=True)
+        (tmp_path / run / "version_1" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert checkpoint_name(tmp_path / "demo" / "models" / "tiny-moe").startswith("demo-tiny-moe-")
+    a, b = (checkpoint_name(tmp_path / run / "version_1" / "checkpoints" / "last.ckpt") for run in ("a", "b"))
+    assert a.startswith("version_1-last-") and b.startswith("version_1-last-") and a != b
+    assert default_out(tmp_path / "demo" / "models" / "tiny-moe", "eval").parts[:2] == ("runs", "eval")
 
 
 def test_sparsity_option_at_zero_keeps_scores_and_needs_calibration(exported, tmp_path):

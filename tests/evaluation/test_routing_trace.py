@@ -5,7 +5,7 @@ from torch import nn
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.routing_trace import RoutingTrace, routing_trace
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def seeded_model(**fields):

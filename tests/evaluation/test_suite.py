@@ -5,7 +5,7 @@ import pytest
 from moe_lit.cli import main
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.suite import suite_scores
-from tests.evaluation.conftest import LANGUAGES
+from tests.helpers.corpus import LANGUAGES
 
 
 def test_suite_scores_equal_the_eval_command_and_chance_is_the_items_own(
@@ -14,7 +14,7 @@ def test_suite_scores_equal_the_eval_command_and_chance_is_the_items_own(
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     scores = suite_scores(tiny_moe, prepared_dir / "tokenizer.json", prepared_dir, limit=4, batch_size=4)
     args = ["eval", "--checkpoint", str(exported), "--tasks", "moe_lit_next,moe_lit_pairs", "--data", str(prepared_dir)]
-    assert main([*args, "--limit", "4", "--bootstrap-iters", "0", "--out-dir", str(tmp_path), "--name", "t"]) == 0
+    assert main([*args, "--limit", "4", "--bootstrap-iters", "0", "--out", str(tmp_path / "t")]) == 0
     results = json.loads((tmp_path / "t" / "results.json").read_text())["results"]
     expected = {task: m["acc,none"] for task, m in results.items() if "acc,none" in m}
     assert scores["tasks"] == pytest.approx(expected) and len(expected) == 2 * len(LANGUAGES)

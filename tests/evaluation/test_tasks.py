@@ -7,7 +7,7 @@ import pytest
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.harness import MoeLitLM, evaluate, result_rows
 from moe_lit.evaluation.tasks import SuiteConfig, build_items, read_parallel, resolve_tasks
-from tests.evaluation.conftest import LANGUAGES, PARAGRAPHS
+from tests.helpers.corpus import LANGUAGES, PARAGRAPHS
 
 FIXTURES = Path(__file__).resolve().parents[2] / "eval" / "fixtures"
 

@@ -14,7 +14,7 @@ from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from moe_lit.model.experts import resolve_backend
 from moe_lit.model.experts.megablocks_backend import import_megablocks, unsupported_reason
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 NO_MEGABLOCKS = pytest.mark.skipif(importlib.util.find_spec("megablocks") is not None, reason="megablocks is installed")
 

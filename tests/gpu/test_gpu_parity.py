@@ -22,7 +22,7 @@ from moe_lit.model import Transformer
 from moe_lit.model.experts import build_experts
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts, unavailable_reason
 from moe_lit.model.moe import MoELayer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 pytestmark = pytest.mark.gpu
 D, T = 256, 1024

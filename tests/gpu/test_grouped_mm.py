@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts import TorchExperts, build_experts
-from moe_lit.model.experts.grouped_swiglu import grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import choose_geometry
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _grouped_mm_runs_on_cpu() -> bool:

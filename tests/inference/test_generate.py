@@ -4,7 +4,7 @@ import torch
 from moe_lit.errors import MoeLitError
 from moe_lit.inference import KVCache, generate, stream
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def recompute_greedy(model, prompt, steps, window=None):

@@ -4,7 +4,6 @@ from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.evaluation.harness import load_tokenizer
 from moe_lit.inference import generate
-from tests.evaluation.conftest import exported, prepared_dir, tiny_moe  # noqa: F401  (fixtures)
 
 
 def expected(checkpoint, prompt, steps):

@@ -19,7 +19,7 @@ from moe_lit.inference.sparsity import (
     thresholds_at,
 )
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def build(kind):

@@ -1,13 +1,9 @@
 """``moe-lit fit|validate|test``: config mistakes are one line naming the key, exit status 2."""
 
-from pathlib import Path
-
 import pytest
 
 from moe_lit.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
-EXPERIMENT = str(REPO / "configs/experiments/tiny-moe.yaml")
+from tests.helpers.paths import EXPERIMENT, REPO
 
 
 def _error_line(capsys, argv) -> str:
@@ -30,6 +26,18 @@ def _error_line(capsys, argv) -> str:
 def test_command_line_mistakes_are_one_line_naming_the_key(capsys, extra, key):
     err = _error_line(capsys, ["fit", "--config", EXPERIMENT, *extra])
     assert err.startswith("moe-lit fit: error: ") and key in err
+
+
+def test_tensorboard_logger_without_its_extra_names_the_extra(capsys, monkeypatch):
+    from lightning.fabric.loggers import tensorboard
+
+    monkeypatch.setattr(tensorboard, "_TENSORBOARD_AVAILABLE", False)
+    monkeypatch.setattr(tensorboard, "_TENSORBOARDX_AVAILABLE", False)
+    logger = ["--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"]
+    assert main(["validate", "--config", EXPERIMENT, *logger]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("moe-lit validate: error: ") and "tensorboard" in last
+    assert last.endswith("(TensorBoardLogger: pip install 'moe_lit[tensorboard]')")
 
 
 @pytest.mark.parametrize(
@@ -81,3 +89,23 @@ def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):
     from moe_lit.lit.cli import config_error_line
 
     assert config_error_line(message) == line
+
+
+def test_relative_data_dir_resolves_against_its_config_file_and_the_hint_names_the_path(capsys, tmp_path, monkeypatch):
+    config = tmp_path / "configs" / "exp.yaml"
+    config.parent.mkdir()
+    config.write_text(f"model: {REPO / 'configs/model/tiny-moe.yaml'}\ndata:\n  data_dir: ../nodata\n")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["fit", "--config", str(config)]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # after "Seed set to"
+    assert f"(no {tmp_path / 'nodata' / 'meta.json'})" in err and f"data prepare --out {tmp_path / 'nodata'}" in err
+    # on the command line, a relative path is the working directory's
+    assert main(["fit", "--config", str(config), "--data.data_dir", "here"]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"(no {tmp_path / 'cwd' / 'here' / 'meta.json'})" in err
+
+
+def test_predict_is_not_a_command(capsys):
+    assert main(["predict"]) == 2
+    assert "unknown command 'predict'" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from moe_lit.config import ConfigError
 from moe_lit.lit.distill import DistillConfig, DistillModule, distill_losses
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
 

@@ -11,9 +11,9 @@ from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from moe_lit.lit.runner import read_metrics, train_run
-from tests.conftest import tiny
-from tests.data.conftest import write_corpus
-from tests.lit.test_cli import EXPERIMENT
+from tests.helpers.corpus import write_corpus
+from tests.helpers.models import tiny
+from tests.helpers.paths import EXPERIMENT
 
 SEQ_LEN, BATCH, STEPS, KILLED_AT = 16, 4, 8, 3
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 from tests.lit.fakes import RandomTokenDataModule
 
 

@@ -6,7 +6,7 @@ import torch
 from moe_lit.config import ConfigError
 from moe_lit.lit.optim import OptimConfig, build_optimizer, lr_multiplier, param_groups
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _names(model, params):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from moe_lit.config import ConfigError
 from moe_lit.model import Transformer
 from moe_lit.model.loss import IGNORE_INDEX, linear_cross_entropy
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def _inputs(num_tokens=13, d=8, vocab=29, ignored=(2, 7)):

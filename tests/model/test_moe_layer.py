@@ -2,7 +2,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moe_lit.config import MoEConfig
 from moe_lit.model.experts.layout import ExpertLayout
@@ -10,39 +9,14 @@ from moe_lit.model.experts.torch_backend import TorchExperts
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
 from moe_lit.model.router import finish_routing_step, load_balancing_loss, z_loss
+from tests.helpers.models import random_init, reference_moe
 
 D = 16
 
 
-def _init(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return module
-
-
-def reference_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
-    """A plain loop over tokens and their k experts, written independently of the backend."""
-    routing = layer.router(x_TD)
-    mlp, layout = layer.experts.mlp, layer.experts.layout
-    rows = []
-    for t in range(x_TD.shape[0]):
-        y = layer.experts.bias.clone()
-        for k in range(routing.indices_TK.shape[1]):
-            e = int(routing.indices_TK[t, k])
-            sl = layout.rows(e)
-            h = F.silu(mlp.w1[sl] @ x_TD[t]) * (mlp.v1[sl] @ x_TD[t])
-            y = y + routing.weights_TK[t, k] * (h @ mlp.w2[sl])
-        if layer.shared_expert is not None:
-            y = y + layer.shared_expert(x_TD[t])
-        rows.append(y)
-    return torch.stack(rows)
-
-
 def test_one_expert_top1_equals_dense_swiglu():
     torch.manual_seed(0)
-    moe = _init(MoELayer(D, MoEConfig(num_experts=1, expert_size=24, top_k=1, renormalize=True), 1))
+    moe = random_init(MoELayer(D, MoEConfig(num_experts=1, expert_size=24, top_k=1, renormalize=True), 1))
     dense = SwiGLU(D, 24)
     with torch.no_grad():
         moe.experts.bias.zero_()
@@ -65,7 +39,7 @@ def test_one_expert_top1_equals_dense_swiglu():
     ids=["uniform", "hetero-shared", "sigmoid-top1", "bias-hetero"],
 )
 def test_dropless_matches_reference_loop_outputs_and_gradients(cfg):
-    layer = _init(MoELayer(D, cfg, 1), seed=1)
+    layer = random_init(MoELayer(D, cfg, 1), seed=1)
     x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(2))
     x_fast = x.clone().requires_grad_(True)
     x_ref = x.clone().requires_grad_(True)
@@ -79,7 +53,7 @@ def test_dropless_matches_reference_loop_outputs_and_gradients(cfg):
 
 
 def test_capacity_factor_drops_exactly_the_overflow_in_token_order():
-    experts = _init(TorchExperts(D, ExpertLayout.of([4, 4])))
+    experts = random_init(TorchExperts(D, ExpertLayout.of([4, 4])))
     x = torch.randn(6, D)
     indices = torch.tensor([[0], [0], [0], [0], [1], [0]])
     weights = torch.ones(6, 1)
@@ -112,7 +86,7 @@ def test_z_loss_formula_by_hand():
 
 def test_layer_reports_weighted_losses_and_training_counts():
     cfg = MoEConfig(num_experts=4, expert_size=8, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.1)
-    layer = _init(MoELayer(D, cfg, 1))
+    layer = random_init(MoELayer(D, cfg, 1))
     layer.eval()
     _, losses = layer(torch.randn(2, 3, D))
     assert set(losses) == {"load_balancing", "z_loss"}
@@ -122,10 +96,11 @@ def test_layer_reports_weighted_losses_and_training_counts():
     assert layer.router.pending_tokens_per_expert().sum().item() == 2 * 3 * 2
 
 
+@pytest.mark.slow
 def test_bias_balancing_lowers_load_imbalance_on_a_skewed_router():
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=4, expert_size=4, top_k=1, balancing="bias", bias_update_rate=0.02)
-    layer = _init(MoELayer(D, cfg, 1)).train()
+    layer = random_init(MoELayer(D, cfg, 1)).train()
     with torch.no_grad():
         layer.router.layer.weight[0] += 1.0  # expert 0 dominates
     x = torch.randn(256, D).abs()  # positive inputs make the skew strong
@@ -146,7 +121,7 @@ def test_bias_balancing_lowers_load_imbalance_on_a_skewed_router():
 
 def test_shared_expert_gate_scales_the_shared_output_by_its_sigmoid():
     cfg = MoEConfig(num_experts=4, expert_size=8, top_k=2, shared_expert_size=6, shared_expert_gate=True)
-    layer = _init(MoELayer(D, cfg, 1))
+    layer = random_init(MoELayer(D, cfg, 1))
     x_TD = torch.randn(5, D, generator=torch.Generator().manual_seed(3))
     ungated = reference_moe(layer, x_TD) - layer.shared_expert(x_TD)
     gate_T1 = torch.sigmoid(x_TD @ layer.shared_expert_gate.weight.t())
@@ -155,7 +130,7 @@ def test_shared_expert_gate_scales_the_shared_output_by_its_sigmoid():
 
 
 def test_without_expert_output_bias_the_bias_is_a_fixed_zero_outside_the_checkpoint():
-    layer = _init(MoELayer(D, MoEConfig(num_experts=4, expert_size=8, top_k=2, expert_output_bias=False), 1))
+    layer = random_init(MoELayer(D, MoEConfig(num_experts=4, expert_size=8, top_k=2, expert_output_bias=False), 1))
     assert "experts.bias" not in layer.state_dict()
     assert all(not name.endswith("bias") for name, _ in layer.named_parameters())
     y_TD, _ = layer(torch.randn(5, D))

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from moe_lit.config import MoEConfig
 from moe_lit.model.moe import MoELayer
-from tests.model.test_moe_layer import _init, reference_moe
+from tests.helpers.models import random_init, reference_moe
 
 
 @st.composite
@@ -36,7 +36,7 @@ def layers(draw):
 @given(layers())
 def test_dropless_layer_equals_the_reference_loop(case):
     cfg, d_model, batch, seq, seed = case
-    layer = _init(MoELayer(d_model, cfg, 1), seed=seed)
+    layer = random_init(MoELayer(d_model, cfg, 1), seed=seed)
     if cfg.balancing == "bias":
         with torch.no_grad():
             layer.router.expert_bias.uniform_(-0.1, 0.1, generator=torch.Generator().manual_seed(seed))

@@ -1,7 +1,7 @@
 import torch
 
 from moe_lit.model import Transformer
-from tests.conftest import tiny
+from tests.helpers.models import tiny
 
 
 def test_forward_shapes_losses_and_backward():

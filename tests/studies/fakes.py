@@ -74,3 +74,21 @@ def read_calls(out_dir: Path) -> list[dict]:
 def interrupt(*args, **kwargs):
     """Ctrl-C while training."""
     raise KeyboardInterrupt
+
+
+def module_probe(cfg, optim, parent=None, tag=""):
+    """A point's module factory for the engine tests: what it was built with, not a LightningModule."""
+    return {"d_ff": cfg.d_ff, "lr": optim.lr, "parent": parent, "tag": tag}
+
+
+def train_with_module(model_cfg, run, out_dir, callbacks=(), resume_from=None, init_from=None, module_factory=None):
+    """fake_train that also builds the module (when given) and writes the final checkpoint a child starts from."""
+    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
+
+    result = fake_train(model_cfg, run, out_dir, callbacks, resume_from, init_from)
+    (Path(out_dir) / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT).write_text("fake checkpoint")
+    if module_factory is not None:
+        module = module_factory(model_cfg, run.optim)
+        result["module"] = {**module, "parent": str(module["parent"])}
+    return result

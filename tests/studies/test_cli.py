@@ -1,11 +1,12 @@
 from moe_lit.cli import main
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.paths import STUDIES
+from tests.helpers.studies import small_spec
 from tests.studies import fakes
-from tests.studies.test_dense_vs_sparse import CONFIGS, small_spec
 
 
 def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
-    spec = CONFIGS / "dense_vs_sparse.yaml"
+    spec = STUDIES / "dense_vs_sparse.yaml"
     assert main(["study", "run", str(spec), "--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| point")]

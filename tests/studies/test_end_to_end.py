@@ -7,7 +7,7 @@ import pytest
 
 from moe_lit.studies.report import write_report
 from moe_lit.studies.study import parse_study, run_study
-from tests.data.conftest import write_corpus
+from tests.helpers.corpus import write_corpus
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import pytest
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.engine import record_path
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.studies import small_spec
 from tests.studies import fakes
-from tests.studies.test_dense_vs_sparse import small_spec
 
 
 @pytest.fixture
@@ -78,6 +78,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert all(r["status"] == "ok" for r in records)
 
 
+@pytest.mark.slow
 def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(tmp_path):
     spec = parse_study(small_spec(grid={"num_experts": [4, 16]}, ablations=None, budgets=[{"name": "S"}]))
     records = _run(spec, tmp_path, fakes.crash_on_16_experts, parallel=2)
@@ -90,6 +91,7 @@ def test_parallel_workers_record_results_and_a_crashed_worker_is_a_failed_point(
     assert by_name["S/E16k2"]["error"].startswith("worker process died with exit code 3")
 
 
+@pytest.mark.slow
 def test_an_interrupted_worker_stops_the_sweep_and_leaves_no_record(tmp_path):
     spec = parse_study(small_spec(grid={"num_experts": [4]}, ablations=None, budgets=[{"name": "S"}]))
     with pytest.raises(KeyboardInterrupt):
@@ -116,7 +118,7 @@ def _family(seed_points=1):
     """A parent and two children forking from its step-2 checkpoint, hashed."""
     from moe_lit.lit.run_config import RunConfig
     from moe_lit.studies.engine import Point, Start, finalize
-    from tests.conftest import tiny
+    from tests.helpers.models import tiny
 
     run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
     parent = Point("parent", "parent", 0, tiny(), run)
@@ -170,6 +172,7 @@ def test_a_point_claimed_by_another_runner_is_left_to_it(tmp_path):
     assert len(run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)) == 3
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_runs_the_waves(tmp_path):
     from moe_lit.studies.engine import run_points
     from moe_lit.studies.executors import ExecutorConfig
@@ -197,3 +200,45 @@ def test_identity_ignores_fields_left_at_their_defaults():
     assert digest(stable_dict(Before(d_model=32))) == digest(stable_dict(After(d_model=32)))
     assert digest(stable_dict(After(d_model=32, loss_chunk_tokens=1))) != digest(stable_dict(Before(d_model=32)))
     assert stable_dict(After()) == {}
+
+
+PLAIN_CHILD_HASH = "49adcecd2aa2"
+"""The child of :func:`_module_points` without a module, hashed by the engine before Point.module existed."""
+
+
+def _module_points(module):
+    from moe_lit.config import ModelConfig
+    from moe_lit.lit.run_config import RunConfig
+    from moe_lit.studies.engine import Point, Start, finalize
+
+    model = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    run = RunConfig.from_dict({"data": {"data_dir": "x", "seq_len": 8}, "train": {"max_steps": 2}})
+    parent = Point("parent", "parent", 0, model, run)
+    child = Point("child", "child", 0, model, run, start=Start(parent="parent", mode="init"), module=module)
+    return finalize([parent, child])
+
+
+def test_a_point_with_a_module_trains_with_it_built_over_its_parents_checkpoint(tmp_path):
+    from moe_lit.studies.engine import Call, fork_checkpoint, run_points
+
+    parent, child = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "kd"}))
+    records = run_points([parent, child], tmp_path, train_fn=fakes.train_with_module, log=lambda _: None)
+    assert "module" not in records[0]  # no module: train_fn gets no module_factory (the plain LM module)
+    assert records[1]["module"] == {
+        "d_ff": 32,
+        "lr": child.run.optim.lr,
+        "parent": str(fork_checkpoint(tmp_path, parent, None)),
+        "tag": "kd",
+    }
+
+
+def test_the_module_joins_the_identity_only_when_set():
+    from moe_lit.studies.engine import Call
+
+    parent, plain = _module_points(None)
+    _, with_module = _module_points(Call("tests.studies.fakes:module_probe"))
+    _, other_kwargs = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "x"}))
+    assert "module" not in plain.identity(parent.hash)
+    # the hash this point had before Point gained the module field (computed with that engine)
+    assert plain.hash == PLAIN_CHILD_HASH
+    assert len({plain.hash, with_module.hash, other_kwargs.hash}) == 3

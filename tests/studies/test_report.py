@@ -6,8 +6,8 @@ from moe_lit.errors import MoeLitError
 from moe_lit.studies.kinds.dense_vs_sparse import findings
 from moe_lit.studies.report import aggregate, load_study, write_report
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.studies import small_spec
 from tests.studies import fakes
-from tests.studies.test_dense_vs_sparse import small_spec
 
 
 def capacity_hurts(model_cfg, run, out_dir, **kwargs):

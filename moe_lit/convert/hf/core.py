@@ -309,8 +309,8 @@ def ours_to_hf_state(model) -> dict[str, torch.Tensor]:
         if rest in OURS_TO_HF:
             state[prefix + OURS_TO_HF[rest]] = value
         elif rest == OUR_EXPERTS[0]:
-            num_experts = model.config.moe.num_experts
-            tensors = experts_to_hf(*(ours[f"blocks.{layer}.{name}"] for name in OUR_EXPERTS), num_experts)
+            w1_SD, v1_SD, w2_SD = (ours[f"blocks.{layer}.{name}"] for name in OUR_EXPERTS)
+            tensors = experts_to_hf(w1_SD, v1_SD, w2_SD, model.config.moe_section().num_experts)
             state.update({prefix + name: t for name, t in zip(HF_EXPERTS, tensors, strict=False)})
     return state
 

@@ -15,7 +15,7 @@ import torch
 from moe_lit.convert.hf.families import to_hf
 from moe_lit.convert.hf.tokenizer import hf_tokenizer, special_token_ids
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory
+from moe_lit.io import atomic_directory, check_output
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``--dtype`` choices of the exported weights."""
@@ -37,10 +37,7 @@ def export_hf(
     the model's vocabulary and any feature ``fmt`` lacks (see ``core.check_exportable``).
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise MoeLitError(f"--out: {out_dir} is a file, not a directory")
-    if out_dir.exists() and any(out_dir.iterdir()) and not force:
-        raise MoeLitError(f"--out: {out_dir} exists and is not empty; pass --force to replace it")
+    check_output(out_dir, {"--tokenizer": tokenizer_file}, force)
     if tokenizer_file is None:
         raise MoeLitError("--tokenizer: no tokenizer.json is stored with the checkpoint; pass --tokenizer PATH")
     if dtype not in DTYPES:

@@ -28,7 +28,7 @@ def mixtral_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
 
 
 def to_mixtral(cfg: ModelConfig) -> dict[str, Any]:
-    moe = cfg.moe
+    moe = cfg.moe_section()
     return dict(
         **hf_base_kwargs(cfg),
         head_dim=cfg.head_dim,

@@ -30,7 +30,7 @@ def olmoe_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
 
 
 def to_olmoe(cfg: ModelConfig) -> dict[str, Any]:
-    moe = cfg.moe
+    moe = cfg.moe_section()
     return dict(
         **hf_base_kwargs(cfg),
         intermediate_size=moe.expert_sizes[0],

@@ -33,7 +33,7 @@ def qwen_moe_fields(hf_config: Any, shared_expert_size: int) -> dict[str, Any]:
         renormalize=bool(hf_config.norm_topk_prob),
         aux_loss_coef=hf_config.router_aux_loss_coef,
     )
-    pattern = moe_layer_pattern(qwen_moe_layers(hf_config), hf_config.num_hidden_layers)
+    pattern: dict[str, Any] = moe_layer_pattern(qwen_moe_layers(hf_config), hf_config.num_hidden_layers)
     moe = moe.__class__(
         **{
             **moe.__dict__,
@@ -47,7 +47,7 @@ def qwen_moe_fields(hf_config: Any, shared_expert_size: int) -> dict[str, Any]:
 
 def to_qwen_moe(cfg: ModelConfig) -> dict[str, Any]:
     """The Qwen2/Qwen3-MoE arguments of ``cfg``'s MoE (dense layers listed in ``mlp_only_layers``)."""
-    moe = cfg.moe
+    moe = cfg.moe_section()
     return dict(
         **hf_base_kwargs(cfg),
         intermediate_size=cfg.d_ff,
@@ -71,7 +71,9 @@ def qwen2_moe_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
 
 
 def to_qwen2_moe(cfg: ModelConfig) -> dict[str, Any]:
-    return dict(**to_qwen_moe(cfg), qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe.shared_expert_size)
+    return dict(
+        **to_qwen_moe(cfg), qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.moe_section().shared_expert_size
+    )
 
 
 FAMILY = Family(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import nn
 
 from moe_lit.config import ConfigError, MoEConfig
 from moe_lit.model.experts.layout import ExpertLayout
@@ -43,7 +42,7 @@ def resolve_backend(cfg: MoEConfig) -> str:
     return "torch"
 
 
-def build_experts(d_model: int, cfg: MoEConfig) -> nn.Module:
+def build_experts(d_model: int, cfg: MoEConfig) -> TorchExperts | MegaBlocksExperts:
     """Routed experts for one MoE layer, in the shared ``mlp.w1/v1/w2`` + ``bias`` layout."""
     if resolve_backend(cfg) == "megablocks":
         return MegaBlocksExperts(d_model, cfg)

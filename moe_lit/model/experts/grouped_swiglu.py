@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
@@ -46,11 +47,6 @@ CHUNK_OVERHEAD_ROWS = 64
 Geometry = Literal["grouped", "batched", "looped"]
 ALIGN_BYTES = 16
 """Grouped GEMM kernels need every row stride to be a multiple of 16 bytes."""
-
-
-def grouped_mm_op() -> Callable[..., torch.Tensor] | None:
-    """``F.grouped_mm`` (public since torch 2.10), else ``torch._grouped_mm`` (2.8+), else None."""
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 @dataclass(frozen=True)
@@ -142,13 +138,14 @@ class ExpertBlocks:
     def _hidden(self, h_H: torch.Tensor) -> list[torch.Tensor]:
         """The blocks of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
         h_PF = self._uniform_rows(h_H)
+        if h_PF is None:  # looped over experts of different sizes
+            return [
+                c.view(r, f)
+                for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes, strict=False)
+            ]
         if self.slots.batched:
             return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])]
-        if h_PF is not None:
-            return list(h_PF.split(self._block_rows))
-        return [
-            c.view(r, f) for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes, strict=False)
-        ]
+        return list(h_PF.split(self._block_rows))
 
     def _weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
         """Per-block weights: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather when chunks
@@ -171,7 +168,7 @@ class ExpertBlocks:
         """Flat hidden buffer of ``x_p @ w_e^T`` for every slot p (expert e)."""
         if self.slots.geometry == "grouped":
             x = x_PD[: self.slots.num_slots]
-            return grouped_mm_op()(x, self.layout.as_EFD(w_SD).mT, offs=self._offs_E).view(-1)
+            return _grouped_mm(x, self.layout.as_EFD(w_SD).mT, offs=self._offs_E).view(-1)
         h_H = x_PD.new_empty(self.hidden_cells)
         xs, hs, ws = self._rows(x_PD), self._hidden(h_H), self._weights(w_SD)
         for i in self._filled:
@@ -184,7 +181,7 @@ class ExpertBlocks:
         num_slots = self.slots.num_slots
         if self.slots.geometry == "grouped":
             h_PF = h_H.view(num_slots, -1)
-            o_PD = grouped_mm_op()(h_PF, self.layout.as_EFD(w_SD), offs=self._offs_E)
+            o_PD = _grouped_mm(h_PF, self.layout.as_EFD(w_SD), offs=self._offs_E)
             if add_to is not None:
                 add_to[:num_slots] += o_PD
                 return add_to
@@ -193,7 +190,7 @@ class ExpertBlocks:
             # NOTE: one extra zero row at index P: dropped assignments point there.
             add_to = h_H.new_empty(num_slots + 1, self.d_model)
             add_to[-1].zero_()
-            matmul = lambda a, b, out: torch.matmul(a, b, out=out)  # noqa: E731
+            matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = _matmul_into
         else:
             matmul = _add_matmul_
         hs, ws, outs = self._hidden(h_H), self._weights(w_SD), self._rows(add_to)
@@ -206,12 +203,13 @@ class ExpertBlocks:
         if self.slots.geometry == "grouped":
             num_slots = self.slots.num_slots
             h_PF = h_H.view(num_slots, -1)
-            g_EFD = grouped_mm_op()(h_PF.mT, y_PD[:num_slots], offs=self._offs_E)
+            g_EFD = _grouped_mm(h_PF.mT, y_PD[:num_slots], offs=self._offs_E)
             return g_EFD.view_as(like_SD)
-        repeated = self.slots.batched and self.slots.chunk_expert is not None
-        if repeated:
+        # chunks that repeat an expert: their gradients are summed into it
+        repeated_E = self.slots.chunk_expert if self.slots.batched else None
+        if repeated_E is not None:
             g_SD = torch.zeros_like(like_SD)
-            outs = [like_SD.new_empty(len(self.slots.chunk_expert), self.layout.sizes[0], self.d_model)]
+            outs = [like_SD.new_empty(len(repeated_E), self.layout.sizes[0], self.d_model)]
         else:
             g_SD = torch.empty_like(like_SD)
             outs = [self.layout.as_EFD(g_SD)] if self.slots.batched else list(self.layout.split(g_SD))
@@ -220,9 +218,9 @@ class ExpertBlocks:
             torch.matmul(hs[i].mT, ys[i], out=outs[i])
         for i in self._empty:
             outs[i].zero_()
-        if repeated:
+        if repeated_E is not None:
             num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
-            g_SD.view(num_experts, width).index_add_(0, self.slots.chunk_expert, outs[0].view(-1, width))
+            g_SD.view(num_experts, width).index_add_(0, repeated_E, outs[0].view(-1, width))
         return g_SD
 
     # ------------------------------------------------------------------ per-slot elementwise work
@@ -246,6 +244,19 @@ class ExpertBlocks:
         return h_H
 
 
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
+    """The grouped GEMM of the grouped geometry (chosen only where the op exists; offsets made for it)."""
+    op = grouped_mm_op()
+    if op is None or offs is None:
+        raise RuntimeError("the grouped geometry needs F.grouped_mm (or torch._grouped_mm) and group offsets")
+    return op(a, b, offs=offs)
+
+
+def _matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b``."""
+    torch.matmul(a, b, out=out)
+
+
 def _add_matmul_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out += a @ b`` for 2-D (``addmm_``) or batched 3-D (``baddbmm_``) blocks."""
     (out.baddbmm_ if out.dim() == 3 else out.addmm_)(a, b)
@@ -259,7 +270,7 @@ class GroupedSwiGLU(torch.autograd.Function):
     """``y_t = bias + sum_k gate_tk * SwiGLU_{e_tk}(x_t)`` for all tokens at once (see module docstring)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx,
         x_TD: torch.Tensor,
         gate_TK: torch.Tensor,
@@ -280,7 +291,7 @@ class GroupedSwiGLU(torch.autograd.Function):
         return y_TD
 
     @staticmethod
-    def backward(ctx, dy_TD: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy_TD: torch.Tensor):
         x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD = ctx.saved_tensors
         blocks: ExpertBlocks = ctx.blocks
         slots = blocks.slots

@@ -154,6 +154,9 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 class MegaBlocksExperts(nn.Module):
     """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``."""
 
+    bias: torch.Tensor
+    """The (D,) expert output bias (:func:`~moe_lit.model.experts.layout.register_output_bias`)."""
+
     def __init__(self, d_model: int, cfg: MoEConfig, num_moe_layers: int = 1, device: torch.device | None = None):
         super().__init__()
         args = megablocks_arguments(d_model, cfg, num_moe_layers, device=device)
@@ -209,6 +212,9 @@ class MegaBlocksExperts(nn.Module):
             setattr(mlp, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False)))
         self.mlp = mlp
 
+    # NOTE: eager under torch.compile, as TorchExperts.forward: MegaBlocks' kernels are opaque
+    # extension calls with data-dependent output sizes.
+    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, RoutingCounts]:

@@ -20,12 +20,12 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.grouped_swiglu import (
     ALIGN_BYTES,
     Geometry,
     Slots,
     build_slots,
-    grouped_mm_op,
     grouped_swiglu,
     grouped_swiglu_forward,
 )
@@ -63,9 +63,8 @@ def choose_geometry(
     """The slot geometry for ``strategy``; ``auto``: the loop on CPU and for unequal sizes, else grouped
     GEMMs where they fit, else padded ``bmm`` chunks.
 
-    NOTE: on CPU the loop of per-expert GEMMs was measured fastest (benchmarks/moe_layer.py, this
-    project's 2-core machine, idle, 2048 tokens, d_model 256, median of 15 interleaved rounds:
-    E16 k2 F256 looped 39.6 ms, grouped 40.7, batched 44.0; E64 k8 F64 56.3, 57.9, 61.4): it does
+    NOTE: on CPU the loop of per-expert GEMMs is the fastest geometry (``python -m
+    benchmarks.moe_layer``; its numbers are in docs/performance.md and benchmarks/results/): it does
     no padding, and torch's CPU grouped GEMM is itself a loop over the experts. On GPUs one grouped
     GEMM replaces a kernel launch per expert.
     """
@@ -120,6 +119,9 @@ class TorchExperts(nn.Module):
     ``looped``. All give the same results up to float rounding.
     """
 
+    bias: torch.Tensor
+    """The (D,) expert output bias (:func:`~moe_lit.model.experts.layout.register_output_bias`)."""
+
     def __init__(
         self, d_model: int, layout: ExpertLayout, strategy: Strategy = "auto", output_bias: bool = True
     ) -> None:
@@ -136,6 +138,12 @@ class TorchExperts(nn.Module):
     def layout(self) -> ExpertLayout:
         return self.mlp.layout
 
+    # NOTE: under torch.compile (moe_lit.model.compile) the dispatch stays eager, a graph break:
+    # it sizes its slot buffers from python ints of the routing counts (``kept_counts``), which
+    # dynamo would either break on anyway or trace as unbacked symbols that change every batch,
+    # and its hand-written backward is already one fused pass. The router before it and the
+    # combine after it are compiled.
+    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, Dispatch]:
@@ -150,6 +158,7 @@ class TorchExperts(nn.Module):
         # compute (decoding, evaluation) the forward-only function runs the same plan and matmuls.
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         swiglu = grouped_swiglu if needs_grad else grouped_swiglu_forward
+        x, weights, w1, v1, w2, bias = (t.to(dtype) for t in tensors)
         with torch.autocast(device_type, enabled=False):
-            y_TD = swiglu(*(t.to(dtype) for t in tensors), plan.slots, self.layout)
+            y_TD = swiglu(x, weights, w1, v1, w2, bias, plan.slots, self.layout)
         return y_TD, plan

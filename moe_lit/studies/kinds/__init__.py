@@ -25,6 +25,8 @@ KINDS = {
     "language_expansion": "moe_lit.studies.kinds.language_expansion",
     "partition": "moe_lit.studies.kinds.partition",
     "pruning": "moe_lit.studies.kinds.pruning",
+    "moe_to_dense": "moe_lit.studies.kinds.moe_to_dense",
+    "sparsity": "moe_lit.studies.kinds.sparsity",
 }
 
 

@@ -8,9 +8,12 @@ is built by :func:`moe_lit.accounting.matched_moe_config`, so an active-matched 
 parameters of its budget's dense model; two axes that describe the same run collapse into one point
 that belongs to both groups. seq_len comes from ``run.data.seq_len``.
 
-Plots (``plots/``): ``loss_vs_total_params.png`` (final val loss vs total parameters, log x, one
-line per budget and top-k, error bars = seed std), ``loss_vs_expert_size.png`` (val loss vs mean
-expert size at fixed active parameters), ``ablation_<group>.png`` (one bar plot per ablation group).
+Plots (``plots/``; error bars: ± std over seeds, a single-seed study says "1 seed, no error bar"):
+``loss_vs_total_params.png`` (final val loss vs total parameters, log x, one line per budget and
+top-k), ``loss_vs_expert_size.png`` (val loss vs mean expert size at fixed active parameters, x
+ticks naming top-k, a panel per budget with a granularity sweep), ``ablation_<group>.png`` (each
+variant's loss minus its reference's, paired by seed, around a zero line with the reference's seed
+std as the noise band; the ticks give active / total params and the title what was matched).
 """
 
 from __future__ import annotations
@@ -24,12 +27,22 @@ from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note, zero_line
 from moe_lit.studies.engine import Point
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate, pyplot, save_figure
-from moe_lit.studies.stats import compare, format_comparison
+from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
+from moe_lit.studies.stats import Summary, compare, format_comparison, summarize
 
 ABLATION_GROUPS = ("granularity", "shared", "heterogeneous", "balancing", "capacity", "matching")
+ABLATION_AXES = {
+    "granularity": "top-k and number of experts",
+    "shared": "shared expert size (fraction of the dense d_ff)",
+    "heterogeneous": "expert size profile",
+    "balancing": "load balancing",
+    "capacity": "capacity factor (tokens beyond it are dropped)",
+    "matching": "model",
+}
+"""x-axis label of each ablation plot."""
 
 
 DENSE = "dense"
@@ -307,7 +320,8 @@ def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     rows = aggregate(records)
-    return Analysis(findings=findings(rows), tables={"Runs": summary_rows(rows)}, plots=write_plots(rows, plots_dir))
+    plots = write_plots(rows, plots_dir, plan["spec"].get("ablations"))
+    return Analysis(findings=findings(rows), tables={"Runs": summary_rows(rows)}, plots=plots)
 
 
 @dataclass(frozen=True)
@@ -459,7 +473,8 @@ def total_params_lines(rows: list[dict[str, Any]]) -> dict[tuple[str, int], list
 
 
 def expert_size_lines(rows: list[dict[str, Any]]) -> dict[str, dict[int, list[dict[str, Any]]]]:
-    """budget -> num_experts -> reference points sorted by expert size (budgets with >= 2 sizes)."""
+    """budget -> num_experts -> reference points sorted by expert size, for the budgets where some
+    E was run at two or more top-k (elsewhere expert sizes differ only by the matching's rounding)."""
     out: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in reference_rows(rows):
         if r["num_experts"] > 1:
@@ -467,7 +482,7 @@ def expert_size_lines(rows: list[dict[str, Any]]) -> dict[str, dict[int, list[di
     return {
         budget: {e: sorted(pts, key=lambda r: r["expert_size"]) for e, pts in sorted(by_e.items())}
         for budget, by_e in out.items()
-        if len({r["expert_size"] for pts in by_e.values() for r in pts}) > 1
+        if any(len(pts) > 1 for pts in by_e.values())
     }
 
 
@@ -577,84 +592,169 @@ def _expert_count_effect(rows, bars) -> float | None:
 
 
 # ----------------------------------------------------------------------------- plots
-def plot_total_params(rows, path: Path) -> Path | None:
+def _loss(row: dict[str, Any]) -> Summary:
+    """The configuration's val loss over its seeds."""
+    return summarize(row["_losses"])
+
+
+def total_params_figure(rows):
+    """Val loss vs total params (log x), one line per budget and top-k, ± seed std; None without lines."""
     lines = total_params_lines(rows)
     if not lines:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for (budget, top_k), pts in lines.items():
-        ax.errorbar(
-            [r["total_params"] for r in pts],
-            [r[LOSS] for r in pts],
-            yerr=[r.get("loss_std", 0.0) for r in pts],
-            marker="o",
-            capsize=3,
-            label=f"{budget} (active {_short(pts[-1]['active_params'])}, top-{top_k}; bars: seed std)",
-        )
+    counts = []
+    for line, ((budget, top_k), pts) in enumerate(lines.items()):
+        stats = [_loss(r) for r in pts]
+        counts += [s.n for s in stats]
+        label = f"{budget}: active {_short(pts[-1]['active_params'])}, top-{top_k}"
+        seed_errorbar(ax, [r["total_params"] for r in pts], stats, label=label)
         for r in pts:
-            ax.annotate(
-                "dense" if r["num_experts"] == 1 else f"E{r['num_experts']}",
-                (r["total_params"], r[LOSS]),
-                textcoords="offset points",
-                xytext=(3, 4),
-                fontsize=7,
-            )
+            # NOTE: labels of alternate lines go above / below their points, so equal sizes do not overprint.
+            offset = (3, 4) if line % 2 == 0 else (3, -10)
+            ax.annotate(_name(r), (r["total_params"], r[LOSS]), textcoords="offset points", xytext=offset, fontsize=7)
     ax.set_xscale("log")
-    ax.set(xlabel="total parameters", ylabel="final validation loss", title="Val loss vs total params at fixed active")
+    ax.set(
+        xlabel="total parameters",
+        ylabel="final validation loss",
+        title=f"Val loss vs total params at fixed active\n({spread_note(counts)})",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_expert_size(rows, path: Path) -> Path | None:
+def _size_ticks(ax, pts: list[dict[str, Any]]) -> None:
+    """One labelled x tick per top-k at its mean expert size (at fixed active, F is about d_ff / k)."""
+    by_k: dict[int, list[float]] = defaultdict(list)
+    for r in pts:
+        by_k[r["top_k"]].append(r["expert_size"])
+    sizes = dict(sorted(((k, sum(v) / len(v)) for k, v in by_k.items()), key=lambda item: item[1]))
+    ax.set_xticks(list(sizes.values()), [f"{size:.0f}\ntop-{k}" for k, size in sizes.items()])
+    ax.minorticks_off()
+
+
+def expert_size_figure(rows):
+    """Val loss vs mean expert size at fixed active, one panel per budget with a granularity
+    sweep, one line per E, x ticks naming top-k; None without such a budget."""
     panels = expert_size_lines(rows)
     if not panels:
         return None
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
-    for ax, (budget, by_e) in zip(axes[0], panels.items(), strict=False):
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (budget, by_e) in zip(axes[0], panels.items(), strict=True):
+        counts = []
         for num_experts, pts in by_e.items():
-            ax.errorbar(
-                [r["expert_size"] for r in pts],
-                [r[LOSS] for r in pts],
-                yerr=[r.get("loss_std", 0.0) for r in pts],
-                marker="o",
-                capsize=3,
-                label=f"E={num_experts} (k = {', '.join(str(r['top_k']) for r in pts)})",
-            )
+            stats = [_loss(r) for r in pts]
+            counts += [s.n for s in stats]
+            label = f"E={num_experts} (top-k {', '.join(str(r['top_k']) for r in pts)})"
+            seed_errorbar(ax, [r["expert_size"] for r in pts], stats, label=label)
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="mean expert size F", ylabel="final validation loss", title=f"{budget}: val loss vs expert size")
-        ax.grid(True, which="both", alpha=0.3)
+        _size_ticks(ax, [r for pts in by_e.values() for r in pts])
+        active = _short(next(iter(by_e.values()))[0]["active_params"])
+        ax.set(
+            xlabel="mean expert size F (top-k)",
+            ylabel="final validation loss",
+            title=f"{budget}: val loss vs expert size at {active} active\n({spread_note(counts)})",
+        )
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return fig
 
 
-def plot_ablation(group: str, bars: list[tuple[str, dict[str, Any]]], path: Path) -> Path:
+def _reference(group: str, row: dict[str, Any], by_name: dict[str, dict[str, Any]], ablation: dict[str, Any]):
+    """The row a member of an ablation group is compared with: the ablations' reference MoE point,
+    or for granularity the same E at the reference top-k."""
+    experts = row["num_experts"] if group == "granularity" else ablation["num_experts"]
+    return by_name.get(f"{ablation['budget']}/{_moe_name(experts, ablation['top_k'])}")
+
+
+def _paired_difference(row: dict[str, Any], reference: dict[str, Any]) -> Summary:
+    """Loss minus the reference's, seed by seed (a seed's runs share the data order)."""
+    ref = dict(zip(reference["_seeds"], reference["_losses"], strict=True))
+    return summarize([loss - ref[s] for s, loss in zip(row["_seeds"], row["_losses"], strict=True) if s in ref])
+
+
+def _matched_note(group: str, reference: dict[str, Any]) -> str:
+    if group == "matching":
+        return "active-matched: the dense model's active params;\ntotal-matched: its total params (so fewer active)"
+    active = _short(reference["active_params"])
+    return f"every point active-matched to the {reference['budget']} dense model ({active} active params)"
+
+
+def _ablation_ticks(group: str, points) -> list[str]:
+    """Each variant's label with its active / total params (what the matching kept equal)."""
+    return [
+        (f"{label} E{r['num_experts']}" if group == "granularity" else label)
+        + f"\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot"
+        for label, r, _ in points
+    ]
+
+
+def _versus(group: str, reference: dict[str, Any], ablation: dict[str, Any]) -> str:
+    if group == "granularity":
+        return f"the same E at top-{ablation['top_k']}"
+    return f"{reference['_groups'][group]} ({reference['config_name']}: {reference[LOSS]:.4f})"
+
+
+def ablation_figure(
+    group: str,
+    members: list[tuple[str, dict[str, Any]]],
+    rows,
+    ablation: dict[str, Any],
+    effect: float | None = None,
+):
+    """Each member's val loss minus its reference's (paired by seed; the reference is the zero line,
+    its seed std the grey band), labelled with active / total params; ``effect`` (dense minus the
+    best grid MoE) is drawn as a scale reference. None without a reference."""
+    by_name = {r["config_name"]: r for r in rows}
+    points = [
+        (label, r, ref)
+        for label, r in members
+        if (ref := _reference(group, r, by_name, ablation)) is not None and ref is not r
+    ]
+    if not points:
+        return None
     plt = pyplot()
-    labels = [label if group != "granularity" else f"{label} E{r['num_experts']}" for label, r in bars]
-    losses = [r[LOSS] for _, r in bars]
-    errors = [r.get("loss_std", 0.0) for _, r in bars]
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(bars) + 1.5), 3.8))
-    ax.bar(range(len(bars)), losses, yerr=errors, color="tab:blue", alpha=0.8)
-    ax.set_xticks(range(len(bars)), labels, rotation=30, ha="right", fontsize=8)
-    low, high = min(losses), max(losses)
-    pad = max(0.02, (high - low) * 0.5)
-    # NOTE: the differences between variants are a few hundredths of a nat: bars from zero would
-    # hide them, so the axis is zoomed and the values are written on the bars.
-    ax.set_ylim(low - pad, high + pad)
-    for i, loss in enumerate(losses):
-        ax.text(i, loss, f"{loss:.4f}", ha="center", va="bottom", fontsize=7)
-    ax.set(ylabel="final validation loss", title=f"ablation: {group} ({bars[0][1]['budget']})")
-    return save_figure(fig, path)
+    stats = [_paired_difference(r, ref) for _, r, ref in points]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(points) + 2.0), 4.2))
+    seed_errorbar(ax, range(len(points)), stats, linestyle="none", color="tab:blue")
+    noises = [_loss(ref).std for _, _, ref in points if _loss(ref).n > 1]
+    zero_line(ax, sum(noises) / len(noises) if noises else None, "seed std of the reference")
+    if effect:
+        # NOTE: a single-seed study has no noise band; the main effect of the study gives the scale.
+        ax.axhline(
+            -effect,
+            color="tab:green",
+            linestyle="--",
+            linewidth=1,
+            label=f"scale: best grid MoE minus dense, {-effect:+.4f}",
+        )
+    for i, s in enumerate(stats):
+        ax.annotate(f"{s.mean:+.4f}", (i, s.mean), textcoords="offset points", xytext=(6, 0), fontsize=7, va="center")
+    ax.set_xticks(range(len(points)), _ablation_ticks(group, points), fontsize=7)
+    ax.set_xlim(-0.6, len(points) - 0.4)
+    reference = points[0][2]
+    ax.set_xlabel(ABLATION_AXES[group], fontsize=9)
+    ax.set_ylabel(f"val loss minus {_versus(group, reference, ablation)}\n(< 0: better than the reference)", fontsize=9)
+    title = f"ablation: {group} ({reference['budget']}); {spread_note(s.n for s in stats)}"
+    ax.set_title(f"{title}\n{_matched_note(group, reference)}", fontsize=8)
+    if noises or effect:
+        ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
 
 
-def write_plots(rows: list[dict[str, Any]], plots_dir: Path) -> list[Path]:
-    made = [
-        plot_total_params(rows, plots_dir / "loss_vs_total_params.png"),
-        plot_expert_size(rows, plots_dir / "loss_vs_expert_size.png"),
-    ]
-    made += [
-        plot_ablation(group, bars, plots_dir / f"ablation_{group}.png") for group, bars in ablation_bars(rows).items()
-    ]
-    return [p for p in made if p is not None]
+def write_plots(rows: list[dict[str, Any]], plots_dir: Path, ablation: dict[str, Any] | None = None) -> list[Path]:
+    """The kind's PNGs under ``plots_dir``; ``ablation`` is the spec's ablations (the references)."""
+    figures = {
+        "loss_vs_total_params": total_params_figure(rows),
+        "loss_vs_expert_size": expert_size_figure(rows),
+    }
+    if ablation:
+        bars = ablation_bars(rows)
+        effect = _expert_count_effect(rows, bars)
+        for group, members in bars.items():
+            figures[f"ablation_{group}"] = ablation_figure(group, members, rows, ablation, effect)
+    return [save_figure(fig, plots_dir / f"{name}.png") for name, fig in figures.items() if fig is not None]

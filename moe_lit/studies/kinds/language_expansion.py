@@ -7,6 +7,8 @@ schedule) on a mix that adds the new languages, with the same token budget: ``de
 Interference = change in val loss on the base languages from the switch to the end; gain = the drop
 on the new languages; routing: the JS divergence of each new language's expert usage from the base
 languages' mean (0 = same experts, 1 = disjoint), measured on validation tokens after the continuation.
+Plot ``plots/interference.png``: the interference per arm and each MoE arm minus dense, paired by
+seed (± std over seeds).
 Built only from the engine's parts: parent links (``init``), a transform, a measurement.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note, zero_line
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis, check_fields
 from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
@@ -193,7 +196,51 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
                 f"model's interference; paired by seed): {format_comparison(verdict)}; "
                 f"**{'reproduced' if verdict.significant and verdict.diff < 0 else 'not reproduced'}**."
             )
-    return Analysis(findings=findings, tables={"Switch to the new languages (mean ± std over seeds)": rows})
+    figure = interference_figure(per_arm)
+    plots = [save_figure(figure, Path(plots_dir) / "interference.png")] if figure is not None else []
+    return Analysis(
+        findings=findings, tables={"Switch to the new languages (mean ± std over seeds)": rows}, plots=plots
+    )
 
 
-__all__ = ["LanguageExpansionSpec", "analyse", "expand", "measure_routing", "parse"]
+def interference_figure(per_arm: dict[str, dict[str, dict[int, float]]]):
+    """Interference per arm (± std over seeds) and each MoE arm's minus dense's, paired by seed,
+    both around a zero line; None when no arm finished."""
+    arms = [arm for arm in ARMS if per_arm.get(arm, {}).get("interference")]
+    if not arms:
+        return None
+    plt = pyplot()
+    fig, (ax_arm, ax_diff) = plt.subplots(1, 2, figsize=(9.5, 4))
+    stats = [summarize(list(per_arm[arm]["interference"].values())) for arm in arms]
+    seed_errorbar(ax_arm, range(len(arms)), stats, linestyle="none")
+    dense = per_arm.get("dense", {}).get("interference", {})
+    others = [arm for arm in arms if arm != "dense" and set(per_arm[arm]["interference"]) & set(dense)]
+    diffs = [
+        summarize([mine[s] - dense[s] for s in sorted(set(mine) & set(dense))])
+        for mine in (per_arm[arm]["interference"] for arm in others)
+    ]
+    seed_errorbar(ax_diff, range(len(others)), diffs, linestyle="none", color="tab:red")
+    for ax, names, title, ylabel in (
+        (
+            ax_arm,
+            arms,
+            f"interference per arm ({spread_note(s.n for s in stats)})",
+            "base-language val loss change, switch to end\n(< 0: improved)",
+        ),
+        (
+            ax_diff,
+            others,
+            f"minus dense, paired by seed ({spread_note(s.n for s in diffs)})",
+            "interference minus dense's\n(> 0: more interference than dense)",
+        ),
+    ):
+        zero_line(ax)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlim(-0.6, max(1, len(names)) - 0.4)
+        ax.set(ylabel=ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    return fig
+
+
+__all__ = ["LanguageExpansionSpec", "analyse", "expand", "interference_figure", "measure_routing", "parse"]

@@ -31,6 +31,7 @@ from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
 from moe_lit.lit.run_config import _build
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
 from moe_lit.studies.kinds import Analysis, check_fields
+from moe_lit.studies.measures import SuiteSpec, measure_child
 from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
 
 DOT_MOE, PRUNING, DENSE = "dot_moe", "pruning", "dense"
@@ -150,6 +151,9 @@ class PartitionSpec:
     """Token budgets of the conversions."""
     recovery: RecoverySpec = field(default_factory=RecoverySpec)
     """The same recovery run for every child."""
+    suite: SuiteSpec | None = None
+    """Local-suite accuracy of every recovered model (dense reference included), each measured by
+    a 0-step child point (``<config>/suite``); null: loss only."""
 
     def __post_init__(self) -> None:
         if self.dense.moe is not None:
@@ -187,6 +191,7 @@ def parse(fields: dict[str, Any], header) -> PartitionSpec:
             "methods": _list(MethodSpec, fields["methods"], "methods"),
             "conversion": _build(ConversionSpec, fields.get("conversion"), "conversion"),
             "recovery": _build(RecoverySpec, fields.get("recovery"), "recovery"),
+            "suite": _build(SuiteSpec, fields["suite"], "suite") if fields.get("suite") is not None else None,
         }
     )
 
@@ -284,19 +289,20 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
                 kwargs = conversion_kwargs(spec, method, router, setting, data_dir, seed)
                 transform = Call(f"{MODULE}:convert", kwargs)
                 info["conversion_tokens"] = _conversion_tokens(kwargs, seq_len)
-            points.append(
-                Point(
-                    header.point_name(config_name, seed),
-                    config_name,
-                    seed,
-                    model,
-                    recovery,
-                    info=info,
-                    start=Start(parent=parent, mode="init"),
-                    transform=transform,
-                    measure=measure if transform else None,
-                )
+            recovered = Point(
+                header.point_name(config_name, seed),
+                config_name,
+                seed,
+                model,
+                recovery,
+                info=info,
+                start=Start(parent=parent, mode="init"),
+                transform=transform,
+                measure=measure if transform else None,
             )
+            points.append(recovered)
+            if spec.suite is not None:
+                points.append(measure_child(recovered, spec.suite.measure()))
     return points
 
 
@@ -346,6 +352,7 @@ def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
     ok = [r for r in records if r["status"] == "ok"]
     dense = {r["seed"]: r for r in ok if r.get("method") == DENSE and r.get("phase") == "recovered"}
     pretrain = {r["seed"]: r for r in ok if r.get("phase") == "pretrain"}
+    suite = {r["parent"]: r["suite"] for r in ok if r.get("phase") == "suite" and "suite" in r}
     out: dict[str, dict[str, Any]] = {}
     for record in ok:
         if record.get("phase") != "recovered" or record["seed"] not in dense:
@@ -360,6 +367,8 @@ def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
                 "retention": [],
                 "gap_before": [],
                 "per_language": {},
+                "acc": [],
+                "acc_retention": [],
             },
         )
         entry["loss"].append(record["val_loss"])
@@ -372,6 +381,11 @@ def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
             entry["gap_before"].append(before - pretrain[record["seed"]]["val_loss"])
         for lang, loss in (record.get("val_loss_per_language") or {}).items():
             entry["per_language"].setdefault(lang, []).append(loss)
+        scores, ref_scores = suite.get(record["name"]), suite.get(ref["name"])
+        if scores and ref_scores:
+            entry["acc"].append(scores["mean_acc"])
+            if ref_scores["mean_above_chance"] > 0:  # a reference at chance has nothing to retain
+                entry["acc_retention"].append(scores["mean_above_chance"] / ref_scores["mean_above_chance"])
     return out
 
 
@@ -397,6 +411,8 @@ def _main_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "loss gap to dense": _fmt(entry["gap"]),
                 "retention": _fmt(entry["retention"]),
                 "gap before recovery": _fmt(entry["gap_before"]),
+                "task acc": _fmt(entry["acc"]),
+                "task retention (above chance)": _fmt(entry["acc_retention"]),
             }
         )
     return rows
@@ -464,7 +480,7 @@ def _findings(configs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
-    from moe_lit.studies.report import pyplot, save_figure
+    from moe_lit.plotting import pyplot, save_figure, spread_note
 
     entries = [(n, e) for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]]
     if not entries:
@@ -483,7 +499,7 @@ def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
     ax.set_xticks(range(len(entries)), [n for n, _ in entries], rotation=70, ha="right", fontsize=7)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylabel("val loss gap to dense (after recovery)")
-    ax.set_title("Loss gap per conversion (mean ± std over seeds)")
+    ax.set_title(f"Loss gap per conversion (mean; {spread_note(s.n for s in stats)})")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     ax.legend(handles, list(colours), fontsize=8)
     return save_figure(fig, Path(plots_dir) / "loss_gap.png")

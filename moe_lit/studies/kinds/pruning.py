@@ -614,33 +614,31 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 
 def plot_retention(values, path: Path, key: str = "mean") -> Path:
     """Mean retention (``key``) per method, one panel per arm present, one marker per fraction, ± std over seeds."""
-    from moe_lit.studies.report import pyplot, save_figure
+    from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note
 
     plt = pyplot()
     fractions = sorted({f for f, _, _ in values})
     methods = list(dict.fromkeys(m for _, _, m in values))
-    arms = [arm for arm in ARMS if any(key[1] == arm for key in values)]
-    fig, axes = plt.subplots(1, len(arms), figsize=(5 * len(arms), 3.5), sharey=True, squeeze=False)
+    arms = [arm for arm in ARMS if any(k[1] == arm for k in values)]
+    fig, axes = plt.subplots(1, len(arms), figsize=(5 * len(arms), 3.8), sharey=True, squeeze=False)
     axes = axes[0]
     offset = 0.6 / len(fractions)
+    counts = []
     for ax, arm in zip(axes, arms, strict=True):
         for i, fraction in enumerate(fractions):
             stats = [summarize(values.get((fraction, arm, m), {key: []})[key]) for m in methods]
+            counts += [s.n for s in stats if s.n]
             xs = [j + (i - (len(fractions) - 1) / 2) * offset for j in range(len(methods))]
-            ax.errorbar(
-                xs,
-                [s.mean for s in stats],
-                yerr=[s.std if s.n > 1 else 0.0 for s in stats],
-                fmt="o",
-                capsize=3,
-                label=f"{_label(fraction)} removed",
-            )
+            seed_errorbar(ax, xs, stats, linestyle="none", label=f"{_label(fraction)} removed")
         ax.set_xticks(range(len(methods)), methods, rotation=30)
-        ax.set_title(arm)
-        ax.axhline(1.0, color="grey", linewidth=0.8)
-    what = "original / pruned val loss" if key == "mean" else "task accuracy above chance, pruned / original"
+        ax.set_title(f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})")
+        ax.axhline(1.0, color="grey", linewidth=0.8, label="1 = nothing lost")
+        ax.grid(True, axis="y", alpha=0.3)
+    what = "original / pruned val loss" if key == "mean" else "accuracy above chance, pruned / original"
     axes[0].set_ylabel(f"retention ({what})")
     axes[0].legend(fontsize=8)
+    over = "languages" if key == "mean" else "tasks"
+    fig.suptitle(f"Retention, mean over {over} ({spread_note(counts)})", fontsize=10)
     return save_figure(fig, path)
 
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.plotting import pyplot, save_figure, seed_band, seed_errorbar, spread_note, zero_line
 from moe_lit.studies.engine import Call, Point, Start, stable_dict
 from moe_lit.studies.kinds import Analysis, check_fields
-from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
+from moe_lit.studies.stats import Summary, compare_paired, format_comparison, format_summary, summarize
 
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
 OPTIMIZER_STATES = ("copy", "reset")
@@ -320,14 +321,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         if eta:
             findings.append(_eta_finding(arm, eta, versus))
     findings += _compute_findings(plan, tau, total, _step_times(arms))
-    plots = [
-        p
-        for p in (
-            _plot_curves(arms, tau, plots_dir / "val_loss.png"),
-            _plot_separation(arms, tau, plots_dir / "copy_separation.png"),
-        )
-        if p
-    ]
+    figures = {"val_loss": curves_figure(arms, tau), "copy_separation": separation_figure(arms, tau)}
+    plots = [save_figure(fig, Path(plots_dir) / f"{name}.png") for name, fig in figures.items() if fig is not None]
     return Analysis(findings=findings, tables={"Arms (mean ± std over seeds)": rows}, plots=plots)
 
 
@@ -357,57 +352,80 @@ def _compute_findings(plan, tau: int, total: int, times: tuple[float, float] | N
     return lines
 
 
-def _mean_curve(records: list[dict[str, Any]], prefix: list[dict[str, Any]] | None = None):
-    """(steps, mean, std) of the validation curves of one arm's seeds."""
-    from moe_lit.studies.stats import summarize as summ
-
-    curves = []
-    for i, record in enumerate(records):
-        points = {p["step"]: p["val_loss"] for p in (prefix[i] if prefix else [])}
+def _curves(arms, arm: str) -> dict[int, dict[int, float]]:
+    """seed -> step -> val loss of one arm; an upcycled arm's curve before tau is its own seed's
+    fixed_E (the prefix it resumed), and a seed whose fixed_E is missing is left out."""
+    out = {}
+    for seed, record in arms[arm].items():
+        points = {}
+        if arm.startswith("up_"):
+            parent = arms.get(FIXED_E, {}).get(seed)
+            if parent is None:
+                continue
+            tau = record["expand_at"]
+            points = {p["step"]: p["val_loss"] for p in parent["curve"] if p["step"] < tau}
         points.update({p["step"]: p["val_loss"] for p in record["curve"]})
-        curves.append(points)
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    stats = [summ([c[s] for c in curves]) for s in steps]
-    return steps, [s.mean for s in stats], [s.std for s in stats]
+        out[seed] = points
+    return out
 
 
-def _plot_curves(arms, tau: int, path: Path) -> Path | None:
-    from moe_lit.studies.report import pyplot, save_figure
+def _per_step(curves: dict[int, dict[int, float]], since: int = 0) -> tuple[list[int], list[Summary]]:
+    """(steps >= since that every seed measured, the values over the seeds at each)."""
+    steps = sorted(s for s in set.intersection(*(set(c) for c in curves.values())) if s >= since)
+    return steps, [summarize([c[s] for c in curves.values()]) for s in steps]
 
+
+def _minus_fixed_e(arms, arm: str) -> dict[int, dict[int, float]]:
+    """seed -> step -> the arm's val loss minus its own seed's fixed_E at the same step."""
+    mine, base = _curves(arms, arm), _curves(arms, FIXED_E)
+    return {
+        seed: {step: loss - base[seed][step] for step, loss in curve.items() if step in base[seed]}
+        for seed, curve in mine.items()
+        if seed in base
+    }
+
+
+def _colour(arms, arm: str) -> str:
+    """One colour per arm across the kind's plots."""
+    return f"C{list(arms).index(arm) % 10}"
+
+
+def curves_figure(arms, tau: int):
+    """Validation curves (mean, ± std band over seeds) with the expansion step marked: the whole
+    run, the region after tau, and each arm minus fixed_E paired by seed after tau."""
     plt = pyplot()
-    fig, (ax_all, ax_after) = plt.subplots(1, 2, figsize=(11, 4))
-    for arm, by_seed in arms.items():
-        seeds = sorted(by_seed)
-        prefix = [arms[FIXED_E][s]["curve"] for s in seeds if s in arms[FIXED_E]] if arm.startswith("up_") else None
-        if prefix is not None and len(prefix) != len(seeds):
+    fig, (ax_all, ax_after, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.4))
+    counts = []
+    for arm in arms:
+        curves = _curves(arms, arm)
+        if not curves:
             continue
-        steps, mean, std = _mean_curve([by_seed[s] for s in seeds], prefix)
-        for ax, keep in ((ax_all, lambda s: True), (ax_after, lambda s: s >= tau)):
-            xs = [s for s in steps if keep(s)]
-            ms = [m for s, m in zip(steps, mean, strict=False) if keep(s)]
-            ss = [d for s, d in zip(steps, std, strict=False) if keep(s)]
-            (line,) = ax.plot(
-                xs, ms, "--" if arm.startswith("up_") else "-", marker=".", label=f"{arm} (n={len(seeds)})"
-            )
-            ax.fill_between(
-                xs,
-                [m - d for m, d in zip(ms, ss, strict=False)],
-                [m + d for m, d in zip(ms, ss, strict=False)],
-                color=line.get_color(),
-                alpha=0.2,
-            )
-    for ax, title in (
-        (ax_all, "validation loss (band: ± std over seeds)"),
-        (ax_after, f"after the expansion (step >= {tau})"),
+        counts.append(len(curves))
+        style = {"linestyle": "--" if arm.startswith("up_") else "-", "marker": ".", "color": _colour(arms, arm)}
+        for ax, since, alpha in ((ax_all, 0, 0.2), (ax_after, tau, 0.1)):
+            steps, stats = _per_step(curves, since)
+            label = f"{arm} (n={len(curves)})" if ax is ax_all else None
+            seed_band(ax, steps, stats, alpha=alpha, label=label, **style)
+        paired = _minus_fixed_e(arms, arm) if arm != FIXED_E else {}
+        if paired:
+            seed_band(ax_diff, *_per_step(paired, tau), **style)
+    zero_line(ax_diff)
+    note = spread_note(counts, "band")
+    for ax, title, ylabel in (
+        (ax_all, f"validation loss ({note})", "validation loss"),
+        (ax_after, f"after the expansion (step >= {tau})", "validation loss"),
+        (ax_diff, f"minus fixed_E, paired by seed (step >= {tau})", "val loss minus fixed_E (< 0: better)"),
     ):
-        ax.axvline(tau, color="grey", linestyle=":", label="expansion" if ax is ax_all else None)
-        ax.set(xlabel="optimizer step", ylabel="validation loss", title=title)
+        ax.axvline(tau, color="grey", linestyle=":", label=f"expansion (tau = {tau})" if ax is ax_all else None)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
         ax.grid(alpha=0.3)
     ax_all.legend(fontsize=7)
-    return save_figure(fig, path)
+    return fig
 
 
-def _plot_separation(arms, tau: int, path: Path) -> Path | None:
+def separation_figure(arms, tau: int):
+    """Mean cosine of the copies to their sources over the steps after tau (± std over seeds);
+    None when no arm measured it."""
     series = {
         arm: [r.get("copy_separation") or [] for r in by_seed.values()]
         for arm, by_seed in arms.items()
@@ -415,10 +433,9 @@ def _plot_separation(arms, tau: int, path: Path) -> Path | None:
     }
     if not any(s for runs in series.values() for s in runs):
         return None
-    from moe_lit.studies.report import pyplot, save_figure
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4))
+    counts = []
     for arm, runs in series.items():
         by_step: dict[int, list[float]] = {}
         for run in runs:
@@ -427,15 +444,25 @@ def _plot_separation(arms, tau: int, path: Path) -> Path | None:
                 by_step.setdefault(entry["step"], []).append(sum(cosines) / len(cosines))
         steps = sorted(by_step)
         stats = [summarize(by_step[s]) for s in steps]
-        ax.errorbar(steps, [s.mean for s in stats], yerr=[s.std for s in stats], marker=".", capsize=2, label=arm)
+        counts += [s.n for s in stats]
+        seed_errorbar(ax, steps, stats, marker=".", capsize=2, label=arm, color=_colour(arms, arm))
     ax.set(
         xlabel="optimizer step",
         ylabel="mean cosine(copy, source)",
-        title=f"do the copies separate? (expansion at {tau}; 1 = identical)",
+        title=f"do the copies separate? (expansion at {tau}; 1 = identical)\n({spread_note(counts)})",
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return save_figure(fig, path)
+    return fig
 
 
-__all__ = ["ArmSpec", "UpcyclingSpec", "analyse", "expand", "measure_step_times", "parse"]
+__all__ = [
+    "ArmSpec",
+    "UpcyclingSpec",
+    "analyse",
+    "curves_figure",
+    "expand",
+    "measure_step_times",
+    "parse",
+    "separation_figure",
+]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from moe_lit.accounting import count_config_params
-from moe_lit.checkpoint import export_model
+from moe_lit.checkpoint import export_model, load_model
 from moe_lit.cli import main
 from moe_lit.convert.hf import from_hf, to_hf
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.conftest import tiny
-from tests.convert.hf.conftest import tokens
+from tests.helpers.hf import tokens
+from tests.helpers.models import tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,6 +100,9 @@ def test_export_writes_tokenizer_generation_config_and_shards(tmp_path, word_tok
     # moe-lit accounting reads the exported directory, exactly
     assert count_config_params(from_hf(tmp_path / "hf").config).total == sum(p.numel() for p in hf.parameters())
     assert main(["accounting", "--config", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    # every model-taking command reads a transformers dir as import-hf would
+    idx = torch.randint(0, 97, (1, 8))
+    assert torch.equal(load_model(tmp_path / "hf")(idx).logits_BLV, from_hf(tmp_path / "hf")(idx).logits_BLV)
 
 
 def test_export_refuses_a_non_empty_out_unless_forced(tmp_path, word_tokenizer, capsys):

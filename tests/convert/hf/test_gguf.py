@@ -9,7 +9,7 @@ import torch
 from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.data.tokenizer import EOS, train_tokenizer
-from tests.convert.hf.conftest import hf_model, tokens
+from tests.helpers.hf import hf_model, tokens
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers loads GGUF weights through it

@@ -7,7 +7,7 @@ from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
 from moe_lit.convert.hf import from_hf
 from moe_lit.errors import MoeLitError
-from tests.convert.hf.conftest import FAMILY_NAMES, hf_model, tokens
+from tests.helpers.hf import FAMILY_NAMES, hf_model, tokens
 
 transformers = pytest.importorskip("transformers")
 

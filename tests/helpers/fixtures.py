@@ -1,0 +1,68 @@
+"""Session fixtures shared by several test folders: a prepared dir, a tiny MoE and its export.
+
+The prepared dir follows the data pipeline's contract: ``meta.json``, ``tokenizer.json`` and
+``text/<split>/<lang>.jsonl`` with one ``{"id", "doc", "text"}`` per paragraph, parallel ids.
+"""
+
+import json
+
+import pytest
+import torch
+
+from moe_lit.checkpoint import export_model
+from moe_lit.data.prepare import PrepareConfig, prepare
+from moe_lit.model import Transformer
+from tests.helpers.corpus import EOT, LANGUAGES, PARAGRAPHS, paragraph_records, write_corpus
+from tests.helpers.models import tiny
+
+
+@pytest.fixture(scope="session")
+def prepared_dir(tmp_path_factory):
+    """A prepared data dir: meta.json, a byte-level BPE tokenizer.json, parallel test text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("prepared")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=[EOT], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator([text for texts in PARAGRAPHS.values() for text in texts], trainer)
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "meta.json").write_text(
+        json.dumps({"languages": list(LANGUAGES), "vocab_size": tokenizer.get_vocab_size()})
+    )
+    for lang in LANGUAGES:
+        split_dir = root / "text" / "test"
+        split_dir.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(record, ensure_ascii=False) for record in paragraph_records(lang)]
+        (split_dir / f"{lang}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(prepared_dir):
+    """A seeded tiny MoE Transformer whose vocabulary fits the fixture tokenizer."""
+    vocab = json.loads((prepared_dir / "meta.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    return Transformer(tiny(vocab_size=vocab, seq_len=32)).eval()
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory, tiny_moe, prepared_dir):
+    """The tiny model exported with its tokenizer (a checkpoint directory)."""
+    return export_model(tiny_moe, tmp_path_factory.mktemp("ckpt") / "tiny-moe", prepared_dir / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs."""
+    root = tmp_path_factory.mktemp("cli_runs")
+    corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
+    prepare(
+        PrepareConfig(
+            source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False
+        )
+    )
+    return root / "data"

@@ -1,0 +1,243 @@
+import pytest
+
+from moe_lit.accounting import count_config_params
+from moe_lit.config import ConfigError
+from moe_lit.studies.study import load_study, parse_study
+from tests.helpers.paths import STUDIES
+from tests.helpers.studies import small_spec
+
+
+def test_expansion_is_the_grid_plus_ablations_deduplicated():
+    points = parse_study(small_spec()).points
+    groups = {p.name: p.info["groups"] for p in points}
+    assert list(groups) == [
+        "S/dense",
+        "S/E4k2",
+        "S/E8k2",
+        "M/dense",
+        "M/E4k2",
+        "M/E8k2",
+        "M/E4k1",
+        "M/E8k1",
+        "M/E8k4",  # granularity: k=4 skipped at E=4 (every expert active)
+        "M/E4k2/shared=0.5",
+        "M/E4k2/profile=skewed",
+        "M/E4k2/bias=0.001",
+        "M/E4k2/cf=1",
+        "M/E4k2/cf=2",
+        "M/E4k2/total",
+    ]
+    # the reference point is one run that appears in every ablation, with its label in each group;
+    # the aux_loss=0.01 balancing variant IS the reference (default coefficient) and merges into it
+    assert groups["M/E4k2"] == {
+        "grid": "E4k2",
+        "shared": "none",
+        "heterogeneous": "equal",
+        "balancing": "aux_loss=0.01",
+        "capacity": "dropless",
+        "matching": "active-matched",
+    }
+    assert groups["M/dense"] == {"grid": "dense", "matching": "dense"}
+    assert groups["M/E4k2/cf=2"] == {"capacity": "cf=2"}
+    assert len({p.hash for p in points}) == len(points)
+    ref = next(p for p in points if p.name == "M/E4k2/cf=2")
+    assert ref.model.moe.capacity_factor == 2.0 and ref.model.moe.expert_size == 63
+
+
+def test_seeds_multiply_points_and_hashes_follow_what_determines_a_run():
+    points = parse_study(small_spec(seeds=[0, 1], ablations=None)).points
+    assert len(points) == 2 * 3 * 2
+    assert [p.name for p in points[:2]] == ["S/dense/s0", "S/E4k2/s0"]
+    assert {p.config_name for p in points if p.seed == 1} == {p.config_name for p in points if p.seed == 0}
+    assert points[0].run.train.seed == 0 and points[1 + len(points) // 2].run.train.seed == 1
+    renamed = parse_study(small_spec(name="other", seeds=[0, 1], ablations=None, description="x")).points
+    assert [p.hash for p in renamed] == [p.hash for p in points]  # stable: no names, no order
+    run = small_spec()["run"]
+    longer = parse_study(small_spec(ablations=None, run={**run, "train": {"max_tokens": 8192}})).points
+    assert not {p.hash for p in longer} & {p.hash for p in points}
+
+
+def _rounding_slack(point, mode):
+    """Largest mismatch from rounding expert sizes to integers: half a row (3*d params) per expert
+    counted (k active ones, or all E), in every layer."""
+    d, moe = point.model.d_model, point.model.moe
+    return point.model.n_layers * 3 * d * (moe.top_k if mode == "active" else moe.num_experts) / 2
+
+
+def test_matched_configs_hit_their_budget():
+    study = parse_study(small_spec())
+    for point in study.points:
+        dense = count_config_params(study.spec.dense_model(point.info["budget"]))
+        counts = count_config_params(point.model)
+        if point.model.moe is None:
+            assert counts.total == counts.active == dense.total
+            continue
+        mode = point.info["match"]
+        got, want = (counts.active, dense.active) if mode == "active" else (counts.total, dense.total)
+        assert abs(got - want) <= _rounding_slack(point, mode), point.name
+        if mode == "active":
+            assert counts.total > dense.total  # the sparse model holds more parameters than it uses
+        else:
+            assert counts.active < dense.active
+
+
+def test_shipped_studies_load_and_expand():
+    tiny = load_study(STUDIES / "dense_vs_sparse.yaml").points
+    assert len(tiny) == 27
+    assert {p.model.moe.num_experts if p.model.moe else 1 for p in tiny if "grid" in p.info["groups"]} == {
+        1,
+        4,
+        8,
+        16,
+        32,
+    }
+    gpu = load_study(STUDIES / "dense_vs_sparse_gpu.yaml").points
+    assert len(gpu) > len(tiny)
+    for other in ("upcycling", "language_expansion"):
+        assert load_study(STUDIES / f"{other}.yaml").points
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"grid": {"num_experts": ["dense", 1]}}, "grid.num_experts: entries must be 'dense' or integers >= 2"),
+        ({"grid": {"match": ["params"]}}, "grid.match: got 'params', allowed values: active, total"),
+        ({"grid": {"experts": [4]}}, "grid: unknown key(s) ['experts']"),
+        ({"grid": {"moe": {"top_k": 3}}}, "grid.moe: unknown or solved field(s) ['top_k']"),
+        ({"ablations": {"budget": "XL"}}, "ablations.budget: got 'XL', allowed values: S, M"),
+        (
+            {"ablations": {"budget": "M", "num_experts": 4, "size_profiles": {"bad": [1, 2]}}},
+            "ablations.size_profiles.bad: needs num_experts=4 positive numbers",
+        ),
+        ({"ablations": {"budget": "M", "balancing": [{"balancing": "magic"}]}}, "moe.balancing: got 'magic'"),
+        ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: the base model must be dense"),
+        (
+            {"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}},
+            "base.seq_len: set the sequence length in run.data.seq_len",
+        ),
+        ({"budgets": [{"name": "S", "d_fff": 1}]}, "budgets[S].overrides: unknown model field(s) ['d_fff']"),
+        ({"budgets": [{"name": "S", "d_ff": 0}]}, "budgets[S]: model.d_ff: must be a positive integer"),
+        ({"run": {"optim": {"lr": -1}}}, "optim.lr: must be > 0"),
+        ({"run": {"data": {"batch_size": 0}}}, "data.batch_size: must be a positive integer"),
+        ({"run": {"train": {"max_tokens": 10, "max_steps": 3}}}, "train.max_tokens: set exactly one"),
+        ({"run": {"colour": 1}}, "run: unknown key(s) ['colour']"),
+        ({"kind": "magic"}, "kind: got 'magic', allowed values: dense_vs_sparse"),
+        ({"seeds": [0, 0]}, "seeds: must be a non-empty list of distinct integers"),
+        ({"data": {"vocab_sise": 2048}}, "data: unknown key(s) ['vocab_sise']"),
+        ({"colour": "red"}, "study: unknown key(s) ['colour']"),
+    ],
+)
+def test_bad_specs_name_the_field(changes, message):
+    with pytest.raises(ConfigError) as info:
+        parse_study(small_spec(**changes))
+    assert message in str(info.value)
+
+
+# ----------------------------------------------------------------------------- plots
+def _record(config, seed, loss, groups, num_experts=4, top_k=2, total=2000, active=1000, match="active"):
+    return {
+        "status": "ok",
+        "name": config,
+        "config_name": config,
+        "seed": seed,
+        "val_loss": loss,
+        "budget": config.split("/")[0],
+        "groups": groups,
+        "match": match,
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "expert_size": 128.0 / top_k,
+        "total_params": total,
+        "active_params": active,
+    }
+
+
+def _plot_rows(seeds=(0, 1)):
+    from moe_lit.studies.report import aggregate
+
+    bump = {0: 0.0, 1: 0.2}
+    records = []
+    for seed in seeds:
+        b = bump[seed]
+        records += [
+            _record("S/dense", seed, 4.0 + b, {"grid": "dense"}, num_experts=1, top_k=1, total=900, active=900),
+            _record("S/E4k2", seed, 3.9 + b, {"grid": "E4k2"}, active=900),
+            _record("M/dense", seed, 3.8 + b, {"grid": "dense", "matching": "dense"}, 1, 1, 1000),
+            _record("M/E4k2", seed, 3.7 + b, {"grid": "E4k2", "shared": "none", "matching": "active-matched"}),
+            _record("M/E4k1", seed, 3.75 + b, {"granularity": "k=1"}, top_k=1),
+            _record("M/E4k2/shared=0.5", seed, 3.6 + b + 0.05 * seed, {"shared": "0.5"}, total=1500),
+            _record(
+                "M/E4k2/total", seed, 3.9 + b, {"matching": "total-matched"}, total=1000, active=600, match="total"
+            ),
+        ]
+    return aggregate(records)
+
+
+ABLATION = {"budget": "M", "num_experts": 4, "top_k": 2}
+
+
+def _close(fig):
+    from moe_lit.plotting import pyplot
+
+    pyplot().close(fig)
+
+
+@pytest.mark.parametrize("seeds, note, has_bars", [((0, 1), "bars: ± std over 2 seeds", True), ((0,), "1 seed", False)])
+def test_total_params_plot_has_seed_error_bars_or_says_there_are_none(seeds, note, has_bars):
+    from moe_lit.studies.kinds.dense_vs_sparse import total_params_figure
+
+    fig = total_params_figure(_plot_rows(seeds))
+    (ax,) = fig.axes
+    assert note in ax.get_title()
+    assert [c.has_yerr for c in ax.containers] == [has_bars, has_bars]  # a line per budget
+    if has_bars:
+        (segments,) = ax.containers[0].lines[2]
+        assert abs(segments.get_segments()[0][1][1] - segments.get_segments()[0][0][1]) == pytest.approx(
+            2 * 0.2 / 2**0.5
+        )
+    _close(fig)
+
+
+def test_expert_size_plot_names_top_k_and_skips_budgets_without_a_granularity_sweep():
+    from moe_lit.studies.kinds.dense_vs_sparse import expert_size_figure
+
+    fig = expert_size_figure(_plot_rows())
+    (ax,) = fig.axes  # S ran top-2 only: no panel
+    assert ax.get_title().startswith("M: val loss vs expert size")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["64\ntop-2", "128\ntop-1"]
+    assert ax.get_legend().get_texts()[0].get_text() == "E=4 (top-k 2, 1)"
+    _close(fig)
+
+
+def test_ablation_plot_shows_paired_differences_around_zero_with_the_noise_band():
+    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
+
+    rows = _plot_rows()
+    fig = ablation_figure("shared", ablation_bars(rows)["shared"], rows, ABLATION)
+    (ax,) = fig.axes
+    (bars,) = ax.containers  # the reference is the zero line, not a dot
+    (dots, _, (segments,)) = bars.lines
+    assert list(dots.get_ydata()) == pytest.approx([-0.075])  # seed 0: -0.1, seed 1: -0.05
+    assert abs(segments.get_segments()[0][1][1] - segments.get_segments()[0][0][1]) == pytest.approx(2 * 0.05 / 2**0.5)
+    assert [0.0, 0.0] in [list(line.get_ydata()) for line in ax.lines]  # the zero line
+    (band,) = ax.patches  # ± the reference's seed std
+    assert band.get_height() == pytest.approx(2 * 0.2 / 2**0.5)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.5\n1k act / 1.5k tot"]
+    assert "minus none (M/E4k2: 3.8000)" in ax.get_ylabel() and "active-matched" in ax.get_title()
+    _close(fig)
+
+
+def test_matching_ablation_states_what_was_matched():
+    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
+
+    rows = _plot_rows((0,))
+    fig = ablation_figure("matching", ablation_bars(rows)["matching"], rows, ABLATION, effect=0.1)
+    (ax,) = fig.axes
+    assert "1 seed, no error bar" in ax.get_title() and "total-matched: its total params (so fewer active)" in (
+        ax.get_title()
+    )
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["dense\n1k act / 1k tot", "total-matched\n600 act / 1k tot"]
+    assert not ax.patches  # one seed: no noise band, but the study's main effect as the scale
+    assert [-0.1, -0.1] in [list(line.get_ydata()) for line in ax.lines]
+    _close(fig)

@@ -1,0 +1,163 @@
+"""The upcycling kind: expansion of points with parent links, analysis on hand-made records, and a
+tiny real study (train_run) where the arms fork from fixed_E's checkpoint."""
+
+import pytest
+
+from moe_lit.config import ConfigError
+from moe_lit.studies.kinds.upcycling import analyse
+from moe_lit.studies.study import parse_study, run_study
+
+TINY = {
+    "name": "up",
+    "kind": "upcycling",
+    "run": {
+        "data": {"seq_len": 16, "batch_size": 2, "val_batches": 1},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"max_steps": 6, "val_every": 2},
+        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
+    },
+    "model": {
+        "vocab_size": 300,
+        "d_model": 32,
+        "n_layers": 1,
+        "n_heads": 2,
+        "d_ff": 64,
+        "moe": {"num_experts": 2, "expert_size": 16, "top_k": 1, "balancing": "bias"},
+    },
+    "expand_at": 4,
+    "utility_batches": 2,
+    "separation_every": 1,
+    "timing_rounds": 2,
+    "arms": [{"name": "utility_copy", "selection": "utility"}],
+}
+
+
+def test_arms_fork_from_their_seeds_fixed_E_checkpoint():
+    study = parse_study({**TINY, "seeds": [0, 1]})
+    by_name = {p.name: p for p in study.points}
+    assert list(by_name) == [f"{arm}/s{s}" for s in (0, 1) for arm in ("fixed_E", "fixed_mE", "up_utility_copy")]
+    child = by_name["up_utility_copy/s1"]
+    assert (child.start.parent, child.start.step, child.start.mode) == ("fixed_E/s1", 2, "resume")
+    assert by_name["fixed_mE/s0"].model.moe.num_experts == 4
+    # the child's identity covers its parent's: a longer parent run is another child
+    longer = parse_study({**TINY, "seeds": [0, 1], "run": {**TINY["run"], "train": {"max_steps": 8, "val_every": 2}}})
+    assert {p.hash for p in longer.points}.isdisjoint(p.hash for p in study.points)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"expand_at": 5}, "expand_at: must be a multiple of run.train.val_every=2"),
+        ({"expand_at": 2}, "expand_at: must lie between utility_batches=2 and the run's 6 steps"),
+        ({"arms": [{"name": "x", "selection": "best"}]}, "arms[x].selection: got 'best'"),
+        ({"factor": 1}, "factor: must be an integer >= 2"),
+        ({"expand_a": 4}, "unknown key(s) ['expand_a']"),
+    ],
+)
+def test_spec_errors_name_the_field(change, message):
+    with pytest.raises(ConfigError) as info:
+        parse_study({**TINY, **change})
+    assert message in str(info.value)
+
+
+def _record(arm, seed, loss, **extra):
+    return {
+        "status": "ok",
+        "arm": arm,
+        "seed": seed,
+        "val_loss": loss,
+        "num_experts": 2,
+        "expand_at": 4,
+        "total_steps": 10,
+        "factor": 2,
+        "curve": [{"step": 10, "val_loss": loss}],
+        **extra,
+    }
+
+
+def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
+    records = [
+        _record("fixed_E", 0, 3.0),
+        _record("fixed_E", 1, 3.2),
+        _record("fixed_mE", 0, 2.5, step_times={"E": 1.0, "mE": 2.0}),
+        _record("fixed_mE", 1, 2.6, step_times={"E": 1.0, "mE": 2.0}),
+        _record("up_a", 0, 2.8, probe_before=3.0, probe_after=3.25),
+        _record("up_a", 1, 2.9, probe_before=3.0, probe_after=3.25),
+    ]
+    analysis = analyse({"spec": {"cost_ratios": [1.9]}}, records, tmp_path)
+    eta = [(3.0 - 2.8) / (3.0 - 2.5), (3.2 - 2.9) / (3.2 - 2.6)]  # paired by seed
+    (finding,) = [f for f in analysis.findings if f.startswith("- **up_a**")]
+    mean, std = sum(eta) / 2, abs(eta[0] - eta[1]) / 2**0.5
+    assert f"eta = {mean:.4f} ± {std:.4f} (n=2)" in finding
+    measured = next(f for f in analysis.findings if "measured" in f)
+    assert "C_up/C_fixed = 0.800, saving 20.0%" in measured  # (4*1 + 6*2) / (10*2)
+    model = next(f for f in analysis.findings if "cost model" in f)
+    assert f"r=1.9: {100 * 0.4 * (1 - 1 / 1.9):.1f}%" in model
+    row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
+    assert row["experts"] == 4 and row["val jump at swap"] == "0.2500 ± 0.0000 (n=2)"
+    assert (tmp_path / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_and_resume(tmp_path):
+    from moe_lit.data.prepare import PrepareConfig, prepare
+    from moe_lit.studies.report import write_report
+    from tests.helpers.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
+    prepare(
+        PrepareConfig(
+            source=str(corpus),
+            out=tmp_path / "data",
+            vocab_size=300,
+            val_fraction=0.2,
+            test_fraction=0.1,
+            progress=False,
+        )
+    )
+    study = parse_study(TINY, data_dir=str(tmp_path / "data"))
+    records = {r["arm"]: r for r in run_study(study, tmp_path / "out", log=lambda _: None)}
+    assert {arm: r["status"] for arm, r in records.items()} == dict.fromkeys(
+        ("fixed_E", "fixed_mE", "up_utility_copy"), "ok"
+    ), [r.get("error") for r in records.values()]
+    up = records["up_utility_copy"]
+    assert up["events"][0]["step"] == 4 and up["events"][0]["num_experts"] == 4
+    assert up["probe_after"] == pytest.approx(up["probe_before"], abs=1e-5)  # top-1 expansion: exact
+    steps = [p["step"] for p in up["curve"]]
+    assert min(steps) > 2 and steps[-1] == 6  # resumed at step 2 (the prefix is not retrained), validated at the end
+    assert [p["step"] for p in records["fixed_E"]["curve"]] == [2, 4, 6]
+    first = up["copy_separation"][0]
+    assert first["step"] == 5 and first["layers"]["0"]["cosine"][0] == pytest.approx(1.0, abs=1e-3)  # one step after
+    assert records["fixed_mE"]["step_times"]["E"] > 0
+    summary = write_report(tmp_path / "out")["summary"].read_text()
+    assert "gap closure eta" in summary and "Compute, cost model" in summary
+    log = []
+    run_study(study, tmp_path / "out", log=log.append)  # finished points are not trained again
+    assert log[0] == f"study up: 3 points, 3 finished, 0 to run -> {tmp_path / 'out'}"
+
+
+def test_curves_plot_marks_tau_and_pairs_each_arm_with_its_seeds_fixed_e():
+    from moe_lit.plotting import pyplot
+    from moe_lit.studies.kinds.upcycling import _by_arm, curves_figure
+
+    def curve(*pairs):
+        return [{"step": s, "val_loss": v} for s, v in pairs]
+
+    records = [
+        _record("fixed_E", 0, 2.8, curve=curve((2, 3.5), (4, 3.0), (10, 2.8))),
+        _record("fixed_E", 1, 3.0, curve=curve((2, 3.7), (4, 3.2), (10, 3.0))),
+        _record("up_a", 0, 2.7, curve=curve((4, 3.0), (10, 2.7))),  # resumed fixed_E: the steps before tau are its
+        _record("up_a", 1, 2.95, curve=curve((4, 3.2), (10, 2.95))),
+    ]
+    fig = curves_figure(_by_arm(records), tau=4)
+    ax_all, ax_after, ax_diff = fig.axes
+    for ax in fig.axes:  # the expansion step is marked in every panel
+        assert [4, 4] in [list(line.get_xdata()) for line in ax.lines]
+    assert "band: ± std over 2 seeds" in ax_all.get_title()
+    up_all = next(line for line in ax_all.lines if line.get_label() == "up_a (n=2)")
+    assert list(up_all.get_xdata()) == [2, 4, 10] and list(up_all.get_ydata()) == pytest.approx([3.6, 3.1, 2.825])
+    assert min(ax_after.lines[0].get_xdata()) == 4  # the zoom starts at tau
+    (paired,) = [line for line in ax_diff.lines if line.get_linestyle() == "--"]  # up_a minus fixed_E, per seed
+    assert list(paired.get_xdata()) == [4, 10] and list(paired.get_ydata()) == pytest.approx([0.0, -0.075])
+    assert len(ax_diff.collections) == 1  # its ± std band (the seeds differ by 0.1 and 0.05 at step 10)
+    pyplot().close(fig)
