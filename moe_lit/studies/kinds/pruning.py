@@ -620,7 +620,7 @@ def plot_retention(values, path: Path, key: str = "mean") -> Path:
     fractions = sorted({f for f, _, _ in values})
     methods = list(dict.fromkeys(m for _, _, m in values))
     arms = [arm for arm in ARMS if any(k[1] == arm for k in values)]
-    fig, axes = plt.subplots(1, len(arms), figsize=(5 * len(arms), 3.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(arms), figsize=(max(6, 5 * len(arms)), 4), sharey=True, squeeze=False)
     axes = axes[0]
     offset = 0.6 / len(fractions)
     counts = []
@@ -634,7 +634,7 @@ def plot_retention(values, path: Path, key: str = "mean") -> Path:
         ax.set_title(f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})")
         ax.axhline(1.0, color="grey", linewidth=0.8, label="1 = nothing lost")
         ax.grid(True, axis="y", alpha=0.3)
-    what = "original / pruned val loss" if key == "mean" else "accuracy above chance, pruned / original"
+    what = "original / pruned val loss" if key == "mean" else "above chance: pruned / original"
     axes[0].set_ylabel(f"retention ({what})")
     axes[0].legend(fontsize=8)
     over = "languages" if key == "mean" else "tasks"
