@@ -91,6 +91,6 @@ def test_commands_find_the_packaged_configs(site, tmp_path):
     assert len(info["demo_models"]) == 2 and all(Path(p).is_relative_to(site) for p in info["demo_models"])
     assert info["templates"] == sorted(p.name for p in (REPO / "eval" / "templates").iterdir())
     assert Path(info["data_dir"]) == tmp_path / "data_cache" / "default"  # not inside the install
-    assert "| tiny-moe | 8 | 2 |" in proc.stdout  # accounting's table
+    assert "| tiny-moe | 256 | 8 | 2 |" in proc.stdout  # accounting's table (seq_len, experts, top_k)
     assert "up_utility_copy/s0" in proc.stdout  # the study's points
     assert "seed_everything: 0" in proc.stdout  # the experiment's config, composed from ../model, ../trainer

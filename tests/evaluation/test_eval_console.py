@@ -11,7 +11,7 @@ from moe_lit.evaluation.harness import scoring_bars_only
 def test_eval_shows_scoring_bars_only(tmp_path, exported, prepared_dir, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     args = ["eval", "--checkpoint", str(exported), "--tasks", "moe_lit_suite", "--data", str(prepared_dir)]
-    assert main([*args, "--limit", "3", "--bootstrap-iters", "0", "--out-dir", str(tmp_path)]) == 0
+    assert main([*args, "--limit", "3", "--bootstrap-iters", "0", "--out", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err
     assert "Generating" not in err and "Tokenizing inputs" not in err and "| 3/3 [" not in err, err
     bars = {line.split(":")[0] for line in err.replace("\r", "\n").splitlines() if "%|" in line}
