@@ -34,8 +34,10 @@ from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.inference.sparsity import GRANULARITIES, RULES
+from moe_lit.lit.run_config import _build
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis, check_fields
+from moe_lit.studies.measures import SuiteSpec
 from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
 
 SPLITS = ("train", "val", "test")
@@ -84,6 +86,9 @@ class SparsitySpec:
     clock: str = "cpu"
     """Timing clock (moe_lit.timing.CLOCKS): cpu = this process's CPU time (robust to other load
     with one thread per worker), wall = elapsed time."""
+    suite: SuiteSpec | None = None
+    """Local-suite accuracy (moe_lit.studies.measures.SuiteSpec) of the dense and the sparse model
+    at statistics_target, in the same measurement; null: loss only."""
 
     def __post_init__(self) -> None:
         from moe_lit.timing import CLOCKS
@@ -151,7 +156,8 @@ def model_on_disk(path: str) -> ModelConfig:
 
 def parse(fields: dict[str, Any], header) -> SparsitySpec:
     check_fields(SparsitySpec, fields, ("models",))
-    spec = SparsitySpec(**fields)
+    suite = fields.get("suite")
+    spec = SparsitySpec(**{**fields, "suite": _build(SuiteSpec, suite, "suite") if suite is not None else None})
     models: dict[str, Any] = {}
     for name, value in spec.models.items():
         if isinstance(value, dict) and "path" in value:
@@ -226,6 +232,8 @@ def _measure_kwargs(spec: SparsitySpec, header, rule: str, granularity: str, see
         "decode_tokens": spec.decode_tokens,
         "clock": spec.clock,
         "seed": seed,
+        # NOTE: only when set, so that the points of a study without it keep their hashes.
+        **({"suite_limit": spec.suite.limit, "suite_batch_size": spec.suite.batch_size} if spec.suite else {}),
     }
 
 
@@ -282,8 +290,12 @@ def measure_sparsity(
     clock: str,
     seed: int,
     languages: list[str] | None = None,
+    suite_limit: int | None = None,
+    suite_batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """The study's measurement on the point's start weights (see the module docstring)."""
+    """The study's measurement on the point's start weights (see the module docstring); with
+    ``suite_batch_size``, also the local-suite accuracy of the dense and the sparse model at
+    ``statistics_target`` (``suite_limit`` items per task)."""
     import torch
 
     from moe_lit.checkpoint import load_model
@@ -303,7 +315,23 @@ def measure_sparsity(
     curve, statistics = sample_loss_curve(model, sample, eval_batches, targets, granularity)
     best = highest_target_within(curve, max_increase)
     weights = {lang: sum(b[:, 1:].numel() for b in batches) for lang, batches in eval_batches.items()}
+    suite = {}
+    if suite_batch_size is not None:
+        suite = {
+            "suite": _suite_at(
+                model,
+                sample,
+                statistics_target,
+                granularity,
+                tokenizer,
+                data_dir,
+                languages,
+                suite_limit,
+                suite_batch_size,
+            )
+        }
     return {
+        **suite,
         "curve": [_rounded(row) for row in curve],
         "eval_tokens_per_language": weights,
         "calibration_tokens_used": sum(b.numel() for b in calibration_batches),
@@ -314,6 +342,18 @@ def measure_sparsity(
         "statistics_target": statistics_target,
         "statistics": [{**r, "inactive": round(r["inactive"], 5)} for r in statistics[statistics_target]],
     }
+
+
+def _suite_at(model, sample, target, granularity, tokenizer, data_dir, languages, limit, batch_size) -> dict[str, Any]:
+    """Local-suite scores of ``model`` dense and sparsified at ``target`` (thresholds from ``sample``)."""
+    from moe_lit.evaluation.suite import suite_scores
+    from moe_lit.inference.sparsity import sparsify, thresholds_at
+
+    def scores(m):
+        return suite_scores(m, tokenizer, data_dir, limit=limit, batch_size=batch_size, languages=languages)
+
+    sparse = sparsify(model, thresholds_at(sample, target, granularity))
+    return {"target": target, "dense": scores(model), "sparse": scores(sparse)}
 
 
 def _overall(curve: list[dict[str, Any]], target: float, weights: dict[str, int], key: str) -> float:
@@ -529,6 +569,31 @@ def _paired_by_seed(a: list[dict[str, Any]], b: list[dict[str, Any]], fn) -> tup
     return [a_by[s] for s in seeds], [b_by[s] for s in seeds]
 
 
+def _suite_table(arms) -> list[dict[str, Any]]:
+    """Per arm with suite scores: dense and sparse accuracy and their paired difference."""
+    rows = []
+    for (model, rule, granularity), recs in arms.items():
+        measured = [r for r in recs if "suite" in r]
+        if not measured:
+            continue
+        dense = [r["suite"]["dense"]["mean_acc"] for r in measured]
+        sparse = [r["suite"]["sparse"]["mean_acc"] for r in measured]
+        rows.append(
+            {
+                "model": model,
+                "rule": rule,
+                "granularity": granularity,
+                "items per task": measured[0]["suite"]["dense"]["limit"],
+                "dense acc": format_summary(summarize(dense)),
+                "sparse acc": format_summary(summarize(sparse)),
+                "sparse - dense (paired by seed)": format_comparison(compare_paired(sparse, dense))
+                if len(measured) > 1
+                else f"{sparse[0] - dense[0]:+.4f} (1 seed)",
+            }
+        )
+    return rows
+
+
 def _claim_findings(arms, max_increase: float) -> list[str]:
     findings = []
     for (model, rule, granularity), recs in arms.items():
@@ -595,6 +660,9 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
             _layer_table(arms)
         ),
     }
+    suite = _suite_table(arms)
+    if suite:
+        tables[f"Local-suite accuracy, dense vs sparse at target {target:g} (mean ± std over seeds)"] = suite
     if experts:  # none when every model is dense: no routed experts to rank
         tables[f"Sparsest and densest routed experts at target {target:g} (layer thresholds)"] = experts
     return Analysis(

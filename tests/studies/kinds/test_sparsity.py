@@ -52,6 +52,12 @@ def test_each_seed_pretrains_every_model_and_measures_each_rule_and_granularity(
     assert (child.measure.kwargs["rule"], child.measure.kwargs["granularity"]) == ("gate_up", "expert")
     assert "dense/gate/expert/s0" not in by_name and by_name["dense/gate/layer/s0"].start.parent == "dense/pretrain/s0"
     assert len({p.hash for p in points}) == len(points)
+    assert "suite_limit" not in child.measure.kwargs  # a study without suite keeps its hashes
+    with_suite = {p.name: p for p in parse_study({**TINY, "suite": {"limit": 7}}).points}
+    assert with_suite["moe/gate_up/expert/s1"].measure.kwargs["suite_limit"] == 7
+    assert with_suite["moe/pretrain/s1"].hash == parent.hash
+    with pytest.raises(ConfigError, match="suite.limit: must be an integer >= 1 or null"):
+        parse_study({**TINY, "suite": {"limit": -1}})
 
 
 def _export(tmp_path, name="disk", vocab_size=300):
@@ -180,6 +186,8 @@ def test_a_model_on_disk_runs_only_the_measurement_with_its_own_tokenizer(tmp_pa
         "rules": ["gate"],
         "granularities": ["layer"],
         "models": {"smol": {"path": str(directory)}},
+        "statistics_target": 0.0,
+        "suite": {"limit": 2, "batch_size": 4},
     }
 
     def no_training(*args, **kwargs):
@@ -190,6 +198,9 @@ def test_a_model_on_disk_runs_only_the_measurement_with_its_own_tokenizer(tmp_pa
     assert record["steps"] == 0 and record["checkpoint"] == str(directory)
     zero = [r for r in record["curve"] if r["target"] == 0.0]
     assert all(r["loss"] == pytest.approx(r["dense_loss"], abs=1e-5) for r in zero)
+    suite = record["suite"]  # at target 0 the sparse model scores as the dense one
+    assert suite["target"] == 0.0 and suite["dense"]["limit"] == 2
+    assert suite["sparse"]["tasks"] == pytest.approx(suite["dense"]["tasks"]) and suite["dense"]["tasks"]
 
 
 def _record(seed, granularity, increase_at_09, layer_speedup=2.0):
@@ -237,6 +248,8 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
     from moe_lit.studies.kinds.sparsity import analyse
 
     records = [_record(s, "layer", 0.005 + s * 0.002) for s in (0, 1)]
+    for seed, (dense, sparse) in enumerate(((0.70, 0.65), (0.72, 0.66))):  # sparse - dense: -0.05, -0.06
+        records[seed]["suite"] = {"dense": {"mean_acc": dense, "limit": 50}, "sparse": {"mean_acc": sparse}}
     records += [_record(s, "expert", 0.02 + s * 0.01, layer_speedup=3.0) for s in (0, 1)]
     records.append({**_record(2, "layer", 0.0), "status": "failed"})  # failed: left out
     analysis = analyse({"spec": {"max_increase": 0.01}}, records, tmp_path)
@@ -262,3 +275,6 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
         "0.900",
     )
     assert [p.name for p in analysis.plots] == ["loss_vs_sparsity.png"] and analysis.plots[0].stat().st_size > 0
+    (suite,) = analysis.tables["Local-suite accuracy, dense vs sparse at target 0.9 (mean ± std over seeds)"]
+    assert (suite["granularity"], suite["items per task"], suite["dense acc"]) == ("layer", 50, "0.7100 ± 0.0141 (n=2)")
+    assert "diff -0.0550" in suite["sparse - dense (paired by seed)"]
