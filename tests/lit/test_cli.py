@@ -28,13 +28,14 @@ def test_command_line_mistakes_are_one_line_naming_the_key(capsys, extra, key):
     assert err.startswith("moe-lit fit: error: ") and key in err
 
 
-def test_tensorboard_logger_without_its_extra_names_the_extra(capsys, monkeypatch):
+def test_tensorboard_logger_without_its_extra_names_the_extra(capsys, monkeypatch, prepared):
     from lightning.fabric.loggers import tensorboard
 
     monkeypatch.setattr(tensorboard, "_TENSORBOARD_AVAILABLE", False)
     monkeypatch.setattr(tensorboard, "_TENSORBOARDX_AVAILABLE", False)
     logger = ["--trainer.logger", "lightning.pytorch.loggers.TensorBoardLogger"]
-    assert main(["validate", "--config", EXPERIMENT, *logger]) == 2
+    # NOTE: prepared data, so that the data check (which comes first) passes on a fresh clone too.
+    assert main(["validate", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *logger]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("moe-lit validate: error: ") and "tensorboard" in last
     assert last.endswith("(TensorBoardLogger: pip install 'moe_lit[tensorboard]')")
