@@ -141,11 +141,11 @@ def train_run(
     )
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
     curve = ValidationCurve()
-    trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
-    with quiet_lightning():
+    with quiet_lightning():  # the Trainer too: its constructor prints the litlogger notice
+        trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
         if run.steps > 0:
             trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
         else:

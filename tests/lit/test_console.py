@@ -129,3 +129,19 @@ def test_step_metrics_show_losses_lr_throughput_and_load_imbalance():
         "tok/s": "12.3k",
         "imbalance": "3.00",
     }
+
+
+def test_train_run_prints_no_lightning_notices(prepared, tmp_path, lightning_info):
+    from moe_lit.lit.run_config import RunConfig
+    from moe_lit.lit.runner import train_run
+    from tests.helpers.models import tiny
+
+    run = RunConfig.from_dict(
+        {
+            "data": {"data_dir": str(prepared), "seq_len": 16, "batch_size": 2, "val_batches": 1},
+            "train": {"max_steps": 0},
+            "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
+        }
+    )
+    train_run(tiny(vocab_size=300, seq_len=16), run, tmp_path / "run")
+    assert not [m for m in lightning_info if m.startswith(LIGHTNING_NOTICES)], lightning_info
