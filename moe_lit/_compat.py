@@ -47,14 +47,15 @@ def installed_version(package: str) -> str:
     return str(module.__version__)
 
 
-def require_tested(package: str) -> None:
-    """Raise when ``package``'s installed release is outside :data:`TESTED` (unless allowed by env)."""
+def require_tested(package: str) -> bool:
+    """Whether ``package``'s installed release is inside :data:`TESTED`: True, or False when an
+    untested one is allowed by the environment; raise otherwise."""
     version = installed_version(package)
     # NOTE: a local build tag (2.13.0+cpu) is the same release for the API.
     if Version(version).public in SpecifierSet(TESTED[package]):
-        return
+        return True
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
-        return
+        return False
     raise MoeLitError(
         f"{package} {version}: moe_lit uses private {package} APIs tested only with {package}{TESTED[package]} "
         f"(requirements/lock.txt); install that, or set {ALLOW_UNTESTED_ENV}=1 to try this release"

@@ -19,16 +19,16 @@ def fake_version(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.setattr(_compat, "installed_version", lambda package: version)
 
 
-def test_installed_releases_are_the_tested_ones() -> None:
-    for package in _compat.TESTED:
-        _compat.require_tested(package)
+def test_installed_releases_are_the_tested_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
+    assert all(_compat.require_tested(package) is True for package in _compat.TESTED)
 
 
 @pytest.mark.parametrize("version", ["2.13.0", "2.13.0+cpu", "2.13.0+cu128", "2.13.4"])
 def test_patch_releases_and_build_tags_pass(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
     monkeypatch.delenv(_compat.ALLOW_UNTESTED_ENV, raising=False)
     fake_version(monkeypatch, version)
-    _compat.require_tested("torch")
+    assert _compat.require_tested("torch") is True
 
 
 @pytest.mark.parametrize("version", ["2.12.1", "2.14.0", "3.0.0", "2.7.0+cu126"])
@@ -49,7 +49,7 @@ def test_env_override_allows_an_untested_release(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(MoeLitError):
         _compat.require_tested("lightning")
     monkeypatch.setenv(_compat.ALLOW_UNTESTED_ENV, "1")
-    _compat.require_tested("lightning")
+    assert _compat.require_tested("lightning") is False  # allowed, and reported as untested
 
 
 def test_tested_ranges_start_at_the_locked_versions() -> None:

@@ -82,7 +82,7 @@ def test_checkpoint_leaves_the_teacher_out_and_resumes(tmp_path):
     module = DistillModule.from_models(student, teacher, OptimConfig(warmup_steps=1))
     trainer = _trainer(max_steps=1, default_root_dir=tmp_path)
     trainer.fit(module, datamodule=RandomTokenDataModule())
-    trainer.save_checkpoint(tmp_path / "d.ckpt", weights_only=False)
+    trainer.save_checkpoint(tmp_path / "d.ckpt")
     ckpt = torch.load(tmp_path / "d.ckpt", weights_only=True)
     assert not any(k.startswith("teacher.") for k in ckpt["state_dict"])
     assert ckpt["hyper_parameters"]["distill"]["kl_weight"] == 1.0
