@@ -11,6 +11,8 @@ One process times, INTERLEAVED, greedy decoding of ``--new-tokens`` tokens after
 * ``hf_generate``: ``LlamaForCausalLM.generate`` (its own KV cache) on a randomly initialised
   Llama built offline with ``transformers.LlamaConfig``; our dense model is that same model
   imported with ``moe_lit.convert.hf.from_hf_llama``, so both run equal weights and dims;
+* with ``--compile``: ``kv_cache_compiled``, the same decode with ``generate(..., compile=True)`` on
+  a copy of the model (blocks compiled in place, static cache; the warmup round holds the compile);
 * with ``--sparsity``: ``kv_cache_sparse``, our KV-cache decode with calibrated intra-expert
   activation sparsity (calibrated on random tokens: a speed measurement, not a quality one).
 
@@ -23,6 +25,7 @@ tokens on which our KV-cache decode agrees with the recompute path and with tran
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 
 import torch
@@ -64,8 +67,8 @@ def recompute_greedy(model: Transformer, prompt_BL: torch.Tensor, new_tokens: in
     return idx_BL[:, prompt_BL.shape[1] :]
 
 
-def kv_greedy(model: Transformer, prompt_BL: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    return torch.tensor(generate(model, prompt_BL.tolist(), new_tokens))
+def kv_greedy(model: Transformer, prompt_BL: torch.Tensor, new_tokens: int, compile: bool = False) -> torch.Tensor:
+    return torch.tensor(generate(model, prompt_BL.tolist(), new_tokens, compile=compile))
 
 
 def hf_greedy(hf_model, prompt_BL: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -102,6 +105,8 @@ def bench(models: dict[str, Callable[[torch.Tensor, int], torch.Tensor]], prompt
             name: agreement(outputs["kv_cache"], out) for name, out in outputs.items() if name != "kv_cache"
         },
     }
+    if "kv_cache_compiled" in times:
+        result["compiled_speedup_over_kv_cache"] = paired_ratio(times, "kv_cache", "kv_cache_compiled")
     if "hf_generate" in times:
         result["kv_cache_over_hf_time"] = paired_ratio(times, "kv_cache", "hf_generate")
     return result
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--sparsity", type=float, help="also time KV-cache decode at this target sparsity")
+    parser.add_argument("--compile", action="store_true", help="also time compiled KV-cache decode")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
@@ -155,6 +161,9 @@ def main() -> None:
                 "kv_cache": lambda p, n, m=model: kv_greedy(m, p, n),
                 "recompute": lambda p, n, m=model: recompute_greedy(m, p, n),
             }
+            if args.compile:
+                twin = copy.deepcopy(model)
+                models["kv_cache_compiled"] = lambda p, n, m=twin: kv_greedy(m, p, n, compile=True)
             if name == "dense":
                 models["hf_generate"] = lambda p, n: hf_greedy(hf_model, p, n)
             if args.sparsity is not None:

@@ -50,6 +50,41 @@ def train_step_table(result: dict) -> str:
     return markdown_table(rows)
 
 
+def train_step_floor_table(result: dict) -> str:
+    """Every model's fraction of the FLOP floor, and with ``--compile`` its compiled twin's."""
+    rows = []
+    for tag, ratio in result["ratios"].items():
+        fractions, speedups = ratio["floor_fraction"], ratio.get("compiled_speedup", {})
+        for name, fraction in fractions.items():
+            if name.endswith("_compiled"):
+                continue
+            compiled = fractions.get(f"{name}_compiled")
+            rows.append(
+                {
+                    "shape": tag,
+                    "model": name,
+                    "tok/s": round(result["models"][name]["tokens_per_s"]),
+                    "floor fraction": f"{fraction:.2f}",
+                    "compiled tok/s": round(result["models"][f"{name}_compiled"]["tokens_per_s"]) if compiled else "",
+                    "compiled floor fraction": f"{compiled:.2f}" if compiled else "",
+                    "compiled speedup": f"{speedups[name]:.3f}" if name in speedups else "",
+                }
+            )
+    return markdown_table(rows)
+
+
+def profile_step_table(result: dict) -> str:
+    """Per model: step time, floor fraction and each category's ms per step (share of the step)."""
+    rows = []
+    for name, row in result["models"].items():
+        cells = {"model": name, "step ms": f"{row['step_s'] * 1e3:.0f}", "floor fraction": f"{row['floor_fraction']:.2f}"}
+        for cat, seconds in row["seconds"].items():
+            cells[cat] = f"{seconds * 1e3:.0f} ({row['share'][cat]:.0%})"
+        cells["GEMM rate / peak"] = f"{row['gemm_rate_fraction_of_peak']:.2f}"
+        rows.append(cells)
+    return markdown_table(rows)
+
+
 def moe_layer_table(result: dict) -> str:
     rows = []
     for tag, row in result["shapes"].items():
@@ -91,8 +126,16 @@ def head_loss_table(result: dict) -> str:
     return markdown_table(rows)
 
 
+def train_step_tables(result: dict) -> str:
+    tables = train_step_table(result)
+    if any("floor_fraction" in ratio for ratio in result["ratios"].values()):
+        tables += "\n\n" + train_step_floor_table(result)
+    return tables
+
+
 TABLES = {
-    "train_step": train_step_table,
+    "train_step": train_step_tables,
+    "profile_step": profile_step_table,
     "moe_layer": moe_layer_table,
     "head_loss": head_loss_table,
     "data_loader": data_loader_table,

@@ -2,7 +2,8 @@
 
 The checkpoint is a Lightning ``.ckpt`` or an exported directory; its stored tokenizer is used
 unless ``--tokenizer`` is given. Each row stops at the end-of-text token or after
-``--max-new-tokens``. ``--stream`` prints the tokens of one prompt as they come. ``--sparsity``
+``--max-new-tokens``. ``--stream`` prints the tokens of one prompt as they come; ``--compile``
+decodes through compiled blocks (``moe_lit.inference.generate``). ``--sparsity``
 runs the model with calibrated intra-expert activation sparsity (``moe_lit.inference.sparsity``).
 """
 
@@ -52,6 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
+    parser.add_argument(
+        "--compile", action="store_true", help="decode through torch.compile'd blocks (pays the compile once)"
+    )
     add_sparsity_arguments(parser)
 
 
@@ -72,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "stop_tokens": _stop_tokens(tokenizer),
         "seed": args.seed,
+        "compile": args.compile,
     }
     if args.stream:
         _print_stream(tokenizer, args.prompt[0], stream(model, prompts, **options))

@@ -9,6 +9,14 @@ the window every further step recomputes each row's last ``window`` tokens from 
 as a sliding-window recompute would. Rows end independently (a stop token, the ``stop`` predicate
 or ``max_new_tokens``); the batch ends when every row has.
 
+With ``compile=True`` the model's transformer blocks are compiled in place
+(:func:`moe_lit.model.compile.compile_blocks`, as ``train.compile`` does) and the decode steps run
+them on a *static* cache (``kv_cache.py``): one shape for every step, so one compiled decode graph
+per batch size (after a second cache length, dynamo's automatic dynamic shapes make the slot
+dimension symbolic: one more graph, then none). Prefills run eager (their length is the prompt's), and so does
+all of a ``compile=False`` generation, even with blocks compiled earlier (``train.compile``): its
+key length grows every step, which would trace a graph per step.
+
 Dropless MoE models decode exactly as a full recompute does (up to float rounding). With token
 dropping (``capacity_factor``) each step's capacity follows that step's tokens, so which
 assignments are dropped differs from a full-window forward, as it already does between batches.
@@ -18,10 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import contextlib
+
 import torch
 
 from moe_lit.errors import MoeLitError
 from moe_lit.inference.kv_cache import KVCache
+from moe_lit.model.compile import compile_blocks
 
 StopRule = Callable[[list[int]], bool]
 """Called with a row's generated tokens after each new one; True ends the row (the token is kept)."""
@@ -38,10 +49,12 @@ def generate(
     stop: StopRule | None = None,
     seed: int | None = None,
     window: int | None = None,
+    compile: bool = False,
 ) -> list[list[int]]:
     """The generated tokens of every prompt (stop tokens excluded); see :func:`stream`."""
     generated: list[list[int]] = [[] for _ in prompts]
-    for tokens in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, stop, seed, window):
+    steps = stream(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, stop, seed, window, compile)
+    for tokens in steps:
         for row, token in enumerate(tokens):
             if token is not None:
                 generated[row].append(token)
@@ -60,22 +73,26 @@ def stream(
     stop: StopRule | None = None,
     seed: int | None = None,
     window: int | None = None,
+    compile: bool = False,
 ) -> Iterator[list[int | None]]:
     """Yield, step by step, the new token of every row (None for a row that has ended).
 
     ``temperature`` 0 decodes greedily; otherwise tokens are sampled from the softmax of
     ``logits / temperature`` restricted to the ``top_k`` most likely and the smallest set whose
     probability reaches ``top_p``, with a ``torch.Generator`` seeded by ``seed`` (same seed, same
-    tokens). A stop token ends its row and is not yielded.
+    tokens). A stop token ends its row and is not yielded. ``compile`` runs the decode steps through
+    compiled blocks (see the module docstring).
     """
     window = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, window)
+    if compile:
+        compile_blocks(model)
     rows = [list(prompt) for prompt in prompts]
     stop_set = set(stop_tokens)
     device = next(model.parameters()).device
     generator = None if seed is None else torch.Generator(device).manual_seed(seed)
     longest = min(window, max(len(row) for row in rows))
     cache_slots = min(window, longest + max_new_tokens - 1)
-    cache, logits_BV = _prefill(model, [row[-window:] for row in rows], cache_slots, device)
+    cache, logits_BV = _prefill(model, [row[-window:] for row in rows], cache_slots, device, compile)
     done = [False] * len(rows)
     for step in range(max_new_tokens):
         picked_B = next_tokens(logits_BV, temperature, top_k, top_p, generator).tolist()
@@ -94,22 +111,32 @@ def stream(
             return
         if cache.length < cache.max_slots:
             idx_B1 = torch.tensor([[row[-1]] for row in rows], device=device)
-            logits_BV = model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
+            with _stance(compiled=compile):
+                logits_BV = model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
         else:
             windows = [row[-window:] for row in rows]
-            cache, logits_BV = _prefill(model, windows, max(len(w) for w in windows), device)
+            cache, logits_BV = _prefill(model, windows, max(len(w) for w in windows), device, compile)
 
 
-def _prefill(model, rows: list[list[int]], max_slots: int, device) -> tuple[KVCache, torch.Tensor]:
-    """A fresh cache holding the left-padded ``rows``, and the next-token logits ``(B, V)``."""
+def _prefill(model, rows: list[list[int]], max_slots: int, device, static: bool) -> tuple[KVCache, torch.Tensor]:
+    """A fresh cache (``static`` for compiled decoding) holding the left-padded ``rows``, and the
+    next-token logits ``(B, V)``; the prefill itself runs eager."""
     length = max(len(row) for row in rows)
     pad_B = torch.tensor([length - len(row) for row in rows], device=device)
     idx_BL = torch.zeros(len(rows), length, dtype=torch.long, device=device)
     for b, row in enumerate(rows):
         idx_BL[b, length - len(row) :] = torch.tensor(row, dtype=torch.long)
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.config, len(rows), max(max_slots, length), pad_B, device=device, dtype=dtype)
-    return cache, model(idx_BL, kv_cache=cache).logits_BLV[:, -1]
+    cache = KVCache(model.config, len(rows), max(max_slots, length), pad_B, device=device, dtype=dtype, static=static)
+    # NOTE: a prefill's length is its prompt's; compiling it would trace a graph per length (or a
+    # dynamic one) for a forward that runs once per generation.
+    with _stance(compiled=False):
+        return cache, model(idx_BL, kv_cache=cache).logits_BLV[:, -1]
+
+
+def _stance(compiled: bool) -> contextlib.AbstractContextManager:
+    """Run compiled blocks as compiled (``compiled``) or eager, whether or not they are compiled."""
+    return contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager")
 
 
 def next_tokens(

@@ -11,6 +11,12 @@ token, so every row computes what it would compute alone (up to float rounding).
 
 :class:`KVCache` owns the slot counter: ``Transformer.forward(idx, kv_cache=cache)`` feeds the next
 L tokens of every row at slots ``cache.length .. cache.length + L - 1`` and advances it.
+
+A *static* cache (``static=True``, what compiled decoding uses) computes the same attention with
+shapes that never change between decode steps: keys/values are written with ``index_copy_`` at
+the step's slot tensor and every step attends over all ``S`` slots, the slots not written yet
+masked out. Nothing in a layer's step depends on a Python int, so a compiled block traces one
+decode graph for the whole generation instead of one per key length.
 """
 
 from __future__ import annotations
@@ -23,37 +29,49 @@ from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepView:
-    """What every attention layer needs for one forward step over slots ``start .. start+L-1``."""
+    """What every attention layer needs for one forward step over slots ``start .. start+L-1``.
+
+    NOTE: not a frozen dataclass: dynamo guards every field of a frozen one as a constant, which
+    would recompile a compiled decode step for each new ``start``."""
 
     start: int
     """First slot written by this step."""
+    slots_L: torch.Tensor
+    """The slots written by this step, ``start .. start+L-1``."""
     positions_BL: torch.Tensor
     """Rotary position of each new token (slot minus its row's padding; 0 on padding)."""
     mask_B1LS: torch.Tensor
-    """Boolean attention mask over the slots ``0 .. start+L-1``: causal and without padding (a
-    padding query sees only itself)."""
+    """Boolean attention mask over the slots ``0 .. start+L-1`` (a static cache: all slots): causal
+    and without padding (a padding query sees only itself)."""
 
 
 class LayerKVCache:
     """One layer's view of a :class:`KVCache`; attention calls :meth:`update` once per step."""
 
     def __init__(self, cache: KVCache, layer: int) -> None:
-        self.cache, self.layer = cache, layer
+        self.cache = cache
+        # NOTE: this layer's views of the cache buffers, taken once: a compiled block then sees
+        # the same two tensors at every step, not an index into the (N, ...) buffers.
+        self.k_BGSDh, self.v_BGSDh = cache.k_NBGSDh[layer], cache.v_NBGSDh[layer]
 
     @property
     def step(self) -> StepView:
         return self.cache.current_step()
 
     def update(self, k_BGLDh: torch.Tensor, v_BGLDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values; returns all keys/values up to the end of the step."""
+        """Write this step's keys/values; returns all keys/values up to the end of the step (a
+        static cache: all slots, the mask hiding the ones not written yet)."""
         step = self.step
+        if self.cache.static:
+            self.k_BGSDh.index_copy_(2, step.slots_L, k_BGLDh)
+            self.v_BGSDh.index_copy_(2, step.slots_L, v_BGLDh)
+            return self.k_BGSDh, self.v_BGSDh
         end = step.start + k_BGLDh.shape[2]
-        k_BGSDh, v_BGSDh = self.cache.k_NBGSDh[self.layer], self.cache.v_NBGSDh[self.layer]
-        k_BGSDh[:, :, step.start : end] = k_BGLDh
-        v_BGSDh[:, :, step.start : end] = v_BGLDh
-        return k_BGSDh[:, :, :end], v_BGSDh[:, :, :end]
+        self.k_BGSDh[:, :, step.start : end] = k_BGLDh
+        self.v_BGSDh[:, :, step.start : end] = v_BGLDh
+        return self.k_BGSDh[:, :, :end], self.v_BGSDh[:, :, :end]
 
 
 class KVCache:
@@ -67,6 +85,7 @@ class KVCache:
         pad_B: torch.Tensor | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        static: bool = False,
     ) -> None:
         if not 0 < max_slots <= cfg.seq_len:
             raise MoeLitError(f"kv cache: max_slots={max_slots} must be in 1..seq_len={cfg.seq_len} (the RoPE table)")
@@ -74,6 +93,7 @@ class KVCache:
         self.k_NBGSDh = torch.zeros(shape, device=device, dtype=dtype)
         self.v_NBGSDh = torch.zeros(shape, device=device, dtype=dtype)
         self.pad_B = torch.zeros(batch, dtype=torch.long, device=device) if pad_B is None else pad_B.to(device)
+        self.static = static
         self.length = 0
         self._step: StepView | None = None
         self.layers = [LayerKVCache(self, i) for i in range(cfg.n_layers)]
@@ -89,7 +109,7 @@ class KVCache:
             raise MoeLitError(f"kv cache: {end} slots needed, only {self.max_slots} allocated")
         device = self.pad_B.device
         slots_L = torch.arange(self.length, end, device=device)
-        slots_S = torch.arange(end, device=device)
+        slots_S = torch.arange(self.max_slots if self.static else end, device=device)
         real_BS = slots_S.unsqueeze(0) >= self.pad_B.unsqueeze(1)
         causal_LS = slots_S.unsqueeze(0) <= slots_L.unsqueeze(1)
         # NOTE: a padding query attends to itself only: a fully masked row would give NaNs that
@@ -97,7 +117,7 @@ class KVCache:
         own_LS = slots_S.unsqueeze(0) == slots_L.unsqueeze(1)
         mask_B1LS = ((causal_LS.unsqueeze(0) & real_BS.unsqueeze(1)) | own_LS.unsqueeze(0)).unsqueeze(1)
         positions_BL = (slots_L.unsqueeze(0) - self.pad_B.unsqueeze(1)).clamp(min=0)
-        self._step = StepView(self.length, positions_BL, mask_B1LS)
+        self._step = StepView(self.length, slots_L, positions_BL, mask_B1LS)
         return self._step
 
     def current_step(self) -> StepView:

@@ -100,3 +100,40 @@ def test_bad_arguments_name_the_field(model, kwargs, field):
     args = {"prompts": [[1, 2]], "max_new_tokens": 4, **kwargs}
     with pytest.raises(MoeLitError, match=field):
         generate(model, **args)
+
+
+@torch.no_grad()
+def test_a_static_cache_gives_the_dynamic_caches_logits(model):
+    idx = torch.randint(0, 97, (2, 12))
+    logits = {}
+    for static in (False, True):
+        cache = KVCache(model.config, 2, 16, static=static)
+        pieces = [model(idx[:, :5], kv_cache=cache).logits_BLV]
+        pieces += [model(idx[:, i : i + 1], kv_cache=cache).logits_BLV for i in range(5, 12)]
+        logits[static] = torch.cat(pieces, dim=1)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_compiled_decoding_gives_the_eager_tokens_with_one_graph_for_all_steps(kind):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Transformer(CONFIGS[kind]()).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42]]
+    eager = generate(model, prompts, 14)
+    long_prompt = list(range(1, 21))
+    past_the_window = recompute_greedy(model, long_prompt, 10)
+    torch._dynamo.reset()
+    counters.clear()
+    # NOTE: two cache lengths: the second makes dynamo mark the slot dimension dynamic
+    assert generate(model, prompts, 3, compile=True) == [row[:3] for row in eager]
+    assert generate(model, prompts, 5, compile=True) == [row[:5] for row in eager]
+    frames = counters["frames"]["ok"]
+    # 9 more decode steps, each with a new start slot: a per-step graph would compile again here
+    assert generate(model, prompts, 14, compile=True) == eager
+    assert counters["frames"]["ok"] == frames
+    # an eager generation of the compiled model, past the window, compiles nothing either
+    assert generate(model, [long_prompt], 10) == [past_the_window]
+    assert counters["frames"]["ok"] == frames

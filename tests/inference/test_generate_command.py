@@ -23,6 +23,14 @@ def test_generate_prints_greedy_continuations_and_streams_the_same(exported, cap
     assert capsys.readouterr().out == lines[0] + "\n"
 
 
+@pytest.mark.slow
+def test_generate_compile_prints_the_eager_continuations(exported, capsys):  # noqa: F811
+    prompts = ["Open the file", "Sie können"]
+    args = ["generate", "--checkpoint", str(exported), "--max-new-tokens", "8", "--compile"]
+    assert main([*args, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    assert capsys.readouterr().out.splitlines() == [expected(exported, p, 8) for p in prompts]
+
+
 def test_generate_sampling_seed_and_sparsity(exported, tmp_path, capsys):  # noqa: F811
     args = ["generate", "--checkpoint", str(exported), "--prompt", "Open", "--max-new-tokens", "8"]
     sampled = [*args, "--temperature", "1.5", "--seed", "7"]
