@@ -150,7 +150,14 @@ def main() -> None:
             "gemm_rate_fraction_of_peak": flops / by_category["gemm"] / peak if by_category["gemm"] else None,
             "ops": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
         }
-    setup = {"strategy": args.strategy, "batch": BATCH, "seq": SEQ, "steps": args.steps, "warmup": args.warmup, "peak_gemm_gflop_per_s": peak / 1e9}
+    setup = {
+        "strategy": args.strategy,
+        "batch": BATCH,
+        "seq": SEQ,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "peak_gemm_gflop_per_s": peak / 1e9,
+    }
     report("profile_step", {"setup": setup, "models": results}, save=not args.no_save)
 
 

@@ -77,7 +77,11 @@ def profile_step_table(result: dict) -> str:
     """Per model: step time, floor fraction and each category's ms per step (share of the step)."""
     rows = []
     for name, row in result["models"].items():
-        cells = {"model": name, "step ms": f"{row['step_s'] * 1e3:.0f}", "floor fraction": f"{row['floor_fraction']:.2f}"}
+        cells = {
+            "model": name,
+            "step ms": f"{row['step_s'] * 1e3:.0f}",
+            "floor fraction": f"{row['floor_fraction']:.2f}",
+        }
         for cat, seconds in row["seconds"].items():
             cells[cat] = f"{seconds * 1e3:.0f} ({row['share'][cat]:.0%})"
         cells["GEMM rate / peak"] = f"{row['gemm_rate_fraction_of_peak']:.2f}"

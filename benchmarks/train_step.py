@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from moe_lit.lit.optim import ADAMW_KERNELS
 from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
+from moe_lit.throughput import training_step
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 256, 8
 SHAPES = ((16, 2, 256), (64, 8, 64))
@@ -93,23 +95,22 @@ def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module
 def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callable[[], None]:
     """One training step on a fixed random batch; the same loss and AdamW for every model.
 
-    Ours computes its cross-entropy the way training does (``model(idx, targets)``: the chunked
-    head + loss unless ``loss_chunk_tokens`` is 0); OLMoE's logits go through ``F.cross_entropy``.
+    Ours is ``moe_lit.throughput.training_step``: its cross-entropy as training computes it
+    (``model(idx, targets)``: the chunked head + loss unless ``loss_chunk_tokens`` is 0); OLMoE's
+    logits go through ``F.cross_entropy``.
     """
     gen = torch.Generator().manual_seed(0)
-    idx_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    targets_BL = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    batch_BL1 = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    if not hf:
+        return training_step(cast(Transformer, model), batch_BL1, optimizer_kind)
+    idx_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW_KERNELS[optimizer_kind])
     model.train()
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        if hf:
-            out = model(input_ids=idx_BL, use_cache=False)
-            loss = F.cross_entropy(out.logits.view(-1, VOCAB), targets_BL.view(-1)) + AUX_COEF * out.aux_loss
-        else:
-            out = model(idx_BL, targets_BL)
-            loss = out.ce + out.aux_loss
+        out = model(input_ids=idx_BL, use_cache=False)
+        loss = F.cross_entropy(out.logits.view(-1, VOCAB), targets_BL.reshape(-1)) + AUX_COEF * out.aux_loss
         loss.backward()
         optimizer.step()
 

@@ -7,9 +7,11 @@ a resumed checkpoint was loaded. Every training batch it compiles the blocks a m
 in (the upcycling callbacks replace ``pl_module.model`` at a batch start: list CompileBlocks after
 them, as ``train_run`` and ``moe-lit fit`` do, and the new blocks run compiled from that batch on).
 
-Compile time is reported at the end of training: the first training batch's seconds (tracing and
-code generation included) against the median batch, as one log line and the logger metrics
-``compile/first_step_s``, ``compile/median_step_s`` and ``compile_s`` (their difference).
+Compile time is reported at the end of training as one log line and the logger metrics
+``compile/first_step_s``, ``compile/median_step_s``, ``compile_s`` and ``compile/fraction``:
+``compile_s`` is what the batches that took over twice the median (the first ones, which trace and
+generate code, and any recompile after a swap) took beyond the median, ``compile/fraction`` its
+share of all batches' time.
 """
 
 from __future__ import annotations
@@ -82,15 +84,26 @@ class CompileBlocks(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.batch_seconds:
             return
-        first = self.batch_seconds[0]
-        median = statistics.median(self.batch_seconds[1:] or self.batch_seconds)
-        metrics = {"compile/first_step_s": first, "compile/median_step_s": median, "compile_s": first - median}
+        metrics = compile_cost(self.batch_seconds)
         rank_zero_info(
-            f"train.compile: first step {first:.2f} s, median step {median:.3f} s "
-            f"(compile ~{first - median:.2f} s over {len(self.batch_seconds)} steps)"
+            f"train.compile: first step {metrics['compile/first_step_s']:.2f} s, median step "
+            f"{metrics['compile/median_step_s']:.3f} s, compile ~{metrics['compile_s']:.2f} s = "
+            f"{metrics['compile/fraction']:.1%} of {len(self.batch_seconds)} steps"
         )
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
 
-__all__ = ["CompileBlocks"]
+def compile_cost(batch_seconds: list[float]) -> dict[str, float]:
+    """The compile's share of a run from its batch times (see the module docstring)."""
+    median = statistics.median(batch_seconds[1:] or batch_seconds)
+    compile_s = sum(t - median for t in batch_seconds if t > 2 * median)
+    return {
+        "compile/first_step_s": batch_seconds[0],
+        "compile/median_step_s": median,
+        "compile_s": compile_s,
+        "compile/fraction": compile_s / sum(batch_seconds),
+    }
+
+
+__all__ = ["CompileBlocks", "compile_cost"]

@@ -5,9 +5,11 @@
    the dense model on active parameters) for the same token budget with :func:`train_run`,
 3. write ``results/demo/`` at once (a temporary directory renamed into place): ``results.json``,
    ``results.md`` (params total/active, tokens, final validation loss overall and per language,
-   tokens/s), ``val_loss.png`` (validation loss vs training tokens of both models) and the trained
-   models exported to ``models/<name>/`` (config, safetensors, tokenizer: what ``make eval`` reads;
-   git-ignored, being large).
+   tokens/s of the training run, and training-step tokens/s eager vs compiled: each trained model's
+   step on one training batch, an eager and a ``torch.compile``'d copy timed interleaved,
+   :func:`moe_lit.throughput.eager_vs_compiled`), ``val_loss.png`` (validation loss vs training
+   tokens of both models) and the trained models exported to ``models/<name>/`` (config,
+   safetensors, tokenizer: what ``make eval`` reads; git-ignored, being large).
 
 Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``). A non-empty ``--out`` or
 ``--work-dir`` is refused unless ``--force`` (``make demo`` passes it: it rebuilds the tracked results).
@@ -52,6 +54,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
     parser.add_argument("--evals", type=int, default=6, help="validations per run (the plotted curve)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every run of the demo")
+    parser.add_argument(
+        "--step-rounds",
+        type=int,
+        default=8,
+        help="interleaved steps timing each trained model's step eager vs compiled (0 = skip)",
+    )
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out and --work-dir")
 
 
@@ -61,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
         if getattr(args, name) < 1:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.step_rounds < 0:
+        raise MoeLitError(f"--step-rounds: must be >= 0 (0 skips the step timing), got {args.step_rounds}")
     for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
         check_output(path, {"--data": args.data}, args.force, flag)
     data_dir = prepare_default_data(args.data)
@@ -78,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
         shutil.rmtree(args.work_dir / name, ignore_errors=True)  # a previous demo's logs and checkpoints
         results[name] = train_run(model_cfg, run_cfg, args.work_dir / name)
+    steps_timed = step_throughput(results, data_dir, args) if args.step_rounds else {}
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir", "force")}
-    write_results(results, settings, tokenizer_file(data_dir), args.out)
+    write_results(results, settings, tokenizer_file(data_dir), args.out, steps_timed)
     print((args.out / RESULTS_MD).read_text())
     return 0
 
@@ -93,6 +104,18 @@ def prepare_default_data(data_dir: Path | None) -> Path:
     return Path(cfg.out)
 
 
+def step_throughput(results: dict[str, RunResult], data_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """Each trained model's training step on the first training batch, eager vs compiled."""
+    from moe_lit.lit.datamodule import MoEDataModule
+    from moe_lit.throughput import eager_vs_compiled
+
+    print(f"demo: timing each model's training step, eager vs compiled ({args.step_rounds} rounds)", flush=True)
+    loader = MoEDataModule(str(data_dir), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)
+    batch_BL1 = next(iter(loader.train_dataloader()))
+    models = {name: load_model(result.checkpoint) for name, result in results.items()}
+    return eager_vs_compiled(models, batch_BL1, rounds=args.step_rounds)
+
+
 def load_module_config(path: Path) -> tuple[ModelConfig, OptimConfig]:
     """The ``model`` and ``optim`` sections of a ``configs/model/*.yaml`` file."""
     doc = yaml.safe_load(path.read_text())
@@ -103,8 +126,9 @@ def load_module_config(path: Path) -> tuple[ModelConfig, OptimConfig]:
     return ModelConfig.from_yaml(path), OptimConfig(**optim)
 
 
-def results_rows(results: dict[str, RunResult]) -> list[dict[str, object]]:
-    """One table row per model: params, tokens, final validation loss (overall, per language), tok/s."""
+def results_rows(results: dict[str, RunResult], steps_timed: dict[str, dict] | None = None) -> list[dict[str, object]]:
+    """One table row per model: params, tokens, final validation loss (overall, per language), tok/s
+    of the run and, when timed, of its step eager and compiled."""
     rows = []
     for name, result in results.items():
         row: dict[str, object] = {
@@ -116,6 +140,12 @@ def results_rows(results: dict[str, RunResult]) -> list[dict[str, object]]:
         }
         row.update(result.val_loss_per_language)
         row["tokens/s"] = round(result.tokens_per_s)
+        if steps_timed and name in steps_timed:
+            timed = steps_timed[name]
+            row["step tok/s eager"] = round(timed["eager_tokens_per_s"])
+            row["step tok/s compiled"] = round(timed["compiled_tokens_per_s"])
+            row["compiled speedup"] = round(timed["compiled_speedup"], 3)
+            row["compile s"] = round(timed["compile_s"], 1)
         rows.append(row)
     return rows
 
@@ -145,12 +175,19 @@ def plot_curves(results: dict[str, RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(results: dict[str, RunResult], settings: dict[str, object], tokenizer: Path, out: Path) -> None:
+def write_results(
+    results: dict[str, RunResult],
+    settings: dict[str, object],
+    tokenizer: Path,
+    out: Path,
+    steps_timed: dict[str, dict] | None = None,
+) -> None:
     """``results.json``, ``results.md``, ``val_loss.png`` and ``models/`` in ``out``, all or nothing."""
     with atomic_directory(out) as tmp:
         runs = {name: dataclasses.asdict(result) for name, result in results.items()}
-        atomic_write_json(tmp / RESULTS_JSON, {"command": COMMAND, "settings": settings, "runs": runs})
-        table = markdown_table(results_rows(results))
+        doc = {"command": COMMAND, "settings": settings, "runs": runs, "step_throughput": steps_timed or {}}
+        atomic_write_json(tmp / RESULTS_JSON, doc)
+        table = markdown_table(results_rows(results, steps_timed))
         atomic_write_text(tmp / RESULTS_MD, f"Made by `{COMMAND}`.\n\n{table}\n")
         plot_curves(results, tmp / PLOT)
         for name, result in results.items():

@@ -24,9 +24,8 @@ assignments are dropped differs from a full-window forward, as it already does b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-
 import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 

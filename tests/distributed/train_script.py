@@ -1,21 +1,24 @@
 """Train a tiny MoE with one strategy on CPU, then save a checkpoint: run as a script, not under pytest.
 
     python tests/distributed/train_script.py --strategy ddp --steps 2 --out DIR [--resume CKPT]
-        [--accumulate 2 --bias]
+        [--accumulate 2 --bias --compile]
 
 Lightning's launcher re-runs this command line for rank 1, so the distributed tests start it as a
 subprocess. Every run sees the same global batches: 8 fixed sequences per step, split across the ranks
 in order (``RankShard``). The router's auxiliary losses are off, so a data-parallel
 step computes exactly the single-process gradient (the balancing loss is not linear in the batch).
 The checkpoint goes to ``DIR/model.ckpt``. With ``--accumulate N`` every rank splits its share of a
-global batch into N micro-batches; ``--bias`` trains with ``balancing: bias``. Every rank also saves
-its routers' buffers (selection biases, last step's statistics) to ``DIR/routers_rank<r>.pt``.
+global batch into N micro-batches; ``--bias`` trains with ``balancing: bias``; ``--compile`` compiles
+the blocks (``CompileBlocks``, inductor). Every rank also saves
+its routers' buffers (selection biases, last step's statistics) to ``DIR/routers_rank<r>.pt`` and,
+with ``--compile``, its compiled block and dynamo frame counts to ``DIR/compiled_rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +30,11 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from moe_lit.callbacks.compile import CompileBlocks  # noqa: E402
 from moe_lit.config import ModelConfig, MoEConfig  # noqa: E402
 from moe_lit.lit.module import MoELitModule, OptimConfig  # noqa: E402
 from moe_lit.lit.strategies import FSDP2Strategy  # noqa: E402
+from moe_lit.model.compile import is_compiled  # noqa: E402
 
 # NOTE: one batch per epoch: a run resumed from a checkpoint saved at max_steps replays the rest of
 # its "unfinished" epoch from the loader's start, so only a one-batch epoch gives every run the same data.
@@ -85,7 +90,13 @@ BIAS_CONFIG = CONFIG.replace(moe=dataclasses.replace(CONFIG.moe, balancing="bias
 
 
 def train(
-    strategy_name: str, steps: int, out: Path, resume: Path | None = None, accumulate: int = 1, bias: bool = False
+    strategy_name: str,
+    steps: int,
+    out: Path,
+    resume: Path | None = None,
+    accumulate: int = 1,
+    bias: bool = False,
+    compile: bool = False,
 ) -> Path:
     """Fit to ``steps`` optimizer steps (from ``resume`` if given); returns the saved checkpoint."""
     pl.seed_everything(0, verbose=False)
@@ -105,11 +116,17 @@ def train(
         enable_model_summary=False,
         use_distributed_sampler=False,
         accumulate_grad_batches=accumulate,
+        callbacks=[CompileBlocks()] if compile else [],
     )
     trainer.fit(module, train_dataloaders=loader, ckpt_path=resume)
     routers = {n: b.detach().clone() for n, b in module.model.named_buffers() if ".router." in n}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(routers, out / f"routers_rank{trainer.global_rank}.pt")
+    if compile:
+        from torch._dynamo.utils import counters
+
+        compiled = {"blocks": sum(map(is_compiled, module.model.blocks)), "frames": counters["frames"]["ok"]}
+        (out / f"compiled_rank{trainer.global_rank}.json").write_text(json.dumps(compiled))
     trainer.save_checkpoint(out / "model.ckpt")
     return out / "model.ckpt"
 
@@ -126,9 +143,10 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    train(args.strategy, args.steps, args.out, args.resume, args.accumulate, args.bias)
+    train(args.strategy, args.steps, args.out, args.resume, args.accumulate, args.bias, args.compile)
 
 
 if __name__ == "__main__":

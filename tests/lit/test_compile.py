@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from moe_lit.callbacks.compile import CompileBlocks
+from moe_lit.callbacks.compile import CompileBlocks, compile_cost
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.cli import main
 from moe_lit.config import ConfigError
@@ -168,3 +168,11 @@ def test_blocks_brought_in_by_an_expert_upcycling_swap_are_compiled():
     assert module.config.moe.num_experts == 2 * cfg.moe.num_experts
     assert all(is_compiled(block) for block in module.model.blocks)
     assert len(recorder.losses) == 4 and all(torch.isfinite(torch.tensor(recorder.losses)))
+
+
+def test_compile_cost_counts_the_slow_batches_beyond_the_median():
+    cost = compile_cost([12.0, 3.1, 1.0, 1.1, 0.9, 1.0, 1.0])
+    assert cost["compile/median_step_s"] == 1.0
+    assert cost["compile_s"] == pytest.approx(11.0 + 2.1)
+    assert cost["compile/fraction"] == pytest.approx(13.1 / 20.1)
+    assert compile_cost([1.0, 1.1, 0.9])["compile_s"] == 0.0

@@ -89,10 +89,20 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
     from moe_lit.commands.demo import MODELS_DIR, write_results
     from moe_lit.data.layout import tokenizer_file
 
-    write_results({"moe": full}, {"tokens": full.tokens}, tokenizer_file(prepared), tmp_path / "demo")
+    timed = {
+        "eager_tokens_per_s": 1000.4,
+        "compiled_tokens_per_s": 1100.6,
+        "compiled_speedup": 1.1004,
+        "compile_s": 9.04,
+    }
+    write_results({"moe": full}, {"tokens": full.tokens}, tokenizer_file(prepared), tmp_path / "demo", {"moe": timed})
     table = (tmp_path / "demo" / "results.md").read_text()
-    assert "| model | total params | active params | tokens | val loss | de | en | ru | tokens/s |" in table
+    assert (
+        "| model | total params | active params | tokens | val loss | de | en | ru | tokens/s "
+        "| step tok/s eager | step tok/s compiled | compiled speedup | compile s |" in table
+    )
     assert f"| moe | 40,160 | 34,016 | 512 | {full.val_loss:.4g} |" in table
+    assert "| 1000 | 1101 | 1.1 | 9 |" in table
     assert (tmp_path / "demo" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
     exported = load_model(tmp_path / "demo" / MODELS_DIR / "moe")
     assert exported.config == load_model(full.checkpoint).config
