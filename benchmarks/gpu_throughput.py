@@ -1,13 +1,17 @@
 """Training throughput on one GPU: MegaBlocks vs the torch backend's grouped GEMMs vs its padded bmm.
 
     python -m benchmarks.gpu_throughput [--out FILE] [--steps 10] [--warmup 3] [--models moe-180m,moe-720m]
+        [--compiled moe-180m:megablocks,moe-180m:grouped]
 
 For each model (~180M and ~720M total parameters, bf16 autocast over fp32 master weights, fused
 AdamW) and each expert backend, times full training steps (forward, backward, optimizer) with CUDA
 events and reports tokens/s, step time, peak memory and MFU = training FLOPs/token * tokens/s over
 the bf16 peak (the datasheet's dense 989 TFLOP/s and, beside it, a measured 8192^3 bf16 matmul).
 Backends: ``megablocks`` (MegaBlocksExperts), ``grouped`` (TorchExperts, ``torch._grouped_mm``
-over packed slots) and ``batched`` (TorchExperts, one ``bmm`` over padded chunks). Prints one
+over packed slots) and ``batched`` (TorchExperts, one ``bmm`` over padded chunks). ``--compiled``
+names the (model, backend) pairs also timed with their transformer blocks compiled
+(``moe_lit.model.compile.compile_blocks``, inductor/Triton; the warmup steps hold the compile;
+``compiled_speedup`` in the summary). Prints one
 JSON object and writes it to ``--out`` (default ``benchmarks/results/gpu-<date>.json``).
 """
 
@@ -27,6 +31,7 @@ from moe_lit.accounting import count_config_params, training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.io import atomic_write_json
 from moe_lit.model import Transformer
+from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts import TorchExperts
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -63,15 +68,19 @@ MODELS: dict[str, tuple[ModelConfig, int]] = {
 }
 
 
-def build(cfg: ModelConfig, backend: str) -> Transformer:
-    """The model on CUDA with the requested expert backend (raises when it cannot run here)."""
+def build(cfg: ModelConfig, backend: str, compiled: bool = False) -> Transformer:
+    """The model on CUDA with the requested expert backend, its blocks compiled if ``compiled``
+    (raises when it cannot run here)."""
     model = Transformer(cfg.replace(moe={"backend": "megablocks" if backend == "megablocks" else "torch"}))
     for layer in model.moe_layers():
         if backend != "megablocks":
             if not isinstance(layer.experts, TorchExperts):
                 raise RuntimeError(f"expected TorchExperts for backend {backend}, got {type(layer.experts).__name__}")
             layer.experts.strategy = backend
-    return model.cuda()
+    model = model.cuda()
+    if compiled:
+        compile_blocks(model)
+    return model
 
 
 def time_steps(step: Callable[[], None], warmup: int, steps: int) -> list[float]:
@@ -110,12 +119,13 @@ def measured_matmul_flops() -> float:
     return 2 * 8192**3 / seconds
 
 
-def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> dict[str, Any]:
+def run_case(name: str, backend: str, warmup: int, steps: int, peak: float, compiled: bool = False) -> dict[str, Any]:
     cfg, batch = MODELS[name]
     counts = count_config_params(cfg)
     row: dict[str, Any] = {
         "model": name,
         "backend": backend,
+        "compiled": compiled,
         "params_total": counts.total,
         "params_active": counts.active,
         "batch": batch,
@@ -124,12 +134,15 @@ def run_case(name: str, backend: str, warmup: int, steps: int, peak: float) -> d
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        model = build(cfg, backend)
+        model = build(cfg, backend, compiled)
     except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is a result, not a crash
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
     torch.manual_seed(0)
     batch_BL1 = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device="cuda")
-    seconds = statistics.median(time_steps(train_step(model, batch_BL1), warmup, steps))
+    try:
+        seconds = statistics.median(time_steps(train_step(model, batch_BL1), warmup, steps))
+    except Exception as exc:  # noqa: BLE001 - e.g. a compile failure on this machine's toolchain
+        return {**row, "error": f"{type(exc).__name__}: {exc}"[:500]}
     tokens_per_s = batch * cfg.seq_len / seconds
     flops_per_s = training_flops_per_token(cfg) * tokens_per_s
     del model
@@ -147,13 +160,16 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per model: tokens/s of each backend over the padded-bmm ``batched`` one's, and the fastest backend."""
     out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["model"] for r in rows):
-        speeds = {r["backend"]: r["tokens_per_s"] for r in rows if r["model"] == name and "tokens_per_s" in r}
+        ran = [r for r in rows if r["model"] == name and "tokens_per_s" in r]
+        speeds = {r["backend"]: r["tokens_per_s"] for r in ran if not r.get("compiled")}
+        compiled = {r["backend"]: r["tokens_per_s"] for r in ran if r.get("compiled")}
         summary: dict[str, Any] = {
             f"{b}_vs_batched": round(s / speeds["batched"], 3)
             for b, s in speeds.items()
             if "batched" in speeds and b != "batched"
         }
         summary["fastest"] = max(speeds, key=speeds.get) if speeds else None
+        summary["compiled_speedup"] = {b: round(s / speeds[b], 3) for b, s in compiled.items() if b in speeds}
         out[name] = summary
     return out
 
@@ -166,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument(
+        "--compiled", default="moe-180m:megablocks,moe-180m:grouped", help="model:backend pairs also run compiled"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput needs a CUDA device")
@@ -175,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.models.split(",")
         for backend in args.backends.split(",")
     ]
+    for pair in filter(None, args.compiled.split(",")):
+        name, backend = pair.split(":")
+        rows.append(run_case(name, backend, args.warmup, args.steps, peak, compiled=True))
     result = {
         "benchmark": "gpu_throughput",
         "environment": {

@@ -18,14 +18,19 @@ time is put in one category:
 * ``overhead``: the step's wall time minus the ops' self time: Python, the dispatcher, autograd
   and dynamo's guards between ops.
 
-Each row also gives the category's share of the step and, for ``gemm``, the GEMM FLOP/s the step
-reached against the best plain matmul rate of this run (``benchmarks.train_step.GEMM_SHAPES``).
+Each row also gives the category's share of the step, the step's FLOP-floor fraction (as
+``benchmarks.train_step``: all its FLOPs at the best plain matmul rate of this run, measured on
+``benchmarks.train_step.GEMM_SHAPES``; the profiler's own cost lowers it a little) and the rate its
+GEMMs ran at (their FLOPs, attention scores excluded, over their self time) against that best rate.
+The models are profiled one step each per round, ``--steps`` rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -43,6 +48,7 @@ from benchmarks.train_step import (
     step_fn,
 )
 from moe_lit.accounting import training_flops_per_token
+from moe_lit.config import ModelConfig
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
 
@@ -88,25 +94,32 @@ def category(op_name: str) -> str:
     return "other"
 
 
-def profile_case(step, steps: int) -> tuple[dict[str, float], dict[str, float], float]:
-    """(self seconds per step by category, by op name, wall seconds per step) over ``steps`` steps."""
+def profile_step_once(step: Callable[[], None]) -> tuple[dict[str, float], float]:
+    """(self seconds by op name, wall seconds) of one profiled call of ``step``."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-        times = interleaved_times({"step": step}, rounds=steps, warmup=0)["step"]
+        start = time.perf_counter()
+        step()
+        wall = time.perf_counter() - start
     by_op: dict[str, float] = {}
     for event in prof.key_averages():
-        by_op[event.key] = by_op.get(event.key, 0.0) + event.self_cpu_time_total / 1e6 / steps
-    wall = sum(times) / steps
+        by_op[event.key] = by_op.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
+    return by_op, wall
+
+
+def categorize(by_op: dict[str, float], wall: float) -> dict[str, float]:
+    """Seconds per category; ``overhead`` is ``wall`` minus every other category's op time."""
     by_category = dict.fromkeys(CATEGORIES, 0.0)
     for op, seconds in by_op.items():
         by_category[category(op)] += seconds
     # NOTE: what no kernel's self time covers is framework time too (Python between the ops).
     by_category["overhead"] = max(wall - sum(s for c, s in by_category.items() if c != "overhead"), 0.0)
-    return by_category, by_op, wall
+    return by_category
 
 
-def gemm_flops(model: Transformer) -> float:
-    """The step's matmul FLOPs (all of ``training_flops_per_token``: our accounting counts GEMMs only)."""
-    return training_flops_per_token(model.config) * BATCH * SEQ
+def matmul_flops(cfg: ModelConfig) -> float:
+    """The step's GEMM FLOPs: ``training_flops_per_token`` without its attention-score term."""
+    attention = 3 * 4 * cfg.n_layers * cfg.seq_len * cfg.n_heads * cfg.head_dim
+    return (training_flops_per_token(cfg) - attention) * BATCH * SEQ
 
 
 def main() -> None:
@@ -133,22 +146,36 @@ def main() -> None:
         models.setdefault(f"ours_dense_dff{shape[1] * shape[2]}", Transformer(our_config(None, shape[1] * shape[2])))
     if args.compile:
         models.update({f"{name}_compiled": compiled_twin(m, hf=False) for name, m in list(models.items())})
-    gemm_times = interleaved_times({f"{m}x{k}x{n}": gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES}, rounds=5, warmup=1)
-    peak = max(2 * m * k * n / median(gemm_times[f"{m}x{k}x{n}"]) for m, k, n in GEMM_SHAPES)
+    gemms = {(m, k, n): gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES}
+    gemm_times: dict[tuple[int, int, int], list[float]] = {shape: [] for shape in gemms}
+    steps = {name: step_fn(model, hf=False) for name, model in models.items()}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    # NOTE: one profiled step of each model per round, as the other benchmarks interleave: a load
+    # spike then hits every model of a round instead of all steps of one.
+    ops: dict[str, dict[str, float]] = {name: {} for name in steps}
+    walls: dict[str, float] = dict.fromkeys(steps, 0.0)
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            by_op, wall = profile_step_once(step)
+            walls[name] += wall / args.steps
+            for op, seconds in by_op.items():
+                ops[name][op] = ops[name].get(op, 0.0) + seconds / args.steps
+        for shape, gemm in gemms.items():
+            gemm_times[shape] += interleaved_times({"gemm": gemm}, rounds=3, warmup=1)["gemm"]
+    peak = max(2 * m * k * n / median(gemm_times[(m, k, n)]) for m, k, n in GEMM_SHAPES)
     results = {}
     for name, model in models.items():
-        step = step_fn(model, hf=False)
-        for _ in range(args.warmup):
-            step()
-        by_category, by_op, wall = profile_case(step, args.steps)
-        flops = gemm_flops(model)
+        wall, by_category = walls[name], categorize(ops[name], walls[name])
+        gemm_s = by_category["gemm"]
         results[name] = {
             "step_s": wall,
-            "floor_fraction": flops / peak / wall,
+            "floor_fraction": training_flops_per_token(model.config) * BATCH * SEQ / peak / wall,
             "seconds": by_category,
             "share": {c: s / wall for c, s in by_category.items()},
-            "gemm_rate_fraction_of_peak": flops / by_category["gemm"] / peak if by_category["gemm"] else None,
-            "ops": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+            "gemm_rate_fraction_of_peak": matmul_flops(model.config) / gemm_s / peak if gemm_s else None,
+            "ops": dict(sorted(ops[name].items(), key=lambda kv: -kv[1])),
         }
     setup = {
         "strategy": args.strategy,

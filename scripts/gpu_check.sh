@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared check for a lent GPU machine (< 8 minutes). Two modes:
+# The one prepared check for a lent GPU machine (its step limits add up to 10 minutes). Two modes:
 #
 #   bash scripts/gpu_check.sh fetch
 #       HERE, with PyPI: download the sdists the GPU machine cannot fetch into .gpu-sdists/
@@ -11,9 +11,10 @@
 #       ON THE GPU MACHINE (no internet; carry .gpu-sdists): build grouped_gemm and megablocks from
 #       those sdists into /tmp/gpu-site (in parallel, patched for CUDA 13), run the GPU-marked tests
 #       (tests/gpu: MegaBlocks and grouped-GEMM parity vs the torch backend's loop, a CPU-trained checkpoint
-#       evaluated on the MegaBlocks path) and benchmarks/gpu_throughput.py. Logs and the benchmark
+#       evaluated on the MegaBlocks path) and benchmarks/gpu_throughput.py (eager, plus the moe-180m
+#       step compiled on the megablocks and grouped backends). Logs and the benchmark
 #       JSON go to $OUT (the device tool brings them back) or benchmarks/results/.
-#       Device tool call: run(command="bash scripts/gpu_check.sh", carry=[".gpu-sdists"], timeout_s=540)
+#       Device tool call: run(command="bash scripts/gpu_check.sh", carry=[".gpu-sdists"], timeout_s=600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SDISTS=.gpu-sdists
@@ -92,8 +93,8 @@ stamp "GPU tests (tests/gpu, 120 s limit)"
 PIP_NO_INDEX=1 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tail -n 40
 echo "pytest exit ${PIPESTATUS[0]}"
 
-stamp "throughput benchmark (150 s limit)"
-timeout 150 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu-$(date +%F).json" --steps 10 --warmup 3 \
+stamp "throughput benchmark, eager and (moe-180m: megablocks, grouped) compiled (210 s limit)"
+timeout 210 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu-$(date +%F).json" --steps 10 --warmup 3 \
   > "$OUT_DIR/gpu_throughput.stdout" 2>&1
 echo "benchmark exit $?"
 "$PY" - "$OUT_DIR/gpu-$(date +%F).json" <<'EOF'
@@ -102,9 +103,10 @@ try:
     result = json.load(open(sys.argv[1]))
 except OSError as exc:
     sys.exit(f"no benchmark result: {exc}")
-print(f"{'model':10} {'backend':11} {'tokens/s':>10} {'step ms':>8} {'MFU':>6}  error")
+print(f"{'model':10} {'backend':20} {'tokens/s':>10} {'step ms':>8} {'MFU':>6}  error")
 for r in result["results"]:
-    print(f"{r['model']:10} {r['backend']:11} {r.get('tokens_per_s', '-'):>10} {r.get('step_ms', '-'):>8} "
+    backend = r["backend"] + (" compiled" if r.get("compiled") else "")
+    print(f"{r['model']:10} {backend:20} {r.get('tokens_per_s', '-'):>10} {r.get('step_ms', '-'):>8} "
           f"{r.get('mfu', '-'):>6}  {r.get('error', '')[:60]}")
 print("summary", json.dumps(result["summary"]))
 EOF
