@@ -13,9 +13,9 @@ With ``compile=True`` the model's transformer blocks are compiled in place
 (:func:`moe_lit.model.compile.compile_blocks`, as ``train.compile`` does) and the decode steps run
 them on a *static* cache (``kv_cache.py``): one shape for every step, so one compiled decode graph
 per batch size (after a second cache length, dynamo's automatic dynamic shapes make the slot
-dimension symbolic: one more graph, then none). Prefills run eager (their length is the prompt's), and so does
-all of a ``compile=False`` generation, even with blocks compiled earlier (``train.compile``): its
-key length grows every step, which would trace a graph per step.
+dimension symbolic: one more graph, then none). Prefills run eager (their length is the
+prompt's), and so does all of a ``compile=False`` generation, even with blocks compiled earlier
+(``train.compile``): its key length grows every step, which would trace a graph per step.
 
 Dropless MoE models decode exactly as a full recompute does (up to float rounding). With token
 dropping (``capacity_factor``) each step's capacity follows that step's tokens, so which

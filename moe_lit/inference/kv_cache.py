@@ -29,12 +29,9 @@ from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepView:
-    """What every attention layer needs for one forward step over slots ``start .. start+L-1``.
-
-    NOTE: not a frozen dataclass: dynamo guards every field of a frozen one as a constant, which
-    would recompile a compiled decode step for each new ``start``."""
+    """What every attention layer needs for one forward step over slots ``start .. start+L-1``."""
 
     start: int
     """First slot written by this step."""
@@ -52,8 +49,9 @@ class LayerKVCache:
 
     def __init__(self, cache: KVCache, layer: int) -> None:
         self.cache = cache
-        # NOTE: this layer's views of the cache buffers, taken once: a compiled block then sees
-        # the same two tensors at every step, not an index into the (N, ...) buffers.
+        # NOTE: this layer's views of the cache buffers, taken once: a compiled block then gets
+        # two tensors, not a layer index that dynamo would guard on (one graph for every layer
+        # instead of a second one once the index changes).
         self.k_BGSDh, self.v_BGSDh = cache.k_NBGSDh[layer], cache.v_NBGSDh[layer]
 
     @property

@@ -155,7 +155,7 @@ def _fit(prepared, max_steps, ckpt_path=None, save_to=None):
 def test_lightning_resume_continues_the_stream(prepared, tmp_path):
     straight = _fit(prepared, 6)
     _fit(prepared, 3, save_to=tmp_path / "step3.ckpt")
-    ckpt = torch.load(tmp_path / "step3.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "step3.ckpt", weights_only=True)
     assert ckpt["datamodule_hyper_parameters"]["data_dir"] == str(prepared)
     resumed = _fit(prepared, 6, ckpt_path=tmp_path / "step3.ckpt")
     assert len(resumed) == 3
