@@ -26,7 +26,8 @@ from moe_lit.timing import interleaved_times, median, paired_ratio
 def training_step(model: Transformer, batch_BL1: torch.Tensor, adamw: str = "fused") -> Callable[[], None]:
     """One training step (forward, backward, AdamW with the ``adamw`` kernel) on a fixed batch of
     ``L + 1`` tokens per row (inputs and shifted targets), as a callable."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW_KERNELS[adamw])
+    kernel = ADAMW_KERNELS[adamw]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=kernel.get("foreach"), fused=kernel.get("fused"))
     idx_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
     model.train()
 
@@ -45,7 +46,8 @@ def eager_vs_compiled(
     """Per model: tokens/s of the eager and the compiled step (medians of ``rounds`` interleaved
     steps), the compiled speedup (median of per-round ratios) and the compile's seconds (the
     compiled copy's ``warmup`` steps beyond ``warmup`` median steps). The models are not changed."""
-    cases, compile_s = {}, {}
+    cases: dict[str, Callable[[], object]] = {}
+    compile_s: dict[str, float] = {}
     for name, model in models.items():
         cases[f"{name}/eager"] = training_step(copy.deepcopy(model), batch_BL1)
         compiled = copy.deepcopy(model)
