@@ -183,6 +183,9 @@ class SparseExperts(nn.Module):
         # NOTE: non-persistent: the state dict stays the source model's, loadable both ways.
         self.register_buffer("thresholds_E", thresholds_E.to(experts.bias.device), persistent=False)
 
+    # NOTE: eager under torch.compile (generate(compile=True)), as TorchExperts.forward: the active
+    # neurons, and so every gathered shape, change with each token; traced, they would recompile.
+    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, Dispatch]:
@@ -210,6 +213,7 @@ class SparseSwiGLU(nn.Module):
         # copy makes the gather read whole rows.
         self.register_buffer("w2_FD", mlp.w2.weight.detach().t().contiguous(), persistent=False)
 
+    @torch.compiler.disable  # the active neurons' shapes change per token (see SparseExperts.forward)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
         y_TD = sparse_swiglu(x_TD, self.w1.weight, self.v1.weight, self.w2_FD, self.threshold, self.rule)
