@@ -138,6 +138,24 @@ def test_compiled_training_repeats_the_eager_losses_and_its_weights_load_into_an
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "moe_fields",
+    [
+        {"capacity_factor": 1.0, "balancing": "bias", "bias_update_rate": 0.01},  # drops; biased selection
+        {"score_func": "sigmoid", "shared_expert_size": 16, "z_loss_coef": 1e-3},  # DeepSeek-style options
+    ],
+    ids=["capacity-bias", "sigmoid-shared-zloss"],
+)
+def test_compiled_training_repeats_the_eager_losses_for_other_routing_options(moe_fields):
+    cfg = tiny(vocab_size=64, **moe_fields)
+    _, eager, eager_losses = _fit(cfg, [], max_steps=3)
+    _, compiled, compiled_losses = _fit(cfg, [CompileBlocks()], max_steps=3)
+    torch.testing.assert_close(compiled_losses.losses, eager_losses.losses, rtol=1e-5, atol=1e-6)
+    for name, buffer in eager.model.named_buffers():
+        torch.testing.assert_close(compiled.model.get_buffer(name), buffer, msg=name)  # routing statistics, biases
+
+
+@pytest.mark.slow
 def test_a_resumed_compiled_run_repeats_the_uninterrupted_compiled_losses(tmp_path):
     cfg = _cfg()
     _, _, whole = _fit(cfg, [CompileBlocks()], max_steps=4)
