@@ -4,6 +4,7 @@ import torch
 from moe_lit.errors import MoeLitError
 from moe_lit.inference import KVCache, generate, stream
 from moe_lit.model import Transformer
+from tests.helpers.decoding import assert_compiled_decoding_repeats_eager
 from tests.helpers.models import tiny
 
 
@@ -121,19 +122,9 @@ def test_compiled_decoding_gives_the_eager_tokens_with_one_graph_for_all_steps(k
 
     torch.manual_seed(0)
     model = Transformer(CONFIGS[kind]()).eval()
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42]]
-    eager = generate(model, prompts, 14)
     long_prompt = list(range(1, 21))
     past_the_window = recompute_greedy(model, long_prompt, 10)
-    torch._dynamo.reset()
-    counters.clear()
-    # NOTE: two cache lengths: the second makes dynamo mark the slot dimension dynamic
-    assert generate(model, prompts, 3, compile=True) == [row[:3] for row in eager]
-    assert generate(model, prompts, 5, compile=True) == [row[:5] for row in eager]
-    frames = counters["frames"]["ok"]
-    # 9 more decode steps, each with a new start slot: a per-step graph would compile again here
-    assert generate(model, prompts, 14, compile=True) == eager
-    assert counters["frames"]["ok"] == frames
+    frames = assert_compiled_decoding_repeats_eager(model, [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42]], 14)
     # an eager generation of the compiled model, past the window, compiles nothing either
     assert generate(model, [long_prompt], 10) == [past_the_window]
     assert counters["frames"]["ok"] == frames

@@ -19,6 +19,7 @@ from moe_lit.inference.sparsity import (
     thresholds_at,
 )
 from moe_lit.model import Transformer
+from tests.helpers.decoding import assert_compiled_decoding_repeats_eager
 from tests.helpers.models import tiny
 
 
@@ -119,20 +120,10 @@ def test_sparse_model_generates_and_one_sample_serves_every_target():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["moe", "dense"])
 def test_compiled_sparse_decoding_gives_the_eager_tokens_without_a_graph_per_step(kind):
-    from torch._dynamo.utils import counters
-
     model = build(kind)
     sparse = sparsify(model, thresholds_at(collect_scores(model, batches(0), "gate", 10_000), 0.7, "layer"))
-    prompts = [[5, 6, 7], [1]]
-    eager = generate(sparse, prompts, 12)
-    torch._dynamo.reset()
-    counters.clear()
-    assert generate(sparse, prompts, 3, compile=True) == [row[:3] for row in eager]
-    assert generate(sparse, prompts, 5, compile=True) == [row[:5] for row in eager]
-    frames = counters["frames"]["ok"]
     # the active neurons change every step: traced, each new set of shapes would compile again
-    assert generate(sparse, prompts, 12, compile=True) == eager
-    assert counters["frames"]["ok"] == frames
+    assert_compiled_decoding_repeats_eager(sparse, [[5, 6, 7], [1]], 12)
 
 
 @pytest.mark.parametrize(
