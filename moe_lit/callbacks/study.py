@@ -62,7 +62,7 @@ class SaveAtSteps(pl.Callback):
         path = self.paths.get(trainer.global_step)
         if path is not None and not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(path, weights_only=False)  # a full checkpoint (a save flag, not a load)
+            trainer.save_checkpoint(path)
 
 
 class ValidationProbe(pl.Callback):

@@ -42,9 +42,17 @@ LIGHTNING_WARNINGS = (
 LIGHTNING_NOTICES = (
     "💡 Tip: For seamless cloud logging",  # an advertisement for litlogger
     "Trainer already configured with model summary callbacks",  # MoEModelSummary is ours on purpose
+    # NOTE: save_checkpoint's default is the full checkpoint (optimizer and loops too), which is
+    # what every save of ours wants; Lightning announces the default on each save.
+    "`weights_only` was not set, defaulting to `False`",
 )
 """Starts of the Lightning info lines :func:`quiet_lightning` drops."""
-RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.pytorch.trainer.connectors.checkpoint_connector",
+)
+"""The loggers those info lines come from."""
 
 
 class _DropNotices(logging.Filter):
@@ -57,7 +65,7 @@ class _DropNotices(logging.Filter):
 def quiet_lightning() -> Iterator[None]:
     """Inside the block, Lightning's :data:`LIGHTNING_WARNINGS` and :data:`LIGHTNING_NOTICES` are not shown."""
     notices = _DropNotices()
-    loggers = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS]
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
     with warnings.catch_warnings():
         for message in LIGHTNING_WARNINGS:
             warnings.filterwarnings("ignore", message=message)

@@ -152,9 +152,7 @@ def train_run(
             trainer.validate(module, datamodule=datamodule, verbose=False)
         # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
         # is the final weights, so they are saved there too.
-        # NOTE: weights_only=False is a save flag (write optimizer and loop state too), not a load;
-        # naming it also keeps Lightning from logging that it defaulted to it.
-        trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT, weights_only=False)
+        trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)  # full: weights, optimizer, loops
         # NOTE: the result is the validation of the final weights. Lightning counts the validation
         # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
         # last validation fell on the last step is read from the curve, not computed from the interval.

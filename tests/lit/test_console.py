@@ -13,7 +13,7 @@ from moe_lit.checkpoint import load_model
 from moe_lit.lit.console import (
     LIGHTNING_NOTICES,
     LIGHTNING_WARNINGS,
-    RANK_ZERO_LOGGERS,
+    LIGHTNING_LOGGERS,
     MoEProgressBar,
     evaluation_table,
     quiet_lightning,
@@ -38,9 +38,9 @@ class _Records(logging.Handler):
 
 @pytest.fixture
 def lightning_info():
-    """Every info line that reaches Lightning's rank-zero loggers' handlers."""
+    """Every info line that reaches the handlers of the Lightning loggers quiet_lightning filters."""
     handler = _Records()
-    loggers = [logging.getLogger(name) for name in RANK_ZERO_LOGGERS]
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
     for logger in loggers:
         logger.addHandler(handler)
     yield handler.messages
@@ -62,7 +62,7 @@ def test_fit_prints_our_flops_and_no_lightning_notices(prepared, tmp_path, monke
 
 
 def test_quiet_lightning_drops_only_the_listed_notices(lightning_info):
-    logger = logging.getLogger(RANK_ZERO_LOGGERS[0])
+    logger = logging.getLogger(LIGHTNING_LOGGERS[0])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with quiet_lightning():
