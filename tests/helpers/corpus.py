@@ -28,6 +28,24 @@ def write_corpus(root, alphabets=ALPHABETS, files=FILES, paragraphs=PARAGRAPHS_P
     return root
 
 
+def prepare_corpus(root, paragraphs: int, val_fraction: float, test_fraction: float):
+    """``moe-lit data prepare`` (vocabulary 300) of a 2-file :func:`write_corpus` under ``root``;
+    the prepared directory ``root/data``."""
+    from moe_lit.data.prepare import PrepareConfig, prepare
+
+    corpus = write_corpus(root / "corpus", files=2, paragraphs=paragraphs)
+    config = PrepareConfig(
+        source=str(corpus),
+        out=root / "data",
+        vocab_size=VOCAB,
+        val_fraction=val_fraction,
+        test_fraction=test_fraction,
+        progress=False,
+    )
+    prepare(config)
+    return root / "data"
+
+
 def language_of(text: str) -> str:
     """The fixture language whose letters occur in ``text`` (exactly one must)."""
     found = [lang for lang, letters in ALPHABETS.items() if any(ch in letters for ch in text)]

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model
-from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.model import Transformer
-from tests.helpers.corpus import EOT, LANGUAGES, PARAGRAPHS, paragraph_records, write_corpus
+from tests.helpers.corpus import EOT, LANGUAGES, PARAGRAPHS, paragraph_records, prepare_corpus
 from tests.helpers.models import tiny
 
 
@@ -59,10 +58,4 @@ def exported(tmp_path_factory, tiny_moe, prepared_dir):
 def prepared(tmp_path_factory):
     """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs."""
     root = tmp_path_factory.mktemp("cli_runs")
-    corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
-    prepare(
-        PrepareConfig(
-            source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False
-        )
-    )
-    return root / "data"
+    return prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)

@@ -11,9 +11,9 @@ import torch
 from moe_lit.accounting import forward_flops_per_token
 from moe_lit.checkpoint import load_model
 from moe_lit.lit.console import (
+    LIGHTNING_LOGGERS,
     LIGHTNING_NOTICES,
     LIGHTNING_WARNINGS,
-    LIGHTNING_LOGGERS,
     MoEProgressBar,
     evaluation_table,
     quiet_lightning,

@@ -7,11 +7,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
-from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from moe_lit.lit.runner import read_metrics, train_run
-from tests.helpers.corpus import write_corpus
+from tests.helpers.corpus import prepare_corpus
 from tests.helpers.models import tiny
 from tests.helpers.paths import EXPERIMENT
 
@@ -21,12 +20,7 @@ SEQ_LEN, BATCH, STEPS, KILLED_AT = 16, 4, 8, 3
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
-    corpus = write_corpus(root / "corpus", files=2, paragraphs=40)
-    out = root / "data"
-    prepare(
-        PrepareConfig(source=str(corpus), out=out, vocab_size=300, val_fraction=0.1, test_fraction=0.1, progress=False)
-    )
-    return out
+    return prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
 
 
 def _run_config(prepared) -> RunConfig:

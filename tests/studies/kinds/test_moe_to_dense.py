@@ -9,6 +9,7 @@ from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES
 from moe_lit.studies.kinds.moe_to_dense import analyse, factor_spreads, screen_values
 from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
+from tests.helpers.corpus import prepare_corpus
 
 TINY = {
     "name": "m2d",
@@ -204,22 +205,10 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch):
 
     monkeypatch.setattr(moe_lit.evaluation.suite, "suite_scores", fake_suite)
 
-    from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
-    from tests.helpers.corpus import write_corpus
 
-    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(
-        PrepareConfig(
-            source=str(corpus),
-            out=tmp_path / "data",
-            vocab_size=300,
-            val_fraction=0.2,
-            test_fraction=0.2,
-            progress=False,
-        )
-    )
+    prepare_corpus(tmp_path, paragraphs=30, val_fraction=0.2, test_fraction=0.2)
     spec = {
         **TINY,
         "seeds": [0],

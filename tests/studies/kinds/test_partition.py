@@ -8,6 +8,7 @@ import pytest
 from moe_lit.config import ConfigError
 from moe_lit.studies.kinds.partition import analyse, retention
 from moe_lit.studies.study import parse_study
+from tests.helpers.corpus import prepare_corpus
 
 TINY = {
     "name": "part",
@@ -231,22 +232,10 @@ def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path):
-    from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
-    from tests.helpers.corpus import write_corpus
 
-    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(
-        PrepareConfig(
-            source=str(corpus),
-            out=tmp_path / "data",
-            vocab_size=300,
-            val_fraction=0.2,
-            test_fraction=0.1,
-            progress=False,
-        )
-    )
+    prepare_corpus(tmp_path, paragraphs=30, val_fraction=0.2, test_fraction=0.1)
     spec = {
         **TINY,
         "seeds": [0],

@@ -10,6 +10,7 @@ from moe_lit.convert.importance import METHODS
 from moe_lit.studies.kinds.pruning import analyse, retention_values
 from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
+from tests.helpers.corpus import prepare_corpus
 
 TINY = {
     "name": "prune",
@@ -265,22 +266,10 @@ def test_without_maestro_at_half_the_claims_are_not_tested(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path, monkeypatch):
-    from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
-    from tests.helpers.corpus import write_corpus
 
-    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(
-        PrepareConfig(
-            source=str(corpus),
-            out=tmp_path / "data",
-            vocab_size=300,
-            val_fraction=0.2,
-            test_fraction=0.2,
-            progress=False,
-        )
-    )
+    prepare_corpus(tmp_path, paragraphs=30, val_fraction=0.2, test_fraction=0.2)
     calls = []
 
     def fake_suite_scores(model, tokenizer, data_dir, *, limit=None):

@@ -9,6 +9,7 @@ import pytest
 from moe_lit.config import ConfigError
 from moe_lit.studies.engine import Start, path_fingerprint
 from moe_lit.studies.study import parse_study
+from tests.helpers.corpus import prepare_corpus
 
 MOE = {
     "vocab_size": 300,
@@ -123,16 +124,8 @@ def test_spec_errors_name_the_field(change, message):
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    from moe_lit.data.prepare import PrepareConfig, prepare
-    from tests.helpers.corpus import write_corpus
-
     root = tmp_path_factory.mktemp("sparsity")
-    corpus = write_corpus(root / "corpus", files=2, paragraphs=30)
-    config = PrepareConfig(
-        source=str(corpus), out=root / "data", vocab_size=300, val_fraction=0.2, test_fraction=0.2, progress=False
-    )
-    prepare(config)
-    return root / "data"
+    return prepare_corpus(root, paragraphs=30, val_fraction=0.2, test_fraction=0.2)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 from moe_lit.config import ConfigError
 from moe_lit.studies.kinds.upcycling import analyse
 from moe_lit.studies.study import parse_study, run_study
+from tests.helpers.corpus import prepare_corpus
 
 TINY = {
     "name": "up",
@@ -100,21 +101,9 @@ def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end_and_resume(tmp_path):
-    from moe_lit.data.prepare import PrepareConfig, prepare
     from moe_lit.studies.report import write_report
-    from tests.helpers.corpus import write_corpus
 
-    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    prepare(
-        PrepareConfig(
-            source=str(corpus),
-            out=tmp_path / "data",
-            vocab_size=300,
-            val_fraction=0.2,
-            test_fraction=0.1,
-            progress=False,
-        )
-    )
+    prepare_corpus(tmp_path, paragraphs=30, val_fraction=0.2, test_fraction=0.1)
     study = parse_study(TINY, data_dir=str(tmp_path / "data"))
     records = {r["arm"]: r for r in run_study(study, tmp_path / "out", log=lambda _: None)}
     assert {arm: r["status"] for arm, r in records.items()} == dict.fromkeys(
