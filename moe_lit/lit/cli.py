@@ -212,10 +212,12 @@ class MoELightningCLI(LightningCLI):
         self._start_from_export()
 
     def after_fit(self) -> None:
+        # NOTE: Trainer.log_dir is a broadcast (a collective): called on rank 0 only, it waits for
+        # ranks that have already left. The logger's own log_dir is the same path, read locally.
         if self.trainer.is_global_zero:
             checkpoint = self.trainer.checkpoint_callback
             path = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
-            print(f"fit: checkpoint {path or '(none written)'}; logs {self.trainer.log_dir}", flush=True)
+            print(f"fit: checkpoint {path or '(none written)'}; logs {local_log_dir(self.trainer)}", flush=True)
 
     def _start_from_export(self) -> None:
         """The weights of an exported ``--ckpt_path`` directory, into the module built from its config."""
@@ -228,6 +230,14 @@ class MoELightningCLI(LightningCLI):
                 f"--ckpt_path: the weights of {self.exported} do not fit the configured model (is data.vocab_size "
                 f"{self.model.config.vocab_size} its vocabulary?)"
             ) from exc
+
+
+def local_log_dir(trainer: Any) -> str | None:
+    """``Trainer.log_dir`` read on this rank alone (the property broadcasts it from rank 0)."""
+    if not trainer.loggers:
+        return trainer.default_root_dir
+    logger = trainer.loggers[0]
+    return getattr(logger, "log_dir", None) or logger.save_dir
 
 
 TRAIN_FIELDS = {

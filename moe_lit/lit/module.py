@@ -4,7 +4,8 @@ Shape legend: B batch, L sequence (the batch holds L+1 tokens: inputs [:, :-1], 
 V vocabulary.
 
 Training logs ``train/ce``, every auxiliary loss by name (``train/load_balancing``,
-``train/z_loss``), their sum ``train/loss`` and ``train/lr``. Validation and test keep a
+``train/z_loss``), their sum ``train/loss``, ``train/lr`` and, when the Trainer clips by norm
+(``gradient_clip_val``), the gradient norm before clipping ``train/grad_norm``. Validation and test keep a
 token-weighted mean cross-entropy per language (dataloader ``i`` is language ``i`` of the
 datamodule's ``languages``) and overall, and log ``<stage>/loss``, ``<stage>/ppl``,
 ``<stage>/loss_<lang>`` and ``<stage>/ppl_<lang>``.
@@ -18,12 +19,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.distributed.grad_norm import clip_grad_norm
 from moe_lit.lit.optim import OptimConfig, build_optimizer
 from moe_lit.model import Transformer
 
@@ -136,8 +139,37 @@ class MoELitModule(pl.LightningModule):
                     f"optim.schedule={self.optim_config.schedule} needs a known number of steps; set trainer.max_steps"
                 )
             total_steps = 0
-        optimizer, scheduler = build_optimizer(self.model, self.optim_config, int(total_steps))
+        optim = self.optim_config
+        scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
+        if optim.implementation == "fused" and scaled and self.trainer.gradient_clip_val:
+            # NOTE: a loss scaler (16-mixed) unscales inside the fused kernel's step, after clipping
+            # would have to see unscaled gradients; foreach is the fastest kernel that allows both.
+            rank_zero_info("optim.implementation: foreach, not fused (16-mixed loss scaling with gradient clipping)")
+            optim = dataclasses.replace(optim, implementation="foreach")
+        optimizer, scheduler = build_optimizer(self.model, optim, int(total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        # NOTE: Lightning's mixed-precision plugin refuses to clip for any optimizer that can
+        # unscale in its step (fused AdamW), scaler or not, and its FSDP1 plugin refuses norm
+        # clipping; without a scaler (32-true, bf16-mixed) the gradients are never scaled, so the
+        # norm is clipped here, for every strategy. With a scaler, Lightning has unscaled them
+        # before this hook (configure_optimizers then picks a non-fused kernel).
+        if not gradient_clip_val:
+            return
+        if gradient_clip_algorithm == "value":
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = clip_grad_norm(params, gradient_clip_val, root=self.trainer.strategy.model)
+        self.log("train/grad_norm", norm, batch_size=1)
 
     # ------------------------------------------------------------------ evaluation
     def language_names(self, num_dataloaders: int) -> list[str]:
