@@ -1,7 +1,7 @@
 """Matplotlib without a display, atomic figure files, and the seed spread every plot of a mean shows.
 
 A plotted mean over seeds carries its spread: :func:`seed_errorbar` (points, ± std bars) or
-:func:`seed_band` (curves, a ± std band), both from :class:`~moe_lit.studies.stats.Summary`
+:func:`seed_band` (curves, a ± std band), both from :class:`~moe_lit.stats.Summary`
 objects, and :func:`spread_note` names it in the legend or title (``± std over 3 seeds``, or
 ``1 seed, no error bar`` when the seed noise is unknown). A plot of differences draws
 :func:`zero_line`: the line of no difference and, when known, the noise band around it.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moe_lit.studies.stats import Summary
+    from moe_lit.stats import Summary
 
 NOISE_COLOR = "0.85"
 

@@ -21,6 +21,7 @@ MODULES = [
     "tensorboard",
     "lm_eval",
     "scipy",
+    "statsmodels.stats.weightstats",
     "transformers",
     "gguf",
     "accelerate",

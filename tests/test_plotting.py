@@ -1,7 +1,7 @@
 import pytest
 
 from moe_lit.plotting import pyplot, save_figure, seed_band, seed_errorbar, spread_note, zero_line
-from moe_lit.studies.stats import summarize
+from moe_lit.stats import summarize
 
 
 @pytest.fixture

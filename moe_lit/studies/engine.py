@@ -17,7 +17,7 @@ spec into :class:`Point` s (``expand``) and the finished records into tables, fi
   (an upcycled arm forking from the fixed-E run at tau) never retrains the shared prefix;
 * ``results/<study>/runs/<hash>.json`` is a finished point's record (ok | failed), written
   atomically: a study killed at any moment resumes where it stopped; a failure is data, not a
-  crash; points are claimed atomically (:mod:`moe_lit.studies.claims`) so several runners over
+  crash; points are leased atomically (:mod:`moe_lit.studies.leases`) so several runners over
   one results directory never run a point twice.
 
 Layout of ``results/<study>/``: ``study.json`` (the plan), ``runs/<hash>.json`` (records, small,
@@ -54,8 +54,8 @@ from moe_lit.lit.run_config import RunConfig
 RUNS_DIR = "runs"
 STUDY_FILE = "study.json"
 STATUS_OK, STATUS_FAILED, STATUS_PENDING = "ok", "failed", "pending"
-CLAIM_TTL_S = 600.0
-"""Seconds without a heartbeat after which a point's claim counts as abandoned (its runner died)."""
+LEASE_TTL_S = 600.0
+"""Seconds without a heartbeat after which a point's lease counts as abandoned (its runner died)."""
 START_MODES = ("resume", "init")
 TRANSFORMED_START = "start"
 """Folder of a point's run directory holding its transformed start weights (an exported model)."""
@@ -421,37 +421,37 @@ def run_point(
     return record
 
 
-def run_claimed(
+def run_leased(
     point: Point,
     out_dir: Path,
     parents: dict[str, Point],
     save_at: Sequence[int] = (),
     train_fn: TrainFn | None = None,
-    ttl_s: float = CLAIM_TTL_S,
+    ttl_s: float = LEASE_TTL_S,
 ) -> dict[str, Any] | None:
-    """:func:`run_point` under an exclusive claim (:mod:`moe_lit.studies.claims`); None when another
-    runner holds the point or finished it meanwhile. The claim is taken in the process that trains,
-    so a dead submitter leaves no point claimed and a point submitted twice costs an empty job."""
-    from moe_lit.studies.claims import try_claim
+    """:func:`run_point` under an exclusive lease (:mod:`moe_lit.studies.leases`); None when another
+    runner holds the point or finished it meanwhile. The lease is taken in the process that trains,
+    so a dead submitter leaves no point leased and a point submitted twice costs an empty job."""
+    from moe_lit.studies.leases import try_lease
 
     if point_status(out_dir, point) == STATUS_OK:
         return None
-    claim = try_claim(out_dir, point.hash, ttl_s)
-    if claim is None:
+    lease = try_lease(out_dir, point.hash, ttl_s)
+    if lease is None:
         return None
-    with claim:
+    with lease:
         if point_status(out_dir, point) == STATUS_OK:
             return None
         return run_point(point, out_dir, parents, save_at, train_fn)
 
 
-def run_claimed_item(item: tuple) -> dict[str, Any] | None:
-    """:func:`run_claimed` on one packed item: the job function the submitit executors run."""
-    return run_claimed(*item)
+def run_leased_item(item: tuple) -> dict[str, Any] | None:
+    """:func:`run_leased` on one packed item: the job function the submitit executors run."""
+    return run_leased(*item)
 
 
 def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
-    """Body of one spawned process: its own log file and thread count, then :func:`run_claimed`."""
+    """Body of one spawned process: its own log file and thread count, then :func:`run_leased`."""
     log_file = run_dir(out_dir, point).with_suffix(".log")
     log_file.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -463,7 +463,7 @@ def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
 
     torch.set_num_threads(threads)
     try:
-        run_claimed(point, out_dir, parents, save_at, train_fn)
+        run_leased(point, out_dir, parents, save_at, train_fn)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT_CODES[0])
 
@@ -530,7 +530,7 @@ def run_points(
     Points run in this process (``parallel == 1``), in ``parallel`` spawned worker processes, or
     as submitit jobs (``executor``: an :class:`~moe_lit.studies.executors.ExecutorConfig` of kind
     slurm | submitit_local; a job array per wave of points whose parents are done). Each point is
-    claimed where it trains; one claimed by another runner is left to it. ``train_fn`` defaults to
+    leased where it trains; one leased by another runner is left to it. ``train_fn`` defaults to
     ``train_run`` and must be a module-level function beyond one process. Failed points are
     skipped like finished ones unless ``retry_failed``.
     """
@@ -550,7 +550,7 @@ def run_points(
         schedule.running.discard(point.name)
         if record is None:
             elsewhere.append(point.name)
-            log(f"{point.name} ({point.hash}) is claimed by another runner: left to it")
+            log(f"{point.name} ({point.hash}) is leased by another runner: left to it")
             return
         done += 1
         outcome = (
@@ -571,7 +571,7 @@ def run_points(
     elif parallel == 1:
         while (point := schedule.take_ready(blocked)) is not None:
             log(f"running {point.name} ({point.hash})")
-            on_done(point, run_claimed(*args(point)))
+            on_done(point, run_leased(*args(point)))
     else:
         _run_parallel(schedule, out_dir, args, train_fn or default_train_fn(), parallel, on_done, blocked)
     records = [r for r in (read_record(record_path(out_dir, p)) for p in points) if r is not None]
@@ -579,7 +579,7 @@ def run_points(
     waiting = len(points) - len(records)
     log(
         f"{label}: {len(records)}/{len(points)} points finished, {failed} failed, {waiting} not finished"
-        + (f" ({len(elsewhere)} claimed by other runners: run again once they are done)" if elsewhere else "")
+        + (f" ({len(elsewhere)} leased by other runners: run again once they are done)" if elsewhere else "")
     )
     return records
 
@@ -595,7 +595,7 @@ def _run_submitit(schedule, executor, out_dir: Path, args, on_done, blocked, lab
             wave.append(point)
         if not wave:
             return
-        jobs = submit_points(executor, run_claimed_item, [args(p) for p in wave], folder, name=label.split()[-1])
+        jobs = submit_points(executor, run_leased_item, [args(p) for p in wave], folder, name=label.split()[-1])
 
         def finished(outcome, wave=wave) -> None:
             point = wave[outcome.index]
@@ -623,7 +623,7 @@ def _run_parallel(schedule, out_dir, args, train_fn, parallel, on_done, blocked)
                 proc.join()
                 if proc.exitcode in INTERRUPTED_EXIT_CODES:
                     raise KeyboardInterrupt(f"worker of {point.name} was interrupted")
-                if proc.exitcode == 0:  # no record: the point was claimed by another runner
+                if proc.exitcode == 0:  # no record: the point was leased by another runner
                     on_done(point, read_record(record_path(out_dir, point)))
                 else:
                     on_done(point, _crash_record(point, f"worker process died with exit code {proc.exitcode}", out_dir))
@@ -644,7 +644,7 @@ __all__ = [
     "point_record",
     "point_status",
     "read_record",
-    "run_claimed",
+    "run_leased",
     "run_point",
     "run_points",
     "stable_dict",

@@ -157,17 +157,17 @@ def test_a_failed_parent_fails_its_children_without_running_them(tmp_path):
     assert records["kid1"]["error"] == "parent point 'parent' failed"
 
 
-def test_a_point_claimed_by_another_runner_is_left_to_it(tmp_path):
-    from moe_lit.studies.claims import try_claim
+def test_a_point_leased_by_another_runner_is_left_to_it(tmp_path):
     from moe_lit.studies.engine import run_points
+    from moe_lit.studies.leases import try_lease
 
     points = _family()
     parent = next(p for p in points if p.name == "parent")
-    held = try_claim(tmp_path, parent.hash, ttl_s=600)
+    held = try_lease(tmp_path, parent.hash, ttl_s=600)
     log = []
     records = run_points(points, tmp_path, train_fn=fakes.fake_train, log=log.append)
     assert records == [] and fakes.read_calls(tmp_path) == []  # the children wait for the parent
-    assert any(line.startswith("parent (") and "claimed by another runner" in line for line in log)
+    assert any(line.startswith("parent (") and "leased by another runner" in line for line in log)
     held.release()
     assert len(run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)) == 3
 

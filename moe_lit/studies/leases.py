@@ -1,22 +1,22 @@
-"""Atomic point claims: several runners over one shared results directory never run a point twice.
+"""Atomic point leases: several runners over one shared results directory never run a point twice.
 
-A point's claims live in ``<out_dir>/claims/<point_hash>/`` as numbered generations ``000000.json``,
-``000001.json``...; the highest generation is the current claim and holds
-``{owner, claimed_at, heartbeat_at, released}``. Claiming creates the next generation exclusively
+A point's leases live in ``<out_dir>/leases/<point_hash>/`` as numbered generations ``000000.json``,
+``000001.json``...; the highest generation is the current lease and holds
+``{owner, leased_at, heartbeat_at, released}``. Leasing creates the next generation exclusively
 (``os.open`` with ``O_CREAT | O_EXCL``, which NFSv3+ performs on the server), so of any number of
 runners on any number of nodes exactly one gets it. A free point has no generation, or its current
 one was released, or is stale: its ``heartbeat_at`` is older than ``ttl_s`` because its owner died.
 The owner refreshes ``heartbeat_at`` (:class:`Heartbeat`, every ttl/3) while it runs and marks the
-claim released when done; it has lost the claim once a higher generation exists.
+lease released when done; it has lost the lease once a higher generation exists.
 
-Typical use by a runner (the record, not the claim, says that a point is finished)::
+Typical use by a runner (the record, not the lease, says that a point is finished)::
 
-    claim = try_claim(out_dir, point.hash, ttl_s=600)
-    if claim is None:
+    lease = try_lease(out_dir, point.hash, ttl_s=600)
+    if lease is None:
         continue                      # another runner has it
-    with claim:                       # heartbeat thread while running, released on exit
-        if not record_path(out_dir, point).exists():   # finished while we were claiming?
-            run_point(...)            # writes the record before the claim is released
+    with lease:                       # heartbeat thread while running, released on exit
+        if not record_path(out_dir, point).exists():   # finished while we were leasing?
+            run_point(...)            # writes the record before the lease is released
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from typing import Any
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json
 
-CLAIMS_DIR = "claims"
+LEASES_DIR = "leases"
 PathLike = str | os.PathLike
 _GENERATION = re.compile(r"^(\d{6,})\.json$")
-# NOTE: why generations instead of renaming a stale claim file away and re-creating it: two runners
+# NOTE: why generations instead of renaming a stale lease file away and re-creating it: two runners
 # that both read the same stale file race on a rename by *path*, so the slower one can move away the
-# fresh claim the faster one has just created, and a third can create one meanwhile (two owners).
+# fresh lease the faster one has just created, and a third can create one meanwhile (two owners).
 # Here every generation is created once, exclusively, and never removed or renamed, so "create
 # generation g+1" has exactly one winner, and a runner acting on an old view targets a generation
-# that already exists and fails. The price is one small file per claim of a point.
+# that already exists and fails. The price is one small file per lease of a point.
 # NOTE: staleness is judged from heartbeat_at in the file's content, not from its mtime: NFS clients
 # cache file attributes (mtime) for up to actimeo seconds, while close-to-open consistency makes a
 # freshly opened file's content current; the content also survives copying the results directory.
@@ -51,24 +51,24 @@ _GENERATION = re.compile(r"^(\d{6,})\.json$")
 # whose content cannot be parsed (its writer died between the exclusive create and the write).
 
 
-def claims_dir(out_dir: PathLike, point_hash: str) -> Path:
-    """``<out_dir>/claims/<point_hash>/``: the generations of one point's claim."""
-    return Path(out_dir) / CLAIMS_DIR / point_hash
+def leases_dir(out_dir: PathLike, point_hash: str) -> Path:
+    """``<out_dir>/leases/<point_hash>/``: the generations of one point's lease."""
+    return Path(out_dir) / LEASES_DIR / point_hash
 
 
 def new_owner() -> str:
-    """``host:pid:uuid``: unique per claim, and readable when a claim is left behind."""
+    """``host:pid:uuid``: unique per lease, and readable when a lease is left behind."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
 
 
 @dataclass
-class Claim:
-    """A claim this process holds on one point; a context manager that heartbeats and releases."""
+class Lease:
+    """A lease this process holds on one point; a context manager that heartbeats and releases."""
 
     path: Path
-    """This claim's generation file, ``<out_dir>/claims/<point_hash>/<generation>.json``."""
+    """This lease's generation file, ``<out_dir>/leases/<point_hash>/<generation>.json``."""
     generation: int
-    """Its generation number; the claim is lost once generation + 1 exists."""
+    """Its generation number; the lease is lost once generation + 1 exists."""
     owner: str
     """``host:pid:uuid`` written in the file."""
     ttl_s: float
@@ -76,7 +76,7 @@ class Claim:
     _heartbeat: Heartbeat | None = field(default=None, init=False, repr=False, compare=False)
 
     def owned(self) -> bool:
-        """Whether this claim is still the point's current, unreleased claim."""
+        """Whether this lease is still the point's current, unreleased lease."""
         return self._owned_content() is not None
 
     def _owned_content(self) -> dict[str, Any] | None:
@@ -88,7 +88,7 @@ class Claim:
         return content
 
     def heartbeat(self) -> bool:
-        """Refresh ``heartbeat_at`` (atomic rewrite) while the claim is ours; False once it was lost."""
+        """Refresh ``heartbeat_at`` (atomic rewrite) while the lease is ours; False once it was lost."""
         return self._rewrite(heartbeat_at=time.time())
 
     def start_heartbeat(self) -> Heartbeat:
@@ -98,7 +98,7 @@ class Claim:
         return self._heartbeat
 
     def release(self) -> bool:
-        """Stop the heartbeat and mark the claim released if it is still ours; False if it was lost."""
+        """Stop the heartbeat and mark the lease released if it is still ours; False if it was lost."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -113,7 +113,7 @@ class Claim:
         atomic_write_json(self.path, {**content, **changes})
         return True
 
-    def __enter__(self) -> Claim:
+    def __enter__(self) -> Lease:
         self.start_heartbeat()
         return self
 
@@ -122,18 +122,18 @@ class Claim:
 
 
 class Heartbeat:
-    """Daemon thread calling :meth:`Claim.heartbeat` every ``interval_s`` (default ttl/3).
+    """Daemon thread calling :meth:`Lease.heartbeat` every ``interval_s`` (default ttl/3).
 
-    It ends when stopped or when the claim is lost (``lost`` becomes True). A failed write (an
-    ``OSError`` such as a transient NFS error) is a missed beat, not the end of the claim.
+    It ends when stopped or when the lease is lost (``lost`` becomes True). A failed write (an
+    ``OSError`` such as a transient NFS error) is a missed beat, not the end of the lease.
     """
 
-    def __init__(self, claim: Claim, interval_s: float | None = None) -> None:
-        self.claim = claim
-        self.interval_s = claim.ttl_s / 3 if interval_s is None else interval_s
+    def __init__(self, lease: Lease, interval_s: float | None = None) -> None:
+        self.lease = lease
+        self.interval_s = lease.ttl_s / 3 if interval_s is None else interval_s
         self.lost = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat {claim.path}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {lease.path}", daemon=True)
 
     def start(self) -> Heartbeat:
         self._thread.start()
@@ -147,22 +147,22 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                if not self.claim.heartbeat():
+                if not self.lease.heartbeat():
                     self.lost = True
                     return
             except OSError:
                 continue
 
 
-def try_claim(out_dir: PathLike, point_hash: str, ttl_s: float) -> Claim | None:
-    """Claim ``point_hash`` for this process, or None when another live runner holds it.
+def try_lease(out_dir: PathLike, point_hash: str, ttl_s: float) -> Lease | None:
+    """Lease ``point_hash`` for this process, or None when another live runner holds it.
 
-    A claim whose heartbeat is older than ``ttl_s``, or that was released, is taken over; of several
+    A lease whose heartbeat is older than ``ttl_s``, or that was released, is taken over; of several
     processes trying at once (on any number of nodes sharing ``out_dir``) exactly one gets it.
     """
     if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and ttl_s > 0):
-        raise MoeLitError(f"ttl_s: the claim time-to-live must be a positive number of seconds, got {ttl_s!r}")
-    directory = claims_dir(out_dir, point_hash)
+        raise MoeLitError(f"ttl_s: the lease time-to-live must be a positive number of seconds, got {ttl_s!r}")
+    directory = leases_dir(out_dir, point_hash)
     directory.mkdir(parents=True, exist_ok=True)
     current = current_generation(directory)
     if current is not None and not _is_free(_generation_path(directory, current), ttl_s):
@@ -171,7 +171,7 @@ def try_claim(out_dir: PathLike, point_hash: str, ttl_s: float) -> Claim | None:
 
 
 def current_generation(directory: Path) -> int | None:
-    """The highest claim generation in ``directory``; None when the point was never claimed."""
+    """The highest lease generation in ``directory``; None when the point was never leased."""
     numbers = [int(m.group(1)) for m in map(_GENERATION.match, os.listdir(directory)) if m]
     return max(numbers, default=None)
 
@@ -180,7 +180,7 @@ def _generation_path(directory: Path, generation: int) -> Path:
     return directory / f"{generation:06d}.json"
 
 
-def _create(directory: Path, generation: int, ttl_s: float) -> Claim | None:
+def _create(directory: Path, generation: int, ttl_s: float) -> Lease | None:
     """Exclusive create of ``generation`` with our content; None if another runner created it."""
     path, owner, now = _generation_path(directory, generation), new_owner(), time.time()
     try:
@@ -188,12 +188,12 @@ def _create(directory: Path, generation: int, ttl_s: float) -> Claim | None:
     except FileExistsError:
         return None
     with os.fdopen(fd, "w") as handle:
-        json.dump({"owner": owner, "claimed_at": now, "heartbeat_at": now, "released": False}, handle)
-    return Claim(path=path, generation=generation, owner=owner, ttl_s=float(ttl_s))
+        json.dump({"owner": owner, "leased_at": now, "heartbeat_at": now, "released": False}, handle)
+    return Lease(path=path, generation=generation, owner=owner, ttl_s=float(ttl_s))
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    """The claim's content, or None when it is missing or cannot be parsed."""
+    """The lease's content, or None when it is missing or cannot be parsed."""
     try:
         content = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
@@ -204,10 +204,10 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def _owner_is_dead(owner: str) -> bool:
-    """A claim of this host whose process no longer exists (a runner killed with kill -9).
+    """A lease of this host whose process no longer exists (a runner killed with kill -9).
 
     NOTE: without this, rerunning a study right after its runner was killed would leave every
-    point it had claimed to the dead runner until the claim expires (ttl_s)."""
+    point it had leased to the dead runner until the lease expires (ttl_s)."""
     host, _, rest = owner.partition(":")
     pid = rest.partition(":")[0]
     if host != socket.gethostname() or not pid.isdigit():
@@ -234,4 +234,4 @@ def _is_free(path: Path, ttl_s: float) -> bool:
     return time.time() - beat > ttl_s
 
 
-__all__ = ["CLAIMS_DIR", "Claim", "Heartbeat", "claims_dir", "current_generation", "new_owner", "try_claim"]
+__all__ = ["LEASES_DIR", "Lease", "Heartbeat", "leases_dir", "current_generation", "new_owner", "try_lease"]
