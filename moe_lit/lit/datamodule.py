@@ -24,7 +24,7 @@ from jsonargparse.typing import path_type
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
 
-from moe_lit.data.layout import SPLITS, import_litdata, read_meta, tokenizer_file, tokens_dir
+from moe_lit.data.layout import SPLITS, default_data_dir, import_litdata, read_meta, tokenizer_file, tokens_dir
 from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.errors import MoeLitError
 
@@ -44,7 +44,7 @@ class MoEDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data_dir: ConfigRelativePath | str,
+        data_dir: ConfigRelativePath | str | None = None,
         seq_len: int = 256,
         batch_size: int = 8,
         num_workers: int = 0,
@@ -58,6 +58,8 @@ class MoEDataModule(LightningDataModule):
             data_dir: A directory written by ``moe-lit data prepare`` (holds ``meta.json``,
                 ``tokenizer.json`` and one litdata dataset per split and language). Relative:
                 in a config file, to that file's directory; on the command line, to the cwd.
+                Default: the data pipeline's (``$MOE_LIT_DATA``, else ``data_cache/default`` of the
+                checkout when moe_lit runs from one, else of the cwd), never inside site-packages.
             seq_len: Tokens per training sequence; batches hold ``seq_len + 1`` tokens per row
                 (inputs ``[:, :-1]``, targets ``[:, 1:]``).
             batch_size: Sequences per batch (per device).
@@ -72,7 +74,8 @@ class MoEDataModule(LightningDataModule):
             seed: Seed of the shuffling and of the language sampling.
         """
         super().__init__()
-        data_dir = os.fspath(data_dir)  # a plain str in the hyper-parameters (absolute when from the CLI)
+        # NOTE: a plain str in the hyper-parameters (absolute when from the CLI or the default).
+        data_dir = os.fspath(data_dir) if data_dir is not None else os.path.abspath(default_data_dir())
         self.save_hyperparameters()
         meta = read_meta(data_dir)
         _require_int(seq_len, "seq_len", 1)
