@@ -7,7 +7,9 @@ CLI, exposes ``main(argv) -> int`` instead) and is imported only when it runs, s
 dependencies of one command never slow down or break another.
 
 Errors the user can fix (:class:`~moe_lit.errors.MoeLitError`, including every config error) are
-printed as one line on stderr with exit status 2, never as a traceback.
+printed as one line on stderr with exit status 2, never as a traceback, prefixed by the full
+subcommand (``moe-lit convert prune: error: ...``). No parser accepts an abbreviated option
+(``allow_abbrev=False``): ``--train.max_step`` is an unknown key, never ``--train.max_steps``.
 """
 
 from __future__ import annotations
@@ -30,26 +32,38 @@ PASSTHROUGH_COMMANDS = ("lm-eval",)
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "accounting": ("moe_lit.commands.accounting", "total/active parameters and FLOPs of model configs"),
-    "data": ("moe_lit.commands.data", "prepare the multilingual corpus, tokenizer and litdata token chunks"),
+    "data": ("moe_lit.commands.data", "the multilingual corpus, tokenizer and litdata token chunks"),
     "demo": ("moe_lit.commands.demo", "the main job (make demo) on the bundled default data"),
     "convert": (
         "moe_lit.commands.convert",
-        "model transforms: import-hf, upcycle, partition (dense->MoE), expand (E->mE), prune, moe-to-dense",
+        "pure model transforms (transformers import, dense->MoE, E->mE, pruning, MoE->dense)",
     ),
     "distill": ("moe_lit.commands.distill", "train a student on a frozen teacher's logits (MoE -> dense, recovery)"),
     "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
     "study": (
         "moe_lit.commands.study",
-        "studies of every kind on one engine: run (resumable, workers, SLURM), report, list",
+        "studies of every kind on one engine (resumable, workers, SLURM), their reports and points",
     ),
     "eval": ("moe_lit.commands.eval", "lm-eval tasks (local multilingual suite, built-in tasks) on a checkpoint"),
-    "analyze": ("moe_lit.commands.analyze", "analyze routing: per-language expert usage and similarity"),
+    "analyze": (
+        "moe_lit.commands.analyze",
+        "per-language expert usage and similarity (routing), each token's experts per layer (text)",
+    ),
     "lm-eval": (
         "moe_lit.evaluation.lm_eval_cli",
         "lm-eval's own CLI (same arguments) with the model moe_lit registered",
     ),
     "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
 }
+ACTIONS: dict[str, tuple[str, ...]] = {
+    "data": ("prepare",),
+    "convert": ("import-hf", "upcycle", "expand", "partition", "prune", "moe-to-dense"),
+    "study": ("run", "report", "list"),
+    "analyze": ("routing", "text"),
+    "lm-eval": ("run", "ls", "validate"),
+}
+"""The subcommands of each command that has them, named in ``moe-lit --help`` (a test keeps them equal
+to the command's parser; the modules are not imported for the top-level help)."""
 
 
 DESCRIPTION = "Pretrain, upcycle, compress, evaluate and export MoE language models (moe-lit COMMAND --help)."
@@ -68,10 +82,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with :class:`HelpFormatter`; subcommand parsers (``add_subparsers``) inherit it."""
+    """argparse with :class:`HelpFormatter` and no abbreviated options; subcommand parsers
+    (``add_subparsers``) inherit both."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
@@ -92,8 +108,15 @@ def _build_parser() -> argparse.ArgumentParser:
     for name in LIGHTNING_SUBCOMMANDS:
         sub.add_parser(name, help=f"LightningCLI {name} (moe-lit {name} --help)", add_help=False)
     for name, (_module, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+        actions = " | ".join(ACTIONS.get(name, ()))
+        sub.add_parser(name, help=f"{actions}: {help_text}" if actions else help_text, add_help=False)
     return parser
+
+
+def command_name(command: str, rest: Sequence[str]) -> str:
+    """The full subcommand of a command line, as its errors name it (``moe-lit convert prune``)."""
+    action = rest[0] if rest and rest[0] in ACTIONS.get(command, ()) else None
+    return " ".join(["moe-lit", command, *([action] if action else [])])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.configure(sub)
         return int(module.run(sub.parse_args(rest)) or 0)
     except MoeLitError as exc:
-        print(f"moe-lit {command}: error: {exc}", file=sys.stderr)
+        print(f"{command_name(command, rest)}: error: {exc}", file=sys.stderr)
         return 2
 
 

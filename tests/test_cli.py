@@ -63,3 +63,40 @@ def test_help_shows_defaults_but_not_empty_ones(capsys):
     with pytest.raises(SystemExit):
         main(["convert", "upcycle", "--help"])
     assert "(default: 0)" in " ".join(capsys.readouterr().out.split())  # --seed 0 is shown
+
+
+def test_top_level_help_names_every_subcommand_of_every_command(capsys):
+    from moe_lit.cli import ACTIONS
+
+    for name in OWN_COMMANDS:
+        parser = ArgumentParser(prog=f"moe-lit {name}")
+        importlib.import_module(COMMANDS[name][0]).configure(parser)
+        found = [a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        assert (tuple(found[0]) if found else ()) == ACTIONS.get(name, ()), name
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert all(" | ".join(actions) in out for actions in ACTIONS.values())
+    assert "routing | text" in out  # analyze text is listed
+
+
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["generate", "--checkpoint", "x", "--prompt", "a", "--max-new", "3"], "--max-new"),
+        (["convert", "prune", "--checkpoint", "x", "--fract", "0.5", "--out", "y"], "--fract"),
+        (["fit", "--train.max_step", "7", "--print_config"], "train.max_step: unknown key"),
+    ],
+)
+def test_no_command_takes_an_abbreviated_option(capsys, argv, unknown):
+    code = main(argv) if argv[0] == "fit" else None
+    if code is None:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        code = exc.value.code
+    assert code == 2 and unknown in capsys.readouterr().err
+
+
+def test_an_error_names_the_full_subcommand(capsys, tmp_path):
+    assert main(["convert", "expand", "--checkpoint", str(tmp_path / "nope"), "--factor", "2", "--out", "o"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("moe-lit convert expand: error: ") and "nope" in line

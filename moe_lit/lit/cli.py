@@ -426,7 +426,7 @@ def _run_cli(argv: Sequence[str]) -> None:
         MoELitModule,
         MoEDataModule,
         trainer_defaults=_trainer_defaults(),
-        parser_kwargs={"exit_on_error": False},
+        parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --train.max_step is no --train.max_steps
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         args=list(argv),

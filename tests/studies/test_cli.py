@@ -31,6 +31,6 @@ def test_bad_study_file_is_a_one_line_error(tmp_path, capsys):
     )
     assert main(["study", "run", str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err == "moe-lit study: error: grid.match: got 'params', allowed values: active, total\n"
+    assert err == "moe-lit study run: error: grid.match: got 'params', allowed values: active, total\n"
     assert main(["study", "run", str(tmp_path / "missing.yaml")]) == 2
     assert "study: no such file" in capsys.readouterr().err
