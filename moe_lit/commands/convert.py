@@ -251,6 +251,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; pruning needs MoE layers")
+    check_prune_budget(args, model.config)
     trace, calibration = _calibration(args, model, record_inputs=args.method in ("reap", "naee"))
     keep, details = plan_keep(
         args.method,
@@ -294,6 +295,17 @@ def _run_prune(args: argparse.Namespace) -> int:
             f"residual {details['residual']:.2e} ({'converged' if details['converged'] else 'NOT converged'})"
         )
     return 0
+
+
+def check_prune_budget(args: argparse.Namespace, config) -> None:
+    """Refuse a budget that cannot be met (``--num``/``--fraction`` past the experts, a layer below
+    top-k) before the calibration forward: the plan of equal scores meets the same checks."""
+    from moe_lit.convert.prune import plan_pruning, pruned_config
+
+    equal_scores = {block: torch.zeros(config.moe_layer_config(block).num_experts) for block in config.moe_layer_ids}
+    min_keep = 1 if args.clamp_top_k else config.moe_section().top_k
+    keep = plan_pruning(equal_scores, args.fraction, args.num, args.global_budget, min_keep)
+    pruned_config(config, keep, args.clamp_top_k)
 
 
 def _run_moe_to_dense(args: argparse.Namespace) -> int:

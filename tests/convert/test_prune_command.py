@@ -113,3 +113,23 @@ def test_existing_out_is_refused_unless_forced_and_the_input_never(exported, pre
     assert _prune(exported, prepared_dir, exported, "--num", "1", "--force") == 2
     assert "is or contains the input --checkpoint" in capsys.readouterr().err
     assert load_model(exported).config.moe.num_experts == 4
+
+
+@pytest.mark.parametrize(
+    "budget, words",
+    [
+        (["--num", "9"], "removing 9 of the 4 experts of block 0 leaves none"),
+        (["--num", "3"], "block 0 keeps 1 experts, fewer than top_k=2"),
+        (["--num", "7", "--global"], "at most 4 can go under the global budget"),
+    ],
+)
+def test_an_impossible_budget_is_refused_before_any_calibration(
+    exported, prepared_dir, tmp_path, capsys, monkeypatch, budget, words
+):
+    from moe_lit.commands import convert
+
+    monkeypatch.setattr(convert, "_calibration", lambda *args, **kwargs: pytest.fail("calibrated first"))
+    assert _prune(exported, prepared_dir, tmp_path / "out", "--method", "reap", *budget) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("moe-lit convert prune: error: ") and words in line, line
+    assert not (tmp_path / "out").exists()
