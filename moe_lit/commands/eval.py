@@ -133,12 +133,32 @@ def results_markdown(
                 "minimal-pairs acc": chance.get("pairs", "-"),
             }
         )
-        items = ", ".join(f"{kind} {n}" for kind, n in (suite or {}).get("items", {}).items())
+        items = scored_items(rows, languages, (suite or {}).get("items", {}))
         lines += ["## Local multilingual suite (same items in every language)", ""]
         lines += [f"Items per language: {items}.", ""] if items else []
         lines += [markdown_table(table), ""]
     lines += ["## All metrics", "", markdown_table(rows) if rows else "(no results)", ""]
     return "\n".join(lines)
+
+
+def scored_items(rows: list[dict], languages: dict[str, str], built: dict[str, int]) -> str:
+    """Items each suite kind scored per language (lm-eval's effective sample count, so ``--limit``
+    shows), with the number the suite holds where fewer were scored: ``ppl 5 of 569, pairs 733``."""
+    scored: dict[str, set[int]] = {}
+    for row in rows:
+        if row["task"] in languages and row["n"] != "":
+            scored.setdefault(_suite_kind(row["task"]), set()).add(int(row["n"]))
+    parts = []
+    for kind in [*(k for k in built if k in scored), *(k for k in scored if k not in built)]:
+        low, high = min(scored[kind]), max(scored[kind])
+        text = f"{kind} {low}" if low == high else f"{kind} {low}-{high}"
+        parts.append(f"{text} of {built[kind]}" if kind in built and high < built[kind] else text)
+    return ", ".join(parts)
+
+
+def _suite_kind(task: str) -> str:
+    """``ppl`` of ``moe_lit_ppl_de``."""
+    return task[len("moe_lit_") :].partition("_")[0]
 
 
 def task_languages(results: dict) -> dict[str, str]:
@@ -153,7 +173,7 @@ def suite_by_language(rows: list[dict], languages: dict[str, str]) -> list[dict]
     for row in rows:
         if row["task"] not in languages:
             continue
-        kind = row["task"][len("moe_lit_") :].partition("_")[0]
+        kind = _suite_kind(row["task"])
         lang = languages[row["task"]]
         column = SUITE_COLUMNS.get((kind, row["metric"]))
         if column:

@@ -360,23 +360,33 @@ def scoring_bars_only() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+@contextmanager
+def reachable_datasets() -> Iterator[None]:
+    """A task dataset that cannot be reached (offline, or no such hub dataset) -> one line naming ``--task-data``.
+
+    NOTE: ``datasets`` raises the builtin ConnectionError offline; lm-eval passes it up as it is.
+    """
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        yield
+    except (ConnectionError, DatasetNotFoundError) as exc:
+        raise MoeLitError(
+            f"--tasks: a task's dataset is not reachable ({exc}); offline, run the built-in task on a local "
+            "JSONL in its schema: moe-lit eval --checkpoint CK --tasks TASK --task-data TASK=FILE"
+        ) from exc
+
+
 def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` on ``lm``; ``options`` go to it (limit, bootstrap_iters, ...).
 
     Returns the harness's results dict (``results``, ``configs``, ``n-samples``, ...).
     """
     import lm_eval
-    from datasets.exceptions import DatasetNotFoundError
 
     options.setdefault("log_samples", False)
-    try:
-        with scoring_bars_only():
-            results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
-    except (ConnectionError, DatasetNotFoundError) as exc:
-        raise MoeLitError(
-            f"--tasks: a task's dataset is not reachable ({exc}); offline, run a built-in task on a local "
-            "JSONL in its schema with --task-data TASK=FILE"
-        ) from exc
+    with reachable_datasets(), scoring_bars_only():
+        results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
     if results is None:  # only non-zero ranks of a distributed run get None
         raise MoeLitError("evaluate: lm-eval returned no results")
     return results

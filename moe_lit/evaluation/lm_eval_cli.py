@@ -3,10 +3,11 @@
 ``moe-lit lm-eval ARGS...`` and ``python -m moe_lit.evaluation.lm_eval_cli ARGS...`` take exactly
 ``lm_eval``'s arguments::
 
-    moe-lit lm-eval --model moe_lit --model_args checkpoint=CKPT,batch_size=8 --tasks xnli_de --limit 20
+    moe-lit lm-eval run --model moe_lit --model_args checkpoint=CKPT --tasks xnli_de --limit 20 --batch_size 8
 
 Without ``--device`` the model runs on ``auto`` (CUDA when available, else CPU) instead of lm-eval's
-``cuda:0`` default, as every other ``moe-lit`` command.
+``cuda:0`` default, as every other ``moe-lit`` command. A task whose dataset cannot be reached
+(offline) is one line naming ``moe-lit eval --task-data``, exit 2, not lm-eval's traceback.
 
 NOTE: lm-eval 0.4.13 finds models only in its registry, which third-party packages fill on import
 (``lm_eval.api.registry`` has no entry-point discovery), so a plain ``lm_eval --model moe_lit`` cannot
@@ -18,12 +19,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from moe_lit.errors import MoeLitError
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run lm-eval's CLI on ``argv`` (default: ``sys.argv[1:]``); returns its exit status."""
     from lm_eval.__main__ import cli_evaluate
 
-    import moe_lit.evaluation.harness  # noqa: F401 - registers the lm-eval model "moe_lit"
+    from moe_lit.evaluation.harness import reachable_datasets  # importing it registers the model "moe_lit"
 
     args = list(sys.argv[1:] if argv is None else argv)
     if _runs_evaluation(args) and not any(a == "--device" or a.startswith("--device=") for a in args):
@@ -31,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # NOTE: cli_evaluate reads sys.argv itself (and edits it to insert its default `run`).
     saved, sys.argv = sys.argv, ["lm-eval", *args]
     try:
-        cli_evaluate()
+        with reachable_datasets():
+            cli_evaluate()
     except SystemExit as exc:  # --help, and argparse errors (status 2)
         return exc.code if isinstance(exc.code, int) else 1
     finally:
@@ -45,4 +49,8 @@ def _runs_evaluation(args: list[str]) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MoeLitError as exc:  # as moe_lit.cli prints it (a command module never imports the CLI above it)
+        print(f"python -m moe_lit.evaluation.lm_eval_cli: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -289,9 +289,10 @@ def render_template(template: str, out_file: Path, **values: str) -> Path:
     return out_file
 
 
-def render_suite(data_dir: Path, work_dir: Path, cfg: SuiteConfig | None = None) -> dict[str, Any]:
+def render_suite(data_dir: str | Path, work_dir: str | Path, cfg: SuiteConfig | None = None) -> dict[str, Any]:
     """Write the local suite's items and task YAMLs under ``work_dir``; returns (and writes as
     ``suite.json``) a manifest: languages, items per kind, chance accuracy per kind, task names."""
+    data_dir, work_dir = Path(data_dir), Path(work_dir)
     cfg = cfg or SuiteConfig()
     parallel = read_parallel(data_dir, cfg.split, cfg.languages)
     items = build_items(parallel, cfg, paragraph_index(data_dir, list(parallel)))

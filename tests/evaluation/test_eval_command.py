@@ -23,7 +23,7 @@ def test_eval_command_writes_results_json_and_markdown(tmp_path, exported, prepa
     assert "| language | bits/byte | byte ppl | next-paragraph acc | minimal-pairs acc |" in markdown
     assert "moe-lit eval --checkpoint" in markdown and "| moe_lit_pairs_de | acc |" in markdown
     assert "| en | " in markdown and "| de | - | - | - | " in markdown
-    assert "| chance | - | - | 0.3333 | 0.5 |" in markdown and "Items per language: ppl 2, next 6, pairs 8." in markdown
+    assert "| chance | - | - | 0.3333 | 0.5 |" in markdown and "Items per language: ppl 2, pairs 3 of 8." in markdown
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # atomic: no leftovers
 
 
