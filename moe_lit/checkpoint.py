@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import pickle
 import re
@@ -49,6 +50,7 @@ _UNSUPPORTED = re.compile(r"(?:[Uu]nsupported global: GLOBAL|unsupported GLOBAL)
 
 def export_model(model, out_dir: str | Path, tokenizer_file: str | Path | None = None) -> Path:
     """Write ``model`` (a Transformer) to ``out_dir`` atomically; returns the directory."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -57,10 +59,20 @@ def export_model(model, out_dir: str | Path, tokenizer_file: str | Path | None =
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         if model.config.tie_embeddings:
             state.pop("lm_head.weight", None)  # safetensors refuses shared storage; rebuilt on load
-        save_file(state, str(tmp / WEIGHTS_FILE))
+        try:
+            save_file(state, str(tmp / WEIGHTS_FILE))
+        except SafetensorError as exc:
+            raise _write_error(exc) from exc
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
     return out_dir
+
+
+def _write_error(exc: Exception) -> Exception:
+    """safetensors' error for a refused write (``... I/O error: ... (os error 28)``) as the OSError it
+    wraps, which the atomic directory turns into one line naming the output; any other error unchanged."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else exc
 
 
 def _config_from(value: Any, path: Path) -> ModelConfig:

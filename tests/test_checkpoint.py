@@ -140,9 +140,10 @@ def test_disk_full_or_permission_denied_while_writing_is_one_line_and_leaves_not
     monkeypatch, capsys, tmp_path, files, error
 ):
     import safetensors.torch
+    from safetensors import SafetensorError
 
-    def refused(*args, **kwargs):
-        raise OSError(error, os.strerror(error))
+    def refused(*args, **kwargs):  # what safetensors raises when the system refuses its write
+        raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(error)} (os error {error})")
 
     monkeypatch.setattr(safetensors.torch, "save_file", refused)
     out = tmp_path / "out"

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,7 @@ def _run_run(args: argparse.Namespace) -> int:
         print(_points_table(study, out_dir))
         return 0
     run_study(study, out_dir, parallel=args.parallel, retry_failed=args.retry_failed, command=_command_line(args))
+    check_records(out_dir)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
 
@@ -134,8 +136,24 @@ def _run_report(args: argparse.Namespace) -> int:
         write_plan(study, out_dir, previous.get("command") or _command_line(args, "run"))
     else:
         out_dir = Path(args.out)
+    check_records(out_dir)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
+
+
+def check_records(out_dir: Path) -> None:
+    """A point's record that is there but unreadable (cut short, edited by hand) is one line naming
+    it, instead of a report that counts the point as missing."""
+    from moe_lit.studies.engine import RUNS_DIR
+
+    for path in sorted((Path(out_dir) / RUNS_DIR).glob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise MoeLitError(
+                f"{path}: not a readable study record ({exc}); restore it, or delete it and rerun "
+                "`moe-lit study run` to train that point again"
+            ) from exc
 
 
 def _print_report(paths: dict[str, Path]) -> None:
