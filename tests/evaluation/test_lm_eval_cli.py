@@ -35,3 +35,16 @@ def test_lm_eval_cli_runs_the_moe_lit_model_on_a_local_task(tmp_path, exported, 
 def test_lm_eval_cli_passes_lm_evals_own_argument_errors_through(capsys):
     assert main(["lm-eval", "run", "--no-such-flag"]) == 2
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_an_unreachable_dataset_is_one_line_naming_task_data(capsys, monkeypatch):
+    import lm_eval.__main__
+
+    def offline():  # what datasets raises for a hub dataset without a network
+        raise ConnectionError("Couldn't reach 'facebook/xnli' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", offline)
+    assert main(["lm-eval", "run", "--model", "moe_lit", "--tasks", "xnli_de"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("moe-lit lm-eval run: error: --tasks: a task's dataset is not reachable (Couldn't reach")
+    assert line.endswith("moe-lit eval --checkpoint CK --tasks TASK --task-data TASK=FILE")
