@@ -107,6 +107,14 @@ def test_relative_data_dir_resolves_against_its_config_file_and_the_hint_names_t
     assert f"(no {tmp_path / 'cwd' / 'here' / 'meta.json'})" in err
 
 
+def test_the_packaged_experiments_read_moe_lit_data_never_a_dir_beside_the_config(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_LIT_DATA", str(tmp_path / "mine"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", EXPERIMENT]) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"(no {tmp_path / 'mine' / 'meta.json'})" in err
+
+
 def test_predict_is_not_a_command(capsys):
     assert main(["predict"]) == 2
     assert "unknown command 'predict'" in capsys.readouterr().err
