@@ -1,0 +1,129 @@
+"""Every shipped trainer config through the real ``moe-lit fit``, in 2 gloo processes on CPU.
+
+Each file keeps its own precision, gradient clipping and optimizer; only what a CPU cannot do is
+overridden (accelerator cpu, 2 devices, one node). Per file: a 4-step fit exits 0 and writes a
+checkpoint at step 2 and at the end; a fit resumed from step 2 logs the uninterrupted run's losses
+and gradient norms; ``moe-lit validate`` and ``moe-lit eval`` read the final checkpoint. The
+GPU-only files (FSDP1 needs an accelerator, expert parallelism needs MegaBlocks) are parsed and
+their strategy built.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch.strategies import Strategy
+
+from moe_lit.cli import main
+from tests.helpers.cli_runs import TINY
+from tests.helpers.paths import CONFIGS, EXPERIMENT
+
+pytestmark = pytest.mark.slow
+
+TRAINER_CONFIGS = sorted(p.name for p in (CONFIGS / "trainer").glob("*.yaml"))
+GPU_ONLY = {"fsdp.yaml": "FSDP1 needs a CUDA device", "fsdp2-ep.yaml": "expert parallelism needs MegaBlocks"}
+CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.num_nodes", "1"]
+STEPS = 4
+RESUME_STEP = 2
+MOE_LIT = str(Path(sys.executable).with_name("moe-lit"))
+TIMEOUT_S = 300
+
+
+def moe_lit(*args: str) -> subprocess.CompletedProcess:
+    """The installed ``moe-lit`` console script, as a user runs it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run([MOE_LIT, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+
+
+def fit_args(trainer_yaml: str, data: Path, out: Path) -> list[str]:
+    return [
+        "fit",
+        "--config",
+        EXPERIMENT,
+        "--trainer",
+        str(CONFIGS / "trainer" / trainer_yaml),
+        *CPU,
+        "--data.data_dir",
+        str(data),
+        *TINY,
+        "--train.max_steps",
+        str(STEPS),
+        "--checkpoint.every_n_train_steps",
+        str(RESUME_STEP),
+        "--checkpoint.save_top_k",
+        "-1",
+        "--out",
+        str(out),
+    ]
+
+
+def train_rows(metrics_csv: Path) -> dict[int, dict[str, float]]:
+    """``step -> {train/loss, train/grad_norm}`` of a run's metrics.csv."""
+    rows: dict[int, dict[str, float]] = {}
+    with metrics_csv.open() as handle:
+        for row in csv.DictReader(handle):
+            if row.get("train/loss"):
+                rows[int(row["step"])] = {k: float(row[k]) for k in ("train/loss", "train/grad_norm")}
+    return rows
+
+
+def assert_ok(done: subprocess.CompletedProcess, what: str) -> None:
+    assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("trainer_yaml", [name for name in TRAINER_CONFIGS if name not in GPU_ONLY])
+def test_trainer_config_fits_resumes_validates_and_evaluates_in_two_processes(trainer_yaml, prepared, tmp_path):
+    shipped = yaml.safe_load((CONFIGS / "trainer" / trainer_yaml).read_text())
+    assert shipped.get("gradient_clip_val", 0) > 0  # every shipped file clips; the run keeps it
+
+    full = tmp_path / "full"
+    done = moe_lit(*fit_args(trainer_yaml, prepared, full))
+    assert_ok(done, "fit")
+    assert "Traceback" not in done.stderr
+    final = full / "checkpoints" / "last.ckpt"
+    assert f"fit: checkpoint {final}" in done.stdout
+    at_resume = next((full / "checkpoints").glob(f"*step={RESUME_STEP}.ckpt"))
+
+    resumed_dir = tmp_path / "resumed"
+    done = moe_lit(*fit_args(trainer_yaml, prepared, resumed_dir), "--ckpt_path", str(at_resume))
+    assert_ok(done, "resumed fit")
+    uninterrupted = train_rows(full / "logs" / "fit" / "metrics.csv")
+    resumed = train_rows(resumed_dir / "logs" / f"fit-step{RESUME_STEP}" / "metrics.csv")
+    assert sorted(resumed) == list(range(RESUME_STEP, STEPS)) and sorted(uninterrupted) == list(range(STEPS))
+    for step, row in resumed.items():
+        assert row == pytest.approx(uninterrupted[step], rel=1e-5), step
+    assert all(row["train/grad_norm"] > 0 for row in uninterrupted.values())
+
+    done = moe_lit(
+        "validate", "--ckpt_path", str(final), "--data.data_dir", str(prepared), "--out", str(tmp_path / "v")
+    )
+    assert_ok(done, "validate")
+    assert "| overall |" in done.stdout
+    done = moe_lit(
+        "eval",
+        *("--checkpoint", str(final), "--tasks", "moe_lit_next", "--data", str(prepared)),
+        *("--limit", "2", "--bootstrap-iters", "0", "--out", str(tmp_path / "eval")),
+    )
+    assert_ok(done, "eval")
+    assert (tmp_path / "eval" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("trainer_yaml", sorted(GPU_ONLY))
+def test_gpu_only_trainer_config_parses_and_builds_its_strategy(trainer_yaml, prepared, capsys):
+    trainer_file = CONFIGS / "trainer" / trainer_yaml
+    args = ["fit", "--config", EXPERIMENT, "--trainer", str(trainer_file), "--data.data_dir", str(prepared), *TINY]
+    assert main([*args, "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    shipped = yaml.safe_load(trainer_file.read_text())
+    assert printed["precision"] == shipped["precision"] and printed["gradient_clip_val"] == shipped["gradient_clip_val"]
+    strategy = printed["strategy"]
+    module, _, name = strategy["class_path"].rpartition(".")
+    built = getattr(importlib.import_module(module), name)(**strategy["init_args"])
+    assert isinstance(built, Strategy) and type(built).__name__ == name
