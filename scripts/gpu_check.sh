@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared check for a lent GPU machine (its step limits add up to 10 minutes). Two modes:
+# The one prepared check for a lent GPU machine (its step limits add up to 9 minutes 40 s). Two modes:
 #
 #   bash scripts/gpu_check.sh fetch
 #       HERE, with PyPI: download the sdists the GPU machine cannot fetch into .gpu-sdists/
@@ -11,7 +11,8 @@
 #       ON THE GPU MACHINE (no internet; carry .gpu-sdists): build grouped_gemm and megablocks from
 #       those sdists into /tmp/gpu-site (in parallel, patched for CUDA 13), run the GPU-marked tests
 #       (tests/gpu: MegaBlocks and grouped-GEMM parity vs the torch backend's loop, a CPU-trained checkpoint
-#       evaluated on the MegaBlocks path) and benchmarks/gpu_throughput.py (eager, plus the moe-180m
+#       evaluated on the MegaBlocks path), `moe-lit fit` with configs/trainer/ddp.yaml and fsdp2.yaml on
+#       every GPU (20 steps, resumed from step 10) and benchmarks/gpu_throughput.py (eager, plus the moe-180m
 #       step compiled on the megablocks and grouped backends). Logs and the benchmark
 #       JSON go to $OUT (the device tool brings them back) or benchmarks/results/.
 #       Device tool call: run(command="bash scripts/gpu_check.sh", carry=[".gpu-sdists"], timeout_s=600)
@@ -52,7 +53,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 which nvcc && nvcc --version | tail -1
 
-stamp "build grouped_gemm + megablocks from $SDISTS (parallel, 270 s limit)"
+stamp "build grouped_gemm + megablocks from $SDISTS (parallel, 240 s limit)"
 rm -rf "$BUILD" && mkdir -p "$BUILD" "$SITE"
 for name in $MEGABLOCKS $STK $GROUPED_GEMM; do
   tar xzf "$SDISTS/$name.tar.gz" -C "$BUILD" || echo "MISSING $SDISTS/$name.tar.gz (run: bash scripts/gpu_check.sh fetch)"
@@ -79,8 +80,8 @@ export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 # private APIs of moe_lit/_compat.py on it, so its version check is lifted here.
 export MOE_LIT_ALLOW_UNTESTED=1
 PIP_TARGET_INSTALL=("$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE")
-(timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$GROUPED_GEMM" > "$BUILD/grouped_gemm.log" 2>&1; echo "grouped_gemm build exit $?") &
-(timeout 270 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$MEGABLOCKS" "$BUILD/$STK" > "$BUILD/megablocks.log" 2>&1; echo "megablocks build exit $?") &
+(timeout 240 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$GROUPED_GEMM" > "$BUILD/grouped_gemm.log" 2>&1; echo "grouped_gemm build exit $?") &
+(timeout 240 "${PIP_TARGET_INSTALL[@]}" "$BUILD/$MEGABLOCKS" "$BUILD/$STK" > "$BUILD/megablocks.log" 2>&1; echo "megablocks build exit $?") &
 wait
 tail -n 15 "$BUILD/grouped_gemm.log" "$BUILD/megablocks.log"
 cp "$BUILD/grouped_gemm.log" "$BUILD/megablocks.log" "$OUT_DIR/" 2>/dev/null || true
@@ -88,13 +89,34 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import megablocks, grouped_gemm; print('megablocks', megablocks.__file__, 'grouped_gemm OK')" \
   || echo "MegaBlocks does not import: its tests skip and the benchmark records the error"
 
-stamp "GPU tests (tests/gpu, 120 s limit)"
+stamp "GPU tests (tests/gpu, 90 s limit)"
 # NOTE: no network here: the CPU stand-in test's pip download must fail fast (it then skips).
-PIP_NO_INDEX=1 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tail -n 40
+PIP_NO_INDEX=1 timeout 90 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tail -n 40
 echo "pytest exit ${PIPESTATUS[0]}"
 
-stamp "throughput benchmark, eager and (moe-180m: megablocks, grouped) compiled (210 s limit)"
-timeout 210 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu-$(date +%F).json" --steps 10 --warmup 3 \
+stamp "moe-lit fit with ddp.yaml and fsdp2.yaml on every GPU, each resumed once (150 s limit)"
+# NOTE: the command users launch, with the shipped files' own precision, clipping and fused AdamW
+# (tests/distributed/test_trainer_configs.py runs the same matrix on 2 CPU processes).
+MATRIX=/tmp/gpu-matrix
+rm -rf "$MATRIX" && "$PY" -c "from pathlib import Path; from tests.helpers.corpus import prepare_corpus; prepare_corpus(Path('$MATRIX'), paragraphs=40, val_fraction=0.1, test_fraction=0.1)"
+TINY_FIT=(--config configs/experiments/tiny-moe.yaml --data.data_dir "$MATRIX/data" --data.seq_len 64 --data.batch_size 8
+  --data.val_batches 2 --trainer.enable_progress_bar false --trainer.log_every_n_steps 1 --train.max_steps 20
+  --checkpoint.every_n_train_steps 10 --checkpoint.save_top_k -1)
+for trainer in ddp fsdp2; do
+  timeout 45 "$PY" -m moe_lit.cli fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
+    > "$OUT_DIR/fit-$trainer.log" 2>&1
+  echo "fit $trainer exit $?"
+  step10=$(ls "$MATRIX/$trainer"/checkpoints/*step=10.ckpt 2>/dev/null | head -n 1)
+  timeout 30 "$PY" -m moe_lit.cli fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
+    --ckpt_path "$step10" > "$OUT_DIR/fit-$trainer-resume.log" 2>&1
+  echo "fit $trainer resume exit $?"
+  tail -n 2 "$OUT_DIR/fit-$trainer.log"
+  cp "$MATRIX/$trainer/logs/fit/metrics.csv" "$OUT_DIR/fit-$trainer-metrics.csv" 2>/dev/null
+  cp "$MATRIX/$trainer/logs/fit-step10/metrics.csv" "$OUT_DIR/fit-$trainer-resume-metrics.csv" 2>/dev/null
+done
+
+stamp "throughput benchmark, eager and (moe-180m: megablocks, grouped) compiled (100 s limit)"
+timeout 100 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu-$(date +%F).json" --steps 10 --warmup 3 \
   > "$OUT_DIR/gpu_throughput.stdout" 2>&1
 echo "benchmark exit $?"
 "$PY" - "$OUT_DIR/gpu-$(date +%F).json" <<'EOF'
