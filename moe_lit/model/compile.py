@@ -3,9 +3,11 @@
 Each ``Block`` is compiled in place with ``nn.Module.compile`` (as torchtitan does): the module
 tree, its parameters and its state-dict keys stay as they are (no ``_orig_mod.`` prefix), so a
 compiled model saves and loads checkpoints exactly as an eager one. The embedding, the final norm
-and the chunked head stay eager. The routed experts run eager inside the compiled blocks
-(``torch.compiler.disable`` on the expert backends' forward: their dispatch sizes buffers from the
-routing counts of each batch); the router, attention, norms, SwiGLU and residuals are compiled.
+and the chunked head stay eager. A block is one graph: attention, norms, router, SwiGLU and
+residuals are compiled, and the torch backend's routed experts enter it as custom ops
+(``moe_lit/model/experts/ops.py``: opaque nodes with routing-independent output sizes, their
+SwiGLU product compiled between them). MegaBlocks' experts stay eager
+(``torch.compiler.disable``: its kernels are extension calls with routing-dependent sizes).
 
 Inductor's FX graph cache (on by default) is kept under ``~/.cache/moe_lit/inductor`` unless
 ``TORCHINDUCTOR_CACHE_DIR`` says otherwise, so a second run with the same shapes reuses the

@@ -30,12 +30,12 @@ class MoELayer(nn.Module):
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         routing = self.router(x_TD)
         capacity = self.cfg.capacity(x_TD.shape[0])
-        y_TD, plan = self.experts(x_TD, routing.weights_TK, routing.indices_TK, capacity)
+        y_TD, counts = self.experts(x_TD, routing.weights_TK, routing.indices_TK, capacity)
         if self.shared_expert is not None:
             y_TD = y_TD + self._shared(self.shared_expert, x_TD)
         if self.training:
-            self.router.record(plan.routed_counts_E, plan.dropped)
-        return y_TD.view_as(x_BLD), self._losses(routing, plan.routed_counts_E)
+            self.router.record(counts.routed_counts_E, counts.dropped)
+        return y_TD.view_as(x_BLD), self._losses(routing, counts.routed_counts_E)
 
     def _shared(self, shared_expert: SwiGLU, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared expert's output, scaled by its sigmoid gate when it has one (Qwen2-MoE)."""

@@ -168,14 +168,15 @@ def test_a_resumed_compiled_run_repeats_the_uninterrupted_compiled_losses(tmp_pa
 
 @pytest.mark.slow
 def test_dropless_moe_compiles_once_not_once_per_routing():
-    # NOTE: every step routes a different random batch; the dispatch runs eager (a graph break), so
+    # NOTE: every step routes a different random batch; the dispatch is a custom op whose outputs'
+    # sizes do not follow the routing (moe_lit/model/experts/ops.py), so the block is one graph and
     # after the first steps (the router's pending sums exist from the second forward on) no frame
     # is compiled again.
+    counters.clear()
     _, module, recorder = _fit(_cfg(), [CompileBlocks()], max_steps=6)
     assert module.config.moe.capacity_factor is None
     assert recorder.frames[2] == recorder.frames[-1], recorder.frames
-    breaks = list(counters["graph_break"])
-    assert any("TorchExperts.forward" in reason and "disable" in reason for reason in breaks), breaks
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.slow

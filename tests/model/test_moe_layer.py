@@ -5,7 +5,7 @@ import torch
 
 from moe_lit.config import MoEConfig
 from moe_lit.model.experts.layout import ExpertLayout
-from moe_lit.model.experts.torch_backend import TorchExperts
+from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
 from moe_lit.model.router import finish_routing_step, load_balancing_loss, z_loss
@@ -59,10 +59,10 @@ def test_capacity_factor_drops_exactly_the_overflow_in_token_order():
     weights = torch.ones(6, 1)
     capacity = MoEConfig(num_experts=2, top_k=1, capacity_factor=1.0).capacity(6)
     assert capacity == 3
-    y, plan = experts(x, weights, indices, capacity)
-    assert int(plan.dropped) == 2  # expert 0 got tokens 0,1,2,3,5: keeps 0,1,2
-    assert plan.routed_counts_E.tolist() == [5, 1]
-    assert plan.kept_counts == [3, 1]
+    y, counts = experts(x, weights, indices, capacity)
+    assert int(counts.dropped) == 2  # expert 0 got tokens 0,1,2,3,5: keeps 0,1,2
+    assert counts.routed_counts_E.tolist() == [5, 1]
+    assert plan_dispatch(indices, experts.layout, capacity, "looped").kept_counts == [3, 1]
     y_dropless, _ = experts(x, weights, indices, None)
     kept = [0, 1, 2, 4]
     assert torch.allclose(y[kept], y_dropless[kept])

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from moe_lit.model.experts import grouped_swiglu as grouped_swiglu_module
-from moe_lit.model.experts.grouped_swiglu import CHUNK_OVERHEAD_ROWS, choose_chunking, grouped_swiglu
+from moe_lit.model.experts.grouped_swiglu import CHUNK_OVERHEAD_ROWS, choose_chunking
 from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.experts.ops import routed_swiglu
 from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch
 
 D = 8
@@ -32,12 +33,15 @@ def _routing(num_tokens, num_experts, top_k, seed=1, skew=None):
 
 
 def _run(experts, x, weights, indices, capacity):
+    """Output, gradients and routing counts of the experts, and the routing plan of their geometry."""
     x = x.clone().requires_grad_(True)
     weights = weights.clone().requires_grad_(True)
-    y, plan = experts(x, weights, indices, capacity)
+    y, counts = experts(x, weights, indices, capacity)
     loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum()
     names, params = zip(*experts.named_parameters(), strict=False)
     grads = torch.autograd.grad(loss, [x, weights, *params])
+    plan = plan_dispatch(indices, experts.layout, capacity, experts.strategy)
+    assert torch.equal(counts.routed_counts_E, plan.routed_counts_E) and torch.equal(counts.dropped, plan.dropped)
     return y.detach(), dict(zip(("x", "weights", *names), grads, strict=False)), plan
 
 
@@ -92,7 +96,11 @@ def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy
         *(p.detach().clone().requires_grad_(True) for p in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2)),
         torch.randn(D, generator=gen, dtype=torch.float64).requires_grad_(True),
     )
-    assert torch.autograd.gradcheck(lambda *t: grouped_swiglu(*t, plan.slots, layout), inputs, fast_mode=True)
+
+    def experts_fn(x, gate, w1, v1, w2, bias):
+        return routed_swiglu(x, gate, indices, w1, v1, w2, layout, strategy, capacity)[0] + bias
+
+    assert torch.autograd.gradcheck(experts_fn, inputs, fast_mode=True)
 
 
 def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():

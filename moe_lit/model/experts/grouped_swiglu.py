@@ -102,7 +102,8 @@ class ExpertBlocks:
     """Each matmul of the expert SwiGLU over all slots, in the slots' geometry.
 
     Slot-major tensors (first dim P, plus an optional zero row) and flat hidden buffers (H cells:
-    each slot's F_e activations, slot after slot) are the currency; a *block* is what one matmul
+    each slot's F_e activations, slot after slot) are the currency; rows and cells beyond P and H
+    (the ops' static-size padding, ``ops.py``) are ignored. A *block* is what one matmul
     call sees: the whole ``(P, .)`` for grouped, the ``(B, C, .)`` chunks for batched, one expert's
     ``(rows_e, .)`` for looped.
     """
@@ -141,7 +142,9 @@ class ExpertBlocks:
         if h_PF is None:  # looped over experts of different sizes
             return [
                 c.view(r, f)
-                for c, r, f in zip(h_H.split(self._cells), self._block_rows, self._block_sizes, strict=False)
+                for c, r, f in zip(
+                    self._cells_of(h_H).split(self._cells), self._block_rows, self._block_sizes, strict=False
+                )
             ]
         if self.slots.batched:
             return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])]
@@ -161,7 +164,11 @@ class ExpertBlocks:
 
     def _uniform_rows(self, h_H: torch.Tensor) -> torch.Tensor | None:
         """The flat hidden buffer as ``(P, F)`` when every block has the same F, else None."""
-        return h_H.view(-1, self._block_sizes[0]) if self._uniform else None
+        return self._cells_of(h_H).view(-1, self._block_sizes[0]) if self._uniform else None
+
+    def _cells_of(self, h_H: torch.Tensor) -> torch.Tensor:
+        """The first H cells of a flat hidden buffer (the slots' own)."""
+        return h_H[: self.hidden_cells]
 
     # ------------------------------------------------------------------ matmuls over all blocks
     def project_in(self, x_PD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
@@ -180,7 +187,7 @@ class ExpertBlocks:
         there; with ``add_to`` the products are added into it (same shape) instead."""
         num_slots = self.slots.num_slots
         if self.slots.geometry == "grouped":
-            h_PF = h_H.view(num_slots, -1)
+            h_PF = self._cells_of(h_H).view(num_slots, -1)
             o_PD = _grouped_mm(h_PF, self.layout.as_EFD(w_SD), offs=self._offs_E)
             if add_to is not None:
                 add_to[:num_slots] += o_PD
@@ -202,7 +209,7 @@ class ExpertBlocks:
         """The stacked ``(S, D)`` gradient ``sum_p h_p^T y_p`` of every expert's (F_e, D) matrix."""
         if self.slots.geometry == "grouped":
             num_slots = self.slots.num_slots
-            h_PF = h_H.view(num_slots, -1)
+            h_PF = self._cells_of(h_H).view(num_slots, -1)
             g_EFD = _grouped_mm(h_PF.mT, y_PD[:num_slots], offs=self._offs_E)
             return g_EFD.view_as(like_SD)
         # chunks that repeat an expert: their gradients are summed into it
@@ -266,91 +273,100 @@ def _with_zero_row(x_TD: torch.Tensor) -> torch.Tensor:
     return torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
 
 
-class GroupedSwiGLU(torch.autograd.Function):
-    """``y_t = bias + sum_k gate_tk * SwiGLU_{e_tk}(x_t)`` for all tokens at once (see module docstring)."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        x_TD: torch.Tensor,
-        gate_TK: torch.Tensor,
-        w1_SD: torch.Tensor,
-        v1_SD: torch.Tensor,
-        w2_SD: torch.Tensor,
-        bias_D: torch.Tensor,
-        slots: Slots,
-        layout: ExpertLayout,
-    ) -> torch.Tensor:
-        blocks = ExpertBlocks(slots, layout, x_TD.shape[1])
-        x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
-        h1_H, h2_H = blocks.project_in(x_PD, w1_SD), blocks.project_in(x_PD, v1_SD)
-        act_H = F.silu(h1_H).mul_(h2_H)
-        y_TD = combine_slots(slots, blocks.project_out(act_H, w2_SD), gate_TK, bias_D)
-        ctx.save_for_backward(x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD)
-        ctx.blocks = blocks
-        return y_TD
-
-    @staticmethod
-    def backward(ctx, dy_TD: torch.Tensor):
-        x_PD, h1_H, h2_H, act_H, gate_TK, w1_SD, v1_SD, w2_SD = ctx.saved_tensors
-        blocks: ExpertBlocks = ctx.blocks
-        slots = blocks.slots
-        dyg_PD = _with_zero_row(dy_TD.contiguous()).index_select(0, slots.token_P)
-        gate_P = F.pad(gate_TK.reshape(-1), (0, 1)).index_select(0, slots.assign_P)
-        # NOTE: the gates are applied in hidden space (F wide, not D): a slot's output gradient
-        # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
-        da_H = blocks.project_in(dyg_PD, w2_SD)
-        dgate_P = x_PD.new_zeros(slots.num_slots + 1)
-        blocks.row_dots(act_H, da_H, out_P=dgate_P)
-        blocks.scale_rows_(da_H, gate_P)
-        dw2_SD = blocks.weight_grad(blocks.scale_rows_(act_H.clone(), gate_P), dyg_PD, w2_SD)
-        dh2_H = da_H * F.silu(h1_H)
-        dh1_H = torch.ops.aten.silu_backward(da_H.mul_(h2_H), h1_H)
-        dw1_SD, dv1_SD = blocks.weight_grad(dh1_H, x_PD, w1_SD), blocks.weight_grad(dh2_H, x_PD, v1_SD)
-        dx_PD = blocks.project_out(dh2_H, v1_SD, add_to=blocks.project_out(dh1_H, w1_SD))
-        dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
-        dx_TD = F.embedding_bag(slots.slot_TK, dx_PD, mode="sum")
-        return dx_TD, dgate_TK, dw1_SD, dv1_SD, dw2_SD, dy_TD.sum(0), None, None
+def gather_slots(x_TD: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """``(P, D)``: the token row of every slot (padding slots, batched only, read an appended zero row)."""
+    # NOTE: packed slots all hold a kept assignment, so only padded chunks need the zero row's copy of x.
+    source_TD = _with_zero_row(x_TD) if slots.batched else x_TD
+    return source_TD.index_select(0, slots.token_P)
 
 
-def grouped_swiglu(
-    x_TD: torch.Tensor,
-    gate_TK: torch.Tensor,
-    w1_SD: torch.Tensor,
-    v1_SD: torch.Tensor,
-    w2_SD: torch.Tensor,
-    bias_D: torch.Tensor,
-    slots: Slots,
-    layout: ExpertLayout,
-) -> torch.Tensor:
-    """Functional entry point of :class:`GroupedSwiGLU`."""
-    return GroupedSwiGLU.apply(x_TD, gate_TK, w1_SD, v1_SD, w2_SD, bias_D, slots, layout)
+def _gate_of_slots(gate_TK: torch.Tensor, slots: Slots) -> torch.Tensor:
+    """``(P,)``: the gate of every slot's assignment (padding slots: an appended zero gate)."""
+    gate_N = gate_TK.reshape(-1)
+    return (F.pad(gate_N, (0, 1)) if slots.batched else gate_N).index_select(0, slots.assign_P)
 
 
-def grouped_swiglu_forward(
-    x_TD: torch.Tensor,
-    gate_TK: torch.Tensor,
-    w1_SD: torch.Tensor,
-    v1_SD: torch.Tensor,
-    w2_SD: torch.Tensor,
-    bias_D: torch.Tensor,
-    slots: Slots,
-    layout: ExpertLayout,
-) -> torch.Tensor:
-    """The forward of :class:`GroupedSwiGLU` when no gradient is needed (decoding, evaluation).
-
-    Same slots, same matmuls, same result; nothing is saved for a backward, and the activation is
-    computed in place in the gate projection's buffer (one hidden buffer fewer per call).
-    """
+# ---------------------------------------------------------------------- the two halves of the SwiGLU
+# NOTE: the experts' SwiGLU ``y_t = sum_k gate_tk * (silu(x_t w1_e^T) * (x_t v1_e^T)) w2_e`` runs in two
+# halves around its elementwise product, each with its hand-written backward: the product itself is
+# plain torch, which torch.compile fuses (``ops.py``).
+def project_gate_up(
+    x_TD: torch.Tensor, w1_SD: torch.Tensor, v1_SD: torch.Tensor, slots: Slots, layout: ExpertLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x_PD, h1_H, h2_H)``: the slots' token rows and their gate and up projections."""
     blocks = ExpertBlocks(slots, layout, x_TD.shape[1])
-    x_PD = _with_zero_row(x_TD).index_select(0, slots.token_P)
-    act_H = F.silu(blocks.project_in(x_PD, w1_SD), inplace=True).mul_(blocks.project_in(x_PD, v1_SD))
-    return combine_slots(slots, blocks.project_out(act_H, w2_SD), gate_TK, bias_D)
+    x_PD = gather_slots(x_TD, slots)
+    return x_PD, blocks.project_in(x_PD, w1_SD), blocks.project_in(x_PD, v1_SD)
 
 
-def combine_slots(slots: Slots, o_PD: torch.Tensor, gate_TK: torch.Tensor, bias_D: torch.Tensor) -> torch.Tensor:
-    """``y_t = bias + sum_k gate_tk * o_{slot_tk}`` (a fused gather + weighted sum)."""
-    return F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum") + bias_D
+def project_gate_up_backward(
+    dh1_H: torch.Tensor,
+    dh2_H: torch.Tensor,
+    x_PD: torch.Tensor,
+    w1_SD: torch.Tensor,
+    v1_SD: torch.Tensor,
+    slots: Slots,
+    layout: ExpertLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_TD, dw1_SD, dv1_SD)`` of :func:`project_gate_up`."""
+    blocks = ExpertBlocks(slots, layout, x_PD.shape[1])
+    dw1_SD, dv1_SD = blocks.weight_grad(dh1_H, x_PD, w1_SD), blocks.weight_grad(dh2_H, x_PD, v1_SD)
+    dx_PD = blocks.project_out(dh2_H, v1_SD, add_to=blocks.project_out(dh1_H, w1_SD))
+    return F.embedding_bag(slots.slot_TK, dx_PD, mode="sum"), dw1_SD, dv1_SD
+
+
+def project_down_combine(
+    act_H: torch.Tensor, w2_SD: torch.Tensor, gate_TK: torch.Tensor, slots: Slots, layout: ExpertLayout
+) -> torch.Tensor:
+    """``(T, D)``: every slot's down projection, summed per token with its gates."""
+    blocks = ExpertBlocks(slots, layout, w2_SD.shape[1])
+    return combine_slots(slots, blocks.project_out(act_H, w2_SD), gate_TK)
+
+
+def project_down_combine_backward(
+    dy_TD: torch.Tensor,
+    act_H: torch.Tensor,
+    w2_SD: torch.Tensor,
+    gate_TK: torch.Tensor,
+    slots: Slots,
+    layout: ExpertLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dact_H, dgate_TK, dw2_SD)`` of :func:`project_down_combine`."""
+    blocks = ExpertBlocks(slots, layout, w2_SD.shape[1])
+    dyg_PD = gather_slots(dy_TD.contiguous(), slots)
+    gate_P = _gate_of_slots(gate_TK, slots)
+    # NOTE: the gates are applied in hidden space (F wide, not D): a slot's output gradient
+    # is gate * dy, so dL/dact = gate * (dy @ w2^T) and dL/dgate = <act, dy @ w2^T>.
+    dact_H = blocks.project_in(dyg_PD, w2_SD)
+    dgate_P = dyg_PD.new_zeros(slots.num_slots + 1)
+    blocks.row_dots(act_H, dact_H, out_P=dgate_P)
+    blocks.scale_rows_(dact_H, gate_P)
+    dw2_SD = blocks.weight_grad(blocks.scale_rows_(act_H.clone(), gate_P), dyg_PD, w2_SD)
+    dgate_TK = dgate_P.index_select(0, slots.slot_TK.reshape(-1)).view_as(gate_TK)
+    return dact_H, dgate_TK, dw2_SD
+
+
+def combine_slots(
+    slots: Slots, o_PD: torch.Tensor, gate_TK: torch.Tensor, bias_D: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y_t = bias + sum_k gate_tk * o_{slot_tk}`` (a fused gather + weighted sum; no bias: none added)."""
+    y_TD = F.embedding_bag(slots.slot_TK, o_PD, per_sample_weights=gate_TK, mode="sum")
+    return y_TD if bias_D is None else y_TD + bias_D
+
+
+# ---------------------------------------------------------------------- slots
+def slot_rows(
+    kept_counts: list[int], geometry: Geometry, device: torch.device
+) -> tuple[tuple[int, ...], int, torch.Tensor | None]:
+    """``(rows, chunk_rows, chunk_expert)`` of :class:`Slots` for the kept assignments per expert."""
+    if geometry != "batched":
+        return tuple(kept_counts), 0, None
+    chunk_rows, chunks = choose_chunking(kept_counts)
+    rows = tuple(c * chunk_rows for c in chunks)
+    if all(c == 1 for c in chunks):
+        return rows, chunk_rows, None
+    experts_E = torch.arange(len(chunks), device=device)
+    return rows, chunk_rows, torch.repeat_interleave(experts_E, torch.tensor(chunks, device=device))
 
 
 def build_slots(
@@ -367,15 +383,7 @@ def build_slots(
     num_tokens, top_k = shape_TK
     num_assignments = num_tokens * top_k
     device = order_N.device
-    chunk_rows, chunk_expert = 0, None
-    if geometry == "batched":
-        chunk_rows, chunks = choose_chunking(kept_counts)
-        rows = tuple(c * chunk_rows for c in chunks)
-        if any(c != 1 for c in chunks):
-            experts_E = torch.arange(len(chunks), device=device)
-            chunk_expert = torch.repeat_interleave(experts_E, torch.tensor(chunks, device=device))
-    else:
-        rows = tuple(kept_counts)
+    rows, chunk_rows, chunk_expert = slot_rows(kept_counts, geometry, device)
     starts_E = torch.tensor([0, *rows], device=device).cumsum(0)[:-1]
     slot_N = starts_E.index_select(0, sorted_experts_N) + rank_N
     num_slots = sum(rows)
@@ -393,3 +401,47 @@ def build_slots(
     token_P = assign_P // top_k
     may_drop = capacity is not None
     return Slots(rows, geometry, chunk_rows, chunk_expert, token_P, assign_P, slot_TK.view(num_tokens, top_k), may_drop)
+
+
+@dataclass
+class Dispatch:
+    """Where each kept assignment goes, and the routing counts the MoE layer reports."""
+
+    slots: Slots
+    """Slot geometry and index maps consumed by the SwiGLU's two halves."""
+    kept_counts: list[int]
+    """Kept assignments per expert (python ints: they size the per-expert slot blocks)."""
+    routed_counts_E: torch.Tensor
+    """Assignments per expert before dropping."""
+    dropped: torch.Tensor
+    """Number of dropped assignments (0-dim)."""
+
+
+def plan_dispatch(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None, geometry: Geometry) -> Dispatch:
+    """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
+    experts_N = indices_TK.reshape(-1)
+    order_N = torch.argsort(experts_N, stable=True)
+    routed_counts_E = torch.bincount(experts_N, minlength=layout.num_experts)
+    starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
+    sorted_experts_N = experts_N.index_select(0, order_N)
+    rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E.index_select(0, sorted_experts_N)
+    if capacity is not None:
+        kept_counts_E = routed_counts_E.clamp(max=capacity)
+        dropped = routed_counts_E.sum() - kept_counts_E.sum()
+    else:
+        kept_counts_E = routed_counts_E
+        dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
+    kept_counts = kept_counts_E.tolist()
+    slots = build_slots(indices_TK.shape, order_N, sorted_experts_N, rank_N, kept_counts, geometry, capacity)
+    return Dispatch(slots, kept_counts, routed_counts_E, dropped)
+
+
+def restore_slots(
+    assign_P: torch.Tensor, slot_TK: torch.Tensor, kept_counts: list[int], geometry: Geometry, may_drop: bool
+) -> Slots:
+    """The :class:`Slots` of a routing from its two index maps and kept counts (what the custom ops
+    pass between them, ``assign_P`` possibly padded beyond P: ``ops.py``)."""
+    rows, chunk_rows, chunk_expert = slot_rows(kept_counts, geometry, assign_P.device)
+    assign_P = assign_P[: sum(rows)]
+    token_P = assign_P // slot_TK.shape[1]
+    return Slots(rows, geometry, chunk_rows, chunk_expert, token_P, assign_P, slot_TK, may_drop)

@@ -72,6 +72,23 @@ class ExpertLayout:
         return torch.repeat_interleave(torch.arange(self.num_experts), torch.tensor(self.sizes))
 
 
+@dataclass
+class RoutingCounts:
+    """What the MoE layer reads from an experts backend's forward: the routing counts it records."""
+
+    routed_counts_E: torch.Tensor
+    """Assignments per expert, before any dropping."""
+    dropped: torch.Tensor
+    """Assignments dropped by the capacity limit (0-dim; 0 when dropless)."""
+
+    @classmethod
+    def of(cls, routed_counts_E: torch.Tensor, capacity: int | None) -> RoutingCounts:
+        """The counts of a routing whose experts keep at most ``capacity`` assignments each (None: all)."""
+        if capacity is None:
+            return cls(routed_counts_E, routed_counts_E.new_zeros(()))
+        return cls(routed_counts_E, (routed_counts_E - routed_counts_E.clamp(max=capacity)).sum())
+
+
 def register_output_bias(module: nn.Module, d_model: int, learned: bool, device=None) -> None:
     """``module.bias``: MegaBlocks' learned ``(D,)`` expert output bias, or (``learned=False``,
     ``moe.expert_output_bias: false``) a fixed zero kept out of the parameters and the checkpoint."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch.func import functional_call
 
 from moe_lit.config import MoEConfig
 from moe_lit.errors import MoeLitError
-from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
+from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts, register_output_bias
 
 INSTALL_HINT = "install the gpu extra as docs/gpu.md says"
 
@@ -86,16 +85,6 @@ def unavailable_reason() -> str | None:
     except MoeLitError as exc:
         return str(exc).removeprefix("moe.backend: ")
     return None
-
-
-@dataclass
-class RoutingCounts:
-    """What the MoE layer reads from an experts backend's plan: the routing counts it records."""
-
-    routed_counts_E: torch.Tensor
-    """Assignments per expert (MegaBlocks' histogram)."""
-    dropped: torch.Tensor
-    """Dropped assignments (0-dim): always 0, the dMoE is dropless."""
 
 
 def _keep_init(tensor: torch.Tensor) -> None:
@@ -236,7 +225,7 @@ class MegaBlocksExperts(nn.Module):
         params = {name: p.to(compute) for name, p in self.mlp.named_parameters()}
         h_ND = functional_call(self.mlp, params, (x_ND, counts_E))
         y_TD = ops.scatter(h_ND, order_N, sorted_experts_N, weights_TK.reshape(-1).to(compute), bins_E, self.top_k)
-        counts = RoutingCounts(counts_E.long(), torch.zeros((), dtype=torch.long, device=x_TD.device))
+        counts = RoutingCounts.of(counts_E.long(), None)
         return y_TD.to(x_TD.dtype) + self.bias, counts
 
     def _expert_parallel_forward(
@@ -279,13 +268,12 @@ class MegaBlocksExperts(nn.Module):
         h_MD = ops.scatter(h_MD, order_M, sorted_experts_M, None, local_bins, 1)
         y_ND, _ = megablocks.layers.all_to_all.all_to_all(h_MD, send_counts, recv_counts, group)
         y_TD = ops.scatter(y_ND, order_N, sorted_experts_N, weights_TK.reshape(-1).to(compute), bins_E, self.top_k)
-        counts = RoutingCounts(counts_E.long(), torch.zeros((), dtype=torch.long, device=x_TD.device))
+        counts = RoutingCounts.of(counts_E.long(), None)
         return y_TD.to(x_TD.dtype) + self.bias, counts
 
 
 __all__ = [
     "MegaBlocksExperts",
-    "RoutingCounts",
     "import_megablocks",
     "megablocks_arguments",
     "unavailable_reason",

@@ -3,10 +3,10 @@
 Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size,
 S sum of hidden sizes, N = T*K routed assignments (see ``layout.py``).
 
-The forward groups the N (token, expert) assignments by expert with one stable sort and hands the
-grouped computation (gather, per-expert SwiGLU, weighted combine and the bias) to one autograd
-Function with a hand-written backward (``grouped_swiglu.py``), or, when no gradient is needed, to
-its forward-only twin ``grouped_swiglu_forward`` (same plan, nothing saved). Dropless mode never drops an
+The forward groups the N (token, expert) assignments by expert with one stable sort
+(:func:`plan_dispatch`) and runs the grouped computation (gather, per-expert SwiGLU, weighted
+combine) as two custom ops with hand-written backwards around the SwiGLU's elementwise product
+(``ops.py``: one graph under ``torch.compile``), then adds the bias. Dropless mode never drops an
 assignment. Capacity mode keeps, for each expert, the first ``capacity`` assignments in token order
 (the stable sort keeps that order deterministic) and drops the rest: a dropped assignment
 contributes nothing, the residual stream carries the token.
@@ -14,39 +14,18 @@ contributes nothing, the residual stream carries the token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
 from moe_lit._compat import grouped_mm_op
-from moe_lit.model.experts.grouped_swiglu import (
-    ALIGN_BYTES,
-    Geometry,
-    Slots,
-    build_slots,
-    grouped_swiglu,
-    grouped_swiglu_forward,
-)
-from moe_lit.model.experts.layout import ExpertLayout, register_output_bias
+from moe_lit.model.experts.grouped_swiglu import ALIGN_BYTES, Dispatch, Geometry, plan_dispatch
+from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts, register_output_bias
+from moe_lit.model.experts.ops import routed_swiglu
 
 Strategy = Literal["auto", "grouped", "batched", "looped"]
 STRATEGIES = ("auto", "grouped", "batched", "looped")
-
-
-@dataclass
-class Dispatch:
-    """Where each kept assignment goes, and the routing counts the MoE layer reports."""
-
-    slots: Slots
-    """Slot geometry and index maps consumed by the grouped SwiGLU."""
-    kept_counts: list[int]
-    """Kept assignments per expert (python ints: they size the per-expert slot blocks)."""
-    routed_counts_E: torch.Tensor
-    """Assignments per expert before dropping."""
-    dropped: torch.Tensor
-    """Number of dropped assignments (0-dim)."""
 
 
 def grouped_gemm_fits(layout: ExpertLayout, d_model: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -79,25 +58,6 @@ def choose_geometry(
     if not layout.uniform or device.type == "cpu":
         return "looped"
     return "grouped" if grouped_fits else "batched"
-
-
-def plan_dispatch(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None, geometry: Geometry) -> Dispatch:
-    """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
-    experts_N = indices_TK.reshape(-1)
-    order_N = torch.argsort(experts_N, stable=True)
-    routed_counts_E = torch.bincount(experts_N, minlength=layout.num_experts)
-    starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
-    sorted_experts_N = experts_N.index_select(0, order_N)
-    rank_N = torch.arange(order_N.numel(), device=order_N.device) - starts_E.index_select(0, sorted_experts_N)
-    if capacity is not None:
-        kept_counts_E = routed_counts_E.clamp(max=capacity)
-        dropped = routed_counts_E.sum() - kept_counts_E.sum()
-    else:
-        kept_counts_E = routed_counts_E
-        dropped = torch.zeros((), dtype=torch.long, device=indices_TK.device)
-    kept_counts = kept_counts_E.tolist()
-    slots = build_slots(indices_TK.shape, order_N, sorted_experts_N, rank_N, kept_counts, geometry, capacity)
-    return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
 
 class ExpertWeights(nn.Module):
@@ -138,27 +98,19 @@ class TorchExperts(nn.Module):
     def layout(self) -> ExpertLayout:
         return self.mlp.layout
 
-    # NOTE: under torch.compile (moe_lit.model.compile) the dispatch stays eager, a graph break:
-    # it sizes its slot buffers from python ints of the routing counts (``kept_counts``), which
-    # dynamo would either break on anyway or trace as unbacked symbols that change every batch,
-    # and its hand-written backward is already one fused pass. The router before it and the
-    # combine after it are compiled.
-    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
-    ) -> tuple[torch.Tensor, Dispatch]:
+    ) -> tuple[torch.Tensor, RoutingCounts]:
         device_type = x_TD.device.type
-        # NOTE: the Function's buffers are written with out=, which autocast cannot see: cast the
-        # inputs to the autocast dtype here (as torch.amp.custom_fwd would) and run it without autocast.
+        # NOTE: the ops' buffers are written with out=, which autocast cannot see: cast the inputs to
+        # the autocast dtype here (as torch.amp.custom_fwd would) and run them without autocast.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
         geometry = choose_geometry(self.strategy, self.layout, x_TD.shape[-1], dtype, x_TD.device)
-        plan = plan_dispatch(indices_TK, self.layout, capacity, geometry)
-        tensors = (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2, self.bias)
-        # NOTE: the autograd Function saves five buffers for its backward; without a gradient to
-        # compute (decoding, evaluation) the forward-only function runs the same plan and matmuls.
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        swiglu = grouped_swiglu if needs_grad else grouped_swiglu_forward
-        x, weights, w1, v1, w2, bias = (t.to(dtype) for t in tensors)
+        x, weights, w1, v1, w2 = (t.to(dtype) for t in (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2))
         with torch.autocast(device_type, enabled=False):
-            y_TD = swiglu(x, weights, w1, v1, w2, bias, plan.slots, self.layout)
-        return y_TD, plan
+            y_TD, routed_counts_E = routed_swiglu(x, weights, indices_TK, w1, v1, w2, self.layout, geometry, capacity)
+            y_TD = y_TD + self.bias.to(dtype)
+        return y_TD, RoutingCounts.of(routed_counts_E, capacity)
+
+
+__all__ = ["Dispatch", "ExpertWeights", "TorchExperts", "choose_geometry", "grouped_gemm_fits", "plan_dispatch"]
