@@ -22,6 +22,7 @@ import yaml
 
 from moe_lit.config import ConfigError
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.precision import PRECISIONS
 
 DEFAULT_EVALUATIONS = 8
 """Validations per run when ``train.val_every`` is not set."""
@@ -126,6 +127,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (inductor; the routed experts stay eager): same losses
     and checkpoints as eager, compile time on the first step (moe_lit.callbacks.compile)."""
+    precision: str | None = None
+    """auto (bf16-mixed on a CPU with native bf16 where a probe at the model's shape measures it
+    faster, else fp32; moe_lit.lit.precision) | 32-true | bf16-mixed (forced) | null: the
+    trainer's precision as configured."""
 
     def __post_init__(self) -> None:
         if (self.max_tokens is None) == (self.max_steps is None):
@@ -142,6 +147,8 @@ class TrainConfig:
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile: must be true or false, got {self.compile!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigError(f"precision: got {self.precision!r}, allowed values: {', '.join(PRECISIONS)}, null")
 
     def steps(self, tokens_per_step: int) -> int:
         """Optimizer steps of the run."""
