@@ -1,7 +1,8 @@
 """``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
 
 Actions: ``import-hf`` (a transformers Llama / Mixtral / OLMoE / Qwen2-MoE / Qwen3-MoE dir, or a
-GGUF file -> moe_lit, tokenizer included), ``upcycle`` (dense -> MoE), ``expand`` (E -> mE experts),
+GGUF file -> moe_lit, with its tokenizer where it has a real one that fits), ``upcycle`` (dense ->
+MoE), ``expand`` (E -> mE experts),
 ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE) and
 ``prune`` (remove experts scored on calibration text; also writes ``pruning.json`` with the kept
 experts, scores and memory saved) and ``moe-to-dense`` (score, select, group, scale and
@@ -184,14 +185,16 @@ def run(args: argparse.Namespace) -> int:
         return run_partition(args)
     if args.action == "import-hf":
         from moe_lit.convert.hf import from_hf
-        from moe_lit.convert.hf.tokenizer import write_tokenizer_json
+        from moe_lit.convert.hf.tokenizer import NoTokenizer, write_tokenizer_json
 
         model = from_hf(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len, dtype=getattr(torch, args.dtype))
         with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = write_tokenizer_json(args.model, Path(tmp) / "tokenizer.json", args.gguf_file)
+            try:
+                tokenizer: Path | None = write_tokenizer_json(args.model, Path(tmp) / "tokenizer.json", args.gguf_file)
+            except NoTokenizer as reason:
+                tokenizer = None
+                print(f"note: no tokenizer written: {reason}; {args.out} has none (eval needs --tokenizer)")
             export_model(model, args.out, tokenizer)
-        if tokenizer is None:
-            print(f"note: {args.model} holds no tokenizer; {args.out} has none (eval needs --tokenizer)")
     elif args.action == "upcycle":
         from moe_lit.convert.dense_to_moe import dense_to_moe
 

@@ -1,8 +1,9 @@
 """``moe-lit export``: a checkpoint as a transformers model directory (llama | mixtral | olmoe | qwen2_moe | qwen3_moe).
 
 The directory loads offline with ``AutoModelForCausalLM.from_pretrained(DIR)`` and
-``AutoTokenizer.from_pretrained(DIR)``; a feature the format lacks is refused in one line naming
-the formats that have it (see ``moe_lit.convert.hf``).
+``AutoTokenizer.from_pretrained(DIR)``; a checkpoint with no stored tokenizer (and no
+``--tokenizer``) exports the model alone, with a one-line note. A feature the format lacks is
+refused in one line naming the formats that have it (see ``moe_lit.convert.hf``).
 """
 
 from __future__ import annotations
@@ -45,4 +46,8 @@ def run(args: argparse.Namespace) -> int:
     )
     files = sorted(path.name for path in args.out.iterdir())
     print(f"wrote {args.out} ({args.format}, {args.dtype}): {', '.join(files)}")
+    if tokenizer is None:
+        print(
+            f"note: {args.checkpoint} has no stored tokenizer; {args.out} holds the model alone (--tokenizer adds one)"
+        )
     return 0

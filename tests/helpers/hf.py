@@ -71,3 +71,8 @@ def hf_model(name: str, seed: int = 0, **overrides):
 
 def tokens(batch: int = 2, length: int = 16, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_experts(model):
+    """The fused experts module of a transformers MoE model's first sparse layer."""
+    return next(layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts"))

@@ -15,7 +15,7 @@ def test_tiny_moe_is_the_active_matched_tiny_dense():
     dense = ModelConfig.from_yaml(CONFIGS / "model/tiny-dense.yaml")
     moe = ModelConfig.from_yaml(CONFIGS / "model/tiny-moe.yaml")
     assert not dense.is_moe
-    assert moe == matched_moe_config(dense, num_experts=8, top_k=2, match="active")
+    assert moe == matched_moe_config(dense, num_experts=8, top_k=2, match="active", expert_output_bias=False)
     dense_counts, moe_counts = count_config_params(dense), count_config_params(moe)
     assert abs(moe_counts.active - dense_counts.active) / dense_counts.active < 1e-3
     assert moe_counts.total > 1.5 * dense_counts.total

@@ -14,6 +14,15 @@ family module only maps the config. ``save_pretrained`` writes the hub's per-exp
 Features: :data:`FEATURES` names every model feature whose presence decides whether a family can
 hold a model. A family lists the ones it can express and the ones it cannot do without; export
 refuses a model that uses a feature its target lacks, naming the feature and the formats that have it.
+
+Shapes for transformers' fast path: its default experts implementation (``grouped_mm``,
+``torch._grouped_mm``) needs every stride a multiple of 16 bytes, so an expert size F or a
+``d_model`` that is not a multiple of :data:`HF_ALIGN` fails there (``strides should be multiple of
+16 bytes``) in bfloat16, and in float32 too unless a multiple of 4. Export pads F with zero rows
+(:func:`hf_expert_size`: a zero gate and up row gives ``silu(0) * 0 = 0``, its zero down column adds
+nothing, so the padded expert computes exactly what ours does); ``d_model`` cannot be padded
+exactly (the norms average over it), so such a model's config names the ``eager`` implementation
+(:func:`experts_implementation`), transformers' own fallback. Import keeps padded shapes padded.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from moe_lit.errors import MoeLitError
 
 TESTED_TRANSFORMERS = "5.24.0"
 """The transformers version the parity tests ran with (the fused expert layout needs >= 5)."""
+
+HF_ALIGN = 8
+"""Elements per 16 bytes of a 2-byte dtype: the multiple transformers' grouped kernels need of the
+expert size and ``d_model`` (of a 4-byte dtype they need 4; 8 serves every dtype a load casts to)."""
 
 FEATURES: dict[str, str] = {
     "dense": "a dense model (no MoE layer)",
@@ -76,11 +89,17 @@ class Family:
     def is_moe(self) -> bool:
         return "moe" in self.features
 
-    def hf_config(self, cfg: ModelConfig, special_ids: dict[str, int]):
+    def hf_config(self, cfg: ModelConfig, special_ids: dict[str, int | None]):
         """The transformers config object of ``cfg`` (``special_ids``: bos/eos/pad token ids)."""
         import transformers
 
-        return getattr(transformers, self.config_class)(**self.to_hf(cfg), **special_ids)
+        implementation = experts_implementation(cfg)
+        config = getattr(transformers, self.config_class)(**self.to_hf(cfg), **special_ids, **implementation)
+        # NOTE: the constructor's argument holds for this process only; as an attribute it is also
+        # written to config.json, whose loading passes it back to the constructor.
+        for key, value in implementation.items():
+            setattr(config, key, value)
+        return config
 
 
 # ----------------------------------------------------------------------------- config helpers
@@ -176,10 +195,20 @@ def moe_layer_pattern(moe_layers: list[int], n_layers: int) -> dict[str, int]:
     return {"first_dense_layers": first, "layer_interval": interval}
 
 
+# ----------------------------------------------------------------------------- shapes
+def hf_expert_size(expert_size: int) -> int:
+    """The expert size written to transformers: ``expert_size`` rounded up to a multiple of :data:`HF_ALIGN`."""
+    return -(-expert_size // HF_ALIGN) * HF_ALIGN
+
+
+def experts_implementation(cfg: ModelConfig) -> dict[str, str]:
+    """The ``experts_implementation`` a model's transformers config must name (none where the default works)."""
+    return {"experts_implementation": "eager"} if cfg.is_moe and cfg.d_model % HF_ALIGN else {}
+
+
 # ----------------------------------------------------------------------------- features
-def model_features(model) -> set[str]:
-    """The :data:`FEATURES` a built Transformer uses (config and, for biases, tensor values)."""
-    cfg: ModelConfig = model.config
+def config_features(cfg: ModelConfig) -> set[str]:
+    """The :data:`FEATURES` a model of config ``cfg`` uses whatever its weights (all but the biases)."""
     used = {"head_dim"} if cfg.attn_head_dim not in (None, cfg.d_model // cfg.n_heads) else set()
     used |= {"qkv_bias"} if cfg.qkv_bias else set()
     used |= {f"qk_norm_{cfg.qk_norm}"} if cfg.qk_norm != "none" else set()
@@ -195,6 +224,12 @@ def model_features(model) -> set[str]:
     used |= {"capacity_dropping"} if moe.capacity_factor is not None else set()
     used |= {"unit_weights"} if moe.unit_weights else set()
     used |= {"per_layer_experts"} if moe.layer_expert_sizes is not None else set()
+    return used
+
+
+def model_features(model) -> set[str]:
+    """The :data:`FEATURES` a built Transformer uses (its config and, for biases, its tensor values)."""
+    used = config_features(model.config)
     for layer in model.moe_layers():
         if layer.router.expert_bias is not None and bool(layer.router.expert_bias.any()):
             used.add("selection_bias")
@@ -260,9 +295,12 @@ def _split(key: str) -> tuple[str, str]:
 
 
 def experts_to_hf(w1_SD: torch.Tensor, v1_SD: torch.Tensor, w2_SD: torch.Tensor, num_experts: int):
-    """Our stacked ``w1/v1/w2 (E*F, D)`` -> transformers' ``gate_up_proj (E, 2F, D)``, ``down_proj (E, D, F)``."""
+    """Our stacked ``w1/v1/w2 (E*F, D)`` -> transformers' ``gate_up_proj (E, 2P, D)``, ``down_proj (E, D, P)``,
+    each expert zero-padded from F to P = :func:`hf_expert_size` rows (exact, see the module docstring)."""
     w1_EFD, v1_EFD, w2_EFD = (w.unflatten(0, (num_experts, -1)) for w in (w1_SD, v1_SD, w2_SD))
-    return torch.cat([w1_EFD, v1_EFD], dim=1), w2_EFD.transpose(1, 2).contiguous()
+    pad = hf_expert_size(w1_EFD.shape[1]) - w1_EFD.shape[1]
+    w1_EPD, v1_EPD, w2_EPD = (torch.nn.functional.pad(w, (0, 0, 0, pad)) for w in (w1_EFD, v1_EFD, w2_EFD))
+    return torch.cat([w1_EPD, v1_EPD], dim=1), w2_EPD.transpose(1, 2).contiguous()
 
 
 def experts_from_hf(gate_up_E2FD: torch.Tensor, down_EDF: torch.Tensor):
@@ -297,8 +335,14 @@ def hf_state_to_ours(hf_state: dict[str, torch.Tensor], our_keys: list[str]) -> 
 
 
 def ours_to_hf_state(model) -> dict[str, torch.Tensor]:
-    """The transformers state dict of a Transformer (the inverse of :func:`hf_state_to_ours`)."""
+    """The transformers state dict of a Transformer (the inverse of :func:`hf_state_to_ours`).
+
+    An ungated shared expert gets no gate tensor (the caller writes a zero one) and twice its down
+    projection: transformers' one shared expert, Qwen2-MoE's, is scaled by ``sigmoid(x . g)``, and
+    ``sigmoid(0) * 2 = 1`` exactly (scaling by a power of two rounds nothing).
+    """
     ours = model.state_dict()
+    ungated = model.config.is_moe and not model.config.moe_section().shared_expert_gate
     state = {"model.embed_tokens.weight": ours["tok_embeddings.weight"], "model.norm.weight": ours["norm.weight"]}
     state["lm_head.weight"] = ours["lm_head.weight"]
     for key, value in ours.items():
@@ -306,7 +350,9 @@ def ours_to_hf_state(model) -> dict[str, torch.Tensor]:
             continue
         layer, rest = _split(key)
         prefix = f"model.layers.{layer}."
-        if rest in OURS_TO_HF:
+        if rest == "ffn.shared_expert.w2.weight" and ungated:
+            state[prefix + OURS_TO_HF[rest]] = 2 * value
+        elif rest in OURS_TO_HF:
             state[prefix + OURS_TO_HF[rest]] = value
         elif rest == OUR_EXPERTS[0]:
             w1_SD, v1_SD, w2_SD = (ours[f"blocks.{layer}.{name}"] for name in OUR_EXPERTS)

@@ -3,7 +3,8 @@
 Both are pure: the source model is untouched (its tensors are copied) and the result is in eval
 mode. Guarantees (tests/convert/hf/, fp32, tiny random models of every family): imported logits
 equal transformers' < 1e-4; a model exported and loaded back by ``from_pretrained`` gives our
-logits < 1e-4; export then import is the identity on the state dict.
+logits < 1e-4; export then import is the identity on the state dict, and keeps the logits where
+export pads the experts or gates an ungated shared expert (see ``core``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def from_hf_llama(hf_model_or_dir: Any, gguf_file: str | None = None, seq_len: i
     return from_hf(hf_model, seq_len=seq_len)
 
 
-def to_hf(model: Transformer, fmt: str, special_ids: dict[str, int] | None = None, dtype=torch.float32):
+def to_hf(model: Transformer, fmt: str, special_ids: dict[str, int | None] | None = None, dtype=torch.float32):
     """A transformers model of format ``fmt`` computing what ``model`` computes (eval mode).
 
     ``special_ids`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) go into its config.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from moe_lit.config import ModelConfig
-from moe_lit.convert.hf.core import Family, base_fields, hf_base_kwargs, moe_fields, refuse
+from moe_lit.convert.hf.core import Family, base_fields, hf_base_kwargs, hf_expert_size, moe_fields, refuse
 
 
 def mixtral_config(hf_config: Any, seq_len: int | None = None) -> ModelConfig:
@@ -32,7 +32,7 @@ def to_mixtral(cfg: ModelConfig) -> dict[str, Any]:
     return dict(
         **hf_base_kwargs(cfg),
         head_dim=cfg.head_dim,
-        intermediate_size=moe.expert_sizes[0],
+        intermediate_size=hf_expert_size(moe.expert_sizes[0]),
         num_local_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         sliding_window=None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from moe_lit.config import ModelConfig
-from moe_lit.convert.hf.core import Family, base_fields, check_fields, hf_base_kwargs, moe_fields
+from moe_lit.convert.hf.core import Family, base_fields, check_fields, hf_base_kwargs, hf_expert_size, moe_fields
 from moe_lit.errors import MoeLitError
 
 
@@ -33,7 +33,7 @@ def to_olmoe(cfg: ModelConfig) -> dict[str, Any]:
     moe = cfg.moe_section()
     return dict(
         **hf_base_kwargs(cfg),
-        intermediate_size=moe.expert_sizes[0],
+        intermediate_size=hf_expert_size(moe.expert_sizes[0]),
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         norm_topk_prob=moe.renormalize,

@@ -2,8 +2,10 @@
 
 ``self_attn.{q,k,v}_proj.bias`` <-> ``attn.*.bias`` (``qkv_bias``); ``mlp.shared_expert.{gate,up,down}_proj``
 -> ``ffn.shared_expert.w1|v1|w2`` and ``mlp.shared_expert_gate (1, D)`` -> ``ffn.shared_expert_gate``
-(``moe.shared_expert_gate: true``); a model without a shared expert is written with
-``shared_expert_intermediate_size=0`` (empty tensors, output 0). Dense layers
+(``moe.shared_expert_gate: true``); an ungated shared expert (DeepSeekMoE's) is written with a
+zero gate and twice its down projection (exact, see ``core.ours_to_hf_state``) and comes back
+gated; a model without a shared expert is written with ``shared_expert_intermediate_size=0``
+(empty tensors, output 0). Dense layers
 (``mlp_only_layers``, ``decoder_sparse_step``) map to ``first_dense_layers`` / ``layer_interval``
 where they have that pattern, and are written as ``mlp_only_layers``. Sliding windows are refused.
 """
@@ -13,7 +15,15 @@ from __future__ import annotations
 from typing import Any
 
 from moe_lit.config import ModelConfig
-from moe_lit.convert.hf.core import Family, base_fields, hf_base_kwargs, moe_fields, moe_layer_pattern, refuse
+from moe_lit.convert.hf.core import (
+    Family,
+    base_fields,
+    hf_base_kwargs,
+    hf_expert_size,
+    moe_fields,
+    moe_layer_pattern,
+    refuse,
+)
 
 
 def qwen_moe_layers(hf_config: Any) -> list[int]:
@@ -51,7 +61,7 @@ def to_qwen_moe(cfg: ModelConfig) -> dict[str, Any]:
     return dict(
         **hf_base_kwargs(cfg),
         intermediate_size=cfg.d_ff,
-        moe_intermediate_size=moe.expert_sizes[0],
+        moe_intermediate_size=hf_expert_size(moe.expert_sizes[0]),
         num_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         norm_topk_prob=moe.renormalize,
@@ -80,7 +90,15 @@ FAMILY = Family(
     name="qwen2_moe",
     config_class="Qwen2MoeConfig",
     features=frozenset(
-        {"moe", "renormalize", "no_renormalize", "dense_layers_in_moe", "qkv_bias", "gated_shared_expert"}
+        {
+            "moe",
+            "renormalize",
+            "no_renormalize",
+            "dense_layers_in_moe",
+            "qkv_bias",
+            "gated_shared_expert",
+            "shared_expert",
+        }
     ),
     required=frozenset({"moe"}),
     to_ours=qwen2_moe_config,

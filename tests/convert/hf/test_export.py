@@ -1,6 +1,7 @@
 """moe_lit -> transformers: from_pretrained loads the export offline, logits and greedy generations equal ours,
 import of the export is the identity, features a format lacks are refused by name with exit 2."""
 
+import copy
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from moe_lit.cli import main
 from moe_lit.convert.hf import from_hf, to_hf
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
-from tests.helpers.hf import tokens
+from tests.helpers.hf import hf_experts, tokens
 from tests.helpers.models import tiny
 
 transformers = pytest.importorskip("transformers")
@@ -217,8 +218,85 @@ def test_a_feature_the_format_lacks_is_refused_by_name(
     assert not (tmp_path / "hf").exists()
 
 
-def test_export_without_a_tokenizer_is_refused(tmp_path):
-    assert export(native("llama"), "llama", tmp_path, None) == 2
+def test_export_without_a_tokenizer_writes_the_model_alone_with_a_note(tmp_path, capsys, word_tokenizer):
+    ours, prompt = native("mixtral"), tokens()[:, :6]
+    assert export(ours, "mixtral", tmp_path, None) == 0
+    assert sorted(path.name for path in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: {tmp_path / 'ours'} has no stored tokenizer; {tmp_path / 'hf'} holds the model alone "
+        "(--tokenizer adds one)"
+    ]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert (hf.config.eos_token_id, hf.generation_config.eos_token_id) == (None, None)  # no made-up end of text
+    with torch.no_grad():
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8)
+    assert torch.equal(generated, greedy(ours, prompt, 8, eos_id=-1))  # never stops early
+    # --tokenizer still adds one
+    assert export(ours, "mixtral", tmp_path, None, "--tokenizer", str(word_tokenizer), "--force") == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("w3 w17")["input_ids"] == [3, 17]
+
+
+@pytest.mark.parametrize(
+    "name, expert_size, dtype",
+    [("mixtral", 30, "float32"), ("olmoe", 30, "float32"), ("qwen2_moe", 30, "float32"), ("qwen3_moe", 28, "bfloat16")],
+)
+def test_an_expert_size_off_the_kernels_multiple_is_padded_exactly(name, expert_size, dtype, tmp_path, word_tokenizer):
+    """transformers' default grouped_mm needs 16-byte strides: unpadded, 30 fails in float32, 28 in bfloat16."""
+    ours, idx = native(name, moe={"expert_size": expert_size}), tokens()
+    assert export(ours, name, tmp_path, word_tokenizer, "--dtype", dtype) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # transformers' defaults
+    assert hf.config._experts_implementation == "grouped_mm" and hf.dtype == getattr(torch, dtype)
+    padded = -(-expert_size // 8) * 8
+    assert hf_experts(hf).down_proj.shape[-1] == padded
+    reference = copy.deepcopy(ours)  # ours in the exported dtype
+    for param in reference.parameters():
+        param.data = param.data.to(getattr(torch, dtype)).float()
+    prompt = idx[:, :6]
+    with torch.no_grad():
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8)
+        back = from_hf(tmp_path / "hf")  # padded shapes come back padded, the logits as they were
+        assert back.config.moe.expert_size == padded
+        assert (back(idx).logits_BLV - reference(idx).logits_BLV).abs().max().item() < 1e-5
+        if dtype == "float32":
+            assert (hf(idx).logits - ours(idx).logits_BLV).abs().max().item() < 1e-4
+    assert torch.equal(generated, greedy(reference, prompt, 8)) if dtype == "float32" else generated.shape[1] > 6
+
+
+def test_a_d_model_off_the_kernels_multiple_names_the_eager_experts(tmp_path):
+    ours, idx = native("mixtral", d_model=36, n_heads=2, n_kv_heads=None), tokens()
+    assert export(ours, "mixtral", tmp_path, None, "--dtype", "bfloat16") == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["experts_implementation"] == "eager"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config._experts_implementation == "eager"
+    fast = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", experts_implementation="grouped_mm")
+    with torch.no_grad():
+        assert hf.generate(idx[:, :6], attention_mask=torch.ones_like(idx[:, :6]), max_new_tokens=4).shape == (2, 10)
+        with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+            fast(idx)
+    assert export(native("mixtral"), "mixtral", tmp_path, None, "--force") == 0  # d_model 32: the default
+    assert "experts_implementation" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+def test_an_ungated_shared_expert_exports_to_qwen2_moe_with_a_zero_gate_exactly(tmp_path):
+    ours = native("qwen2_moe", qkv_bias=False, moe={"shared_expert_gate": False})
+    idx = tokens()
+    assert export(ours, "qwen2_moe", tmp_path, None) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.shared_expert_intermediate_size == 24
+    assert not hf.model.layers[1].mlp.shared_expert_gate.weight.any()
+    prompt = idx[:, :6]
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx).logits_BLV).abs().max().item() < 1e-4
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8)
+        back = from_hf(tmp_path / "hf")
+        assert back.config.moe.shared_expert_gate  # comes back gated, computing the same
+        assert (back(idx).logits_BLV - ours(idx).logits_BLV).abs().max().item() < 1e-5
+    assert torch.equal(generated, greedy(ours, prompt, 8, eos_id=-1))
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # the empty shared expert

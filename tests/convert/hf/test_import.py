@@ -37,7 +37,7 @@ def test_imported_logits_equal_transformers_logits(name):
 
 @pytest.mark.parametrize("name", ["olmoe", "qwen2_moe"])
 def test_import_command_writes_weights_and_tokenizer(name, tmp_path, word_tokenizer):
-    hf, idx = hf_model(name), tokens()
+    hf, idx = hf_model(name, eos_token_id=0), tokens()  # a special id the 97-word tokenizer has
     hf.save_pretrained(tmp_path / "hf")
     transformers.PreTrainedTokenizerFast(tokenizer_file=str(word_tokenizer), eos_token="<|endoftext|>").save_pretrained(
         tmp_path / "hf"
@@ -49,18 +49,73 @@ def test_import_command_writes_weights_and_tokenizer(name, tmp_path, word_tokeni
 
 
 def test_tokenizer_without_tokenizer_json_is_converted(tmp_path, word_tokenizer):
-    from moe_lit.convert.hf.tokenizer import write_tokenizer_json
+    from tokenizers import Tokenizer
 
+    from moe_lit.convert.hf.tokenizer import NoTokenizer, write_tokenizer_json
+
+    hf_model("llama").save_pretrained(tmp_path / "hf")
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(word_tokenizer), eos_token="<|endoftext|>")
     hf_tok.save_pretrained(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").rename(tmp_path / "elsewhere.json")  # only tokenizer_config.json left
-    assert write_tokenizer_json(tmp_path / "hf", tmp_path / "out.json") is None
+    with pytest.raises(NoTokenizer, match="holds no tokenizer files"):
+        write_tokenizer_json(tmp_path / "hf", tmp_path / "out.json")
+    assert not (tmp_path / "out.json").exists()
     (tmp_path / "elsewhere.json").rename(tmp_path / "hf" / "tokenizer.json")
     (tmp_path / "hf" / "tokenizer_config.json").unlink()  # AutoTokenizer still finds tokenizer.json
-    from tokenizers import Tokenizer
-
     assert write_tokenizer_json(tmp_path / "hf", tmp_path / "out.json") == tmp_path / "out.json"
     assert Tokenizer.from_file(str(tmp_path / "out.json")).encode("w3 w5").ids == [3, 5]
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_directory_without_tokenizer_files_imports_with_none_and_one_line(name, tmp_path, capsys):
+    """transformers 5 makes up a tokenizer of 1-2 tokens for olmoe and qwen from the model type alone."""
+    hf_model(name).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "import-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    assert not (tmp_path / "ours" / "tokenizer.json").exists()
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        f"note: no tokenizer written: {tmp_path / 'hf'} holds no tokenizer files (tokenizer.json, tokenizer.model, "
+        f"vocab.json, vocab.txt, spiece.model, sentencepiece.bpe.model, tekken.json); {tmp_path / 'ours'} has none "
+        "(eval needs --tokenizer)"
+    ]
+
+
+def _vocabulary(size: int, start: int = 0) -> dict[str, int]:
+    return {f"w{i}": i for i in range(start, start + size)}
+
+
+@pytest.mark.parametrize(
+    "vocabulary, special, message",
+    [
+        (_vocabulary(97), {}, None),
+        (_vocabulary(97), {"eos_token_id": 96, "bos_token_id": 1, "pad_token_id": -1}, None),
+        (_vocabulary(60), {}, None),  # an embedding padded past the tokenizer
+        (_vocabulary(2), {}, "it has 2 tokens for the model's vocab_size 97"),
+        (_vocabulary(98), {}, "its ids reach 97, past the model's vocab_size 97"),
+        (_vocabulary(90), {"eos_token_id": 95}, "it has no token of the model's eos_token_id 95"),
+        (_vocabulary(90), {"eos_token_id": [1, 93]}, "it has no token of the model's eos_token_id 93"),
+    ],
+)
+def test_a_tokenizer_fits_a_model_by_its_ids_size_and_special_ids(vocabulary, special, message):
+    from types import SimpleNamespace
+
+    from moe_lit.convert.hf.tokenizer import tokenizer_misfit
+
+    assert tokenizer_misfit(vocabulary, SimpleNamespace(vocab_size=97, **special)) == message
+
+
+def test_a_tokenizer_that_is_not_the_models_is_not_imported(tmp_path, word_tokenizer, capsys):
+    hf = hf_model("mixtral", vocab_size=300)  # the 97-word tokenizer fills a third of it
+    hf.save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(word_tokenizer), eos_token="<|endoftext|>").save_pretrained(
+        tmp_path / "hf"
+    )
+    assert main(["convert", "import-hf", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")]) == 0
+    assert not (tmp_path / "ours" / "tokenizer.json").exists()
+    out = capsys.readouterr().out
+    assert (
+        f"note: no tokenizer written: the tokenizer of {tmp_path / 'hf'} is not this model's: it has 97 tokens " in out
+    )
 
 
 @pytest.mark.parametrize(
