@@ -10,7 +10,7 @@ GGUF reader (``pip install gguf accelerate``): ``from_hf(dir, gguf_file="name.gg
 transformers dequantises it to float32.
 """
 
-from moe_lit.convert.hf.core import FEATURES, LAYER_MAP, TESTED_TRANSFORMERS, model_features
+from moe_lit.convert.hf.core import FEATURES, LAYER_MAP, TESTED_TRANSFORMERS, config_features, model_features
 from moe_lit.convert.hf.families import (
     FAMILIES,
     config_from_hf,
@@ -27,6 +27,7 @@ __all__ = [
     "FEATURES",
     "LAYER_MAP",
     "TESTED_TRANSFORMERS",
+    "config_features",
     "config_from_hf",
     "family",
     "from_hf",

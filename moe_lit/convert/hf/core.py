@@ -1,6 +1,7 @@
 """The shared core of the transformers interop: families, features, the one weight mapping, loading.
 
-Shape legend: E experts, F one expert's hidden size, D d_model (see ``model/experts/layout.py``).
+Shape legend: E experts, F one expert's hidden size, P that size padded for transformers (:func:`hf_expert_size`),
+D d_model (see ``model/experts/layout.py``).
 
 Every supported family loads, in transformers 5, into the same module tree: Llama attention
 (``self_attn.{q,k,v,o}_proj``, optional ``q_norm``/``k_norm`` and q/k/v biases), a dense
