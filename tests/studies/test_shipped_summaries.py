@@ -1,0 +1,36 @@
+"""Every shipped ``results/<study>/summary.md`` is what ``moe-lit study report`` writes from its records.
+
+The records (``study.json``, ``runs/*.json``) are copied to an empty results directory and the report
+is rebuilt there; a shipped summary that differs is stale (a report change not rerun on the results).
+"""
+
+import shutil
+
+import pytest
+
+from moe_lit.cli import main
+from tests.helpers.paths import REPO
+
+pytestmark = pytest.mark.slow  # plots are drawn again too
+
+STUDIES = sorted(path.parent.name for path in (REPO / "results").glob("*/study.json"))
+PENDING = pytest.mark.xfail(
+    reason="the study reports gain the claims table (moe_lit.studies.verdicts); the shipped summaries are "
+    "re-rendered with it when that work lands: then drop this mark",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize("study", [pytest.param(name, marks=PENDING) for name in STUDIES])
+def test_a_shipped_summary_equals_its_rerendered_self(study, tmp_path, capsys):
+    shipped = REPO / "results" / study
+    out = tmp_path / "results" / study
+    out.mkdir(parents=True)
+    shutil.copy(shipped / "study.json", out)
+    shutil.copytree(shipped / "runs", out / "runs")
+    assert main(["study", "report", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert (out / "summary.md").read_text() == (shipped / "summary.md").read_text()
+
+
+def test_every_study_with_results_is_checked():
+    assert len(STUDIES) >= 9 and "upcycling" in STUDIES  # the glob finds the shipped studies
