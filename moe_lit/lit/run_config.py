@@ -128,9 +128,9 @@ class TrainConfig:
     """torch.compile each transformer block (inductor; the routed experts stay eager): same losses
     and checkpoints as eager, compile time on the first step (moe_lit.callbacks.compile)."""
     precision: str | None = None
-    """auto (bf16-mixed on a CPU with native bf16 where a probe at the model's shape measures it
-    faster, else fp32; moe_lit.lit.precision) | 32-true | bf16-mixed (forced) | null: the
-    trainer's precision as configured."""
+    """auto (bf16-mixed on a CPU with native bf16 where a GEMM probe measures it faster, else
+    fp32; moe_lit.lit.precision) | 32-true | bf16-mixed (forced) | null: the trainer's precision
+    as configured."""
 
     def __post_init__(self) -> None:
         if (self.max_tokens is None) == (self.max_steps is None):

@@ -1,0 +1,84 @@
+"""train.precision: forced values, and auto by CPU capability and a probe of the model's step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lit.lit import precision
+from moe_lit.lit.precision import PrecisionChoice, choose_precision, native_bf16_flags, probe_speedup
+from moe_lit.lit.run_config import TrainConfig
+from moe_lit.model import Transformer
+from tests.helpers.cli_runs import fit
+from tests.helpers.models import tiny
+
+CPU = {"accelerator": "cpu", "devices": 1}
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return Transformer(tiny(num_experts=4, expert_size=16))
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
+
+
+def test_flags_are_read_from_cpuinfo(tmp_path):
+    (tmp_path / "amx").write_text("flags : sse amx_bf16 amx_tile\n")
+    (tmp_path / "none").write_text("flags : sse avx2 fma\n")
+    assert native_bf16_flags(tmp_path / "amx") == ["amx_bf16"]
+    assert native_bf16_flags(tmp_path / "none") == []
+    assert native_bf16_flags(tmp_path / "missing") == []
+
+
+def test_forced_and_unset_precisions(model):
+    assert choose_precision(None, CPU, model, 2, 16) is None
+    assert choose_precision("32-true", CPU, model, 2, 16) == PrecisionChoice("32-true", "train.precision")
+    assert choose_precision("bf16-mixed", {"accelerator": "gpu"}, model, 2, 16).precision == "bf16-mixed"
+
+
+def test_auto_decides_by_capability_then_probe(model, bf16_cpu, monkeypatch):
+    speedups = iter([2.0, 1.1])
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: next(speedups))
+    fast = choose_precision("auto", CPU, model, 2, 16)
+    assert fast.precision == "bf16-mixed" and "avx512_bf16, bf16 step probe 2.00x fp32" in fast.line()
+    slow = choose_precision("auto", CPU, model, 2, 16)
+    assert slow.precision == "32-true" and "1.10x fp32, below 1.3x" in slow.reason
+    several = choose_precision("auto", {**CPU, "devices": 2}, model, 2, 16)  # no probe: ranks must agree
+    assert several.precision == "bf16-mixed" and "no probe" in several.reason
+    assert choose_precision("auto", {**CPU, "precision": "bf16-mixed"}, model, 2, 16) is None  # the trainer's own
+    assert choose_precision("auto", {"accelerator": "gpu"}, model, 2, 16) is None
+
+
+def test_auto_without_native_bf16_keeps_fp32(model, tmp_path, monkeypatch):
+    (tmp_path / "cpuinfo").write_text("flags : sse avx2\n")
+    monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: pytest.fail("no probe without native bf16"))
+    assert choose_precision("auto", CPU, model, 2, 16) == PrecisionChoice("32-true", "auto: no native bf16 on this CPU")
+
+
+def test_probe_leaves_the_model_untouched(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert probe_speedup(model, batch_size=2, seq_len=16) > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # routing buffers too
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_precision_outside_the_choices_is_one_line():
+    with pytest.raises(Exception, match=r"precision: got 'fp16', allowed values: auto, 32-true, bf16-mixed, null"):
+        TrainConfig(max_steps=1, precision="fp16")
+
+
+@pytest.mark.slow
+def test_fit_with_a_forced_precision_says_so_and_trains_in_it(prepared, tmp_path, capsys):
+    assert fit(prepared, "--train.precision", "bf16-mixed", "--train.max_steps", "2", "--out", str(tmp_path / "r")) == 0
+    out = capsys.readouterr().out
+    assert "precision: bf16-mixed (train.precision)" in out
+    assert (tmp_path / "r" / "checkpoints" / "last.ckpt").is_file()
+    assert fit(prepared, "--train.precision", "fp16", "--out", str(tmp_path / "bad")) == 2
+    assert "train.precision" in capsys.readouterr().err
