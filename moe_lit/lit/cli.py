@@ -291,10 +291,15 @@ def binary_argument(args: Any) -> str:
 
 
 def absolute_data_dir(data: Any) -> None:
-    """``data.data_dir`` as the absolute path it resolved to (against its config file or the cwd),
-    so that the saved ``config.yaml`` and the checkpoint name the same directory from anywhere."""
+    """``data.data_dir`` as the absolute path it resolved to (against its config file or the cwd; when
+    unset, the data pipeline's default: ``$MOE_LIT_DATA``, else ``data_cache/default`` of the checkout,
+    else of the cwd), so that the saved ``config.yaml`` and the checkpoint name the same directory."""
     data_dir = data.get("data_dir")
-    if isinstance(data_dir, os.PathLike):
+    if data_dir is None:
+        from moe_lit.data.layout import default_data_dir
+
+        data["data_dir"] = os.path.abspath(default_data_dir())
+    elif isinstance(data_dir, os.PathLike):
         data["data_dir"] = type(data_dir)(os.path.normpath(os.fspath(data_dir)))
 
 
