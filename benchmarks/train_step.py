@@ -4,7 +4,9 @@
         [--compile] [--shapes E16k2F256 E64k8F64]
 
 All models are built from random weights with identical dimensions (vocab 8192, d_model 256,
-4 layers, 4 heads, seq 256, batch 8, fp32) and timed INTERLEAVED in one process. For each MoE shape
+4 layers, 4 heads, seq 256, batch 8) and timed INTERLEAVED in one process, in fp32 and (by
+default) beside it under CPU bf16 autocast (``_bf16`` names; fp32 weights and AdamW, as
+Lightning's bf16-mixed), with bf16 GEMMs for the bf16 FLOP floor. For each MoE shape
 (E, k, F) three models run: ours, ``OlmoeForCausalLM`` and our dense model with d_ff = k*F (equal
 active parameters). Both MoE models use softmax routing, renormalised top-k weights, untied
 embeddings and a 0.01 load-balancing loss; the loss is the same cross-entropy and the optimizer
@@ -36,6 +38,7 @@ from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, r
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.lit.optim import ADAMW_KERNELS
+from moe_lit.lit.precision import native_bf16_flags
 from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
@@ -92,8 +95,9 @@ def olmoe(shape: tuple[int, int, int], experts_implementation: str) -> nn.Module
     return model
 
 
-def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callable[[], None]:
-    """One training step on a fixed random batch; the same loss and AdamW for every model.
+def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused", bf16: bool = False) -> Callable[[], None]:
+    """One training step on a fixed random batch; the same loss and AdamW for every model, the
+    forward under CPU bf16 autocast when ``bf16`` (fp32 weights and optimizer, as bf16-mixed).
 
     Ours is ``moe_lit.throughput.training_step``: its cross-entropy as training computes it
     (``model(idx, targets)``: the chunked head + loss unless ``loss_chunk_tokens`` is 0); OLMoE's
@@ -102,15 +106,17 @@ def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused") -> Callab
     gen = torch.Generator().manual_seed(0)
     batch_BL1 = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
     if not hf:
-        return training_step(cast(Transformer, model), batch_BL1, optimizer_kind)
+        return training_step(cast(Transformer, model), batch_BL1, optimizer_kind, bf16=bf16)
     idx_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **ADAMW_KERNELS[optimizer_kind])
     model.train()
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        out = model(input_ids=idx_BL, use_cache=False)
-        loss = F.cross_entropy(out.logits.view(-1, VOCAB), targets_BL.reshape(-1)) + AUX_COEF * out.aux_loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(input_ids=idx_BL, use_cache=False)
+            logits = out.logits.float().view(-1, VOCAB)
+        loss = F.cross_entropy(logits, targets_BL.reshape(-1)) + AUX_COEF * out.aux_loss.float()
         loss.backward()
         optimizer.step()
 
@@ -121,28 +127,33 @@ GOALS = {
     "speedup_vs_olmoe": 1.5,
     "moe_over_dense_time": {"E16k2F256": 1.1, "E64k8F64": 1.25},
     "moe_floor_fraction": {"E16k2F256": 0.8, "E64k8F64": 0.7},
+    "bf16_speedup": 1.8,
 }
 """Issue 19's goals (the over-dense goals were 1.15 / 1.3 before it): our MoE step's FLOP-floor
-fraction (eager, or compiled with ``--compile``), its time over our dense step, its speedup over OLMoE."""
+fraction (eager, or compiled with ``--compile``), its time over our dense step, its speedup over
+OLMoE (each in fp32 and in bf16); issue 33's: our MoE's bf16 step at least 1.8x its fp32 step."""
 GEMM_SHAPES = ((2048, 256, 256), (2048, 256, 512), (2048, 512, 256), (256, 256, 8192), (1024, 1024, 1024))
 """(M, K, N) of plain fp32 matmuls timed beside the steps: the model's own shapes and a square one."""
 
 
-def gemm_fn(m: int, k: int, n: int) -> Callable[[], None]:
-    a_MK, b_KN = torch.randn(m, k), torch.randn(k, n)
+def gemm_fn(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> Callable[[], None]:
+    a_MK, b_KN = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     return lambda: torch.mm(a_MK, b_KN)
 
 
-def flop_floor(times: dict[str, list[float]], tag: str, shape: tuple[int, int, int]) -> dict[str, float]:
-    """The step time if all its FLOPs ran at the best GEMM rate measured in this run, and the
-    speedup over OLMoE such a step would have: no implementation of this fp32 math gets past it."""
-    peak = max(2 * m * k * n / median(times[f"gemm_{m}x{k}x{n}"]) for m, k, n in GEMM_SHAPES)
+def flop_floor(
+    times: dict[str, list[float]], tag: str, shape: tuple[int, int, int], suffix: str = ""
+) -> dict[str, float]:
+    """The step time if all its FLOPs ran at the best GEMM rate measured in this run (in the
+    precision of ``suffix``: "" fp32, "_bf16" bf16 GEMMs), and the speedup over OLMoE such a step
+    would have: no implementation of this math gets past it."""
+    peak = max(2 * m * k * n / median(times[f"gemm_{m}x{k}x{n}{suffix}"]) for m, k, n in GEMM_SHAPES)
     config = our_config(shape, shape[1] * shape[2])
     floor_s = training_flops_per_token(config) * BATCH * SEQ / peak
     return {
         "peak_gemm_gflop_per_s": peak / 1e9,
         "flop_floor_s": floor_s,
-        "speedup_vs_olmoe_at_floor": median(times[f"olmoe_{tag}"]) / floor_s,
+        "speedup_vs_olmoe_at_floor": median(times[f"olmoe_{tag}{suffix}"]) / floor_s,
     }
 
 
@@ -177,6 +188,39 @@ def compiled_twin(model: nn.Module, hf: bool) -> nn.Module:
     return twin
 
 
+def shape_ratios(
+    times: dict[str, list[float]], models: dict[str, dict], shape: tuple[int, int, int], suffix: str, compiled: bool
+) -> dict:
+    """One MoE shape's ratios in one precision (``suffix``: "" fp32, "_bf16"): against OLMoE, against
+    our dense step of equal active size, the FLOP-floor fractions, compiled speedups."""
+    tag = shape_tag(shape)
+    moe, olmoe, dense = f"ours_moe_{tag}", f"olmoe_{tag}", f"ours_dense_dff{shape[1] * shape[2]}"
+    speedup = paired_ratio(times, olmoe + suffix, moe + suffix)
+    over_dense = paired_ratio(times, moe + suffix, dense + suffix)
+    ratios = {
+        "speedup_vs_olmoe": speedup,
+        "speedup_goal_met": speedup >= GOALS["speedup_vs_olmoe"],
+        # NOTE: an MoE step does at least the work of the dense step of equal active size, so
+        # this is the speedup our MoE would have at zero routing cost: the ceiling of the above.
+        "dense_speedup_vs_olmoe": paired_ratio(times, olmoe + suffix, dense + suffix),
+        "moe_over_dense_time": over_dense,
+        "over_dense_goal_met": over_dense <= GOALS["moe_over_dense_time"][tag],
+        **flop_floor(times, tag, shape, suffix),
+    }
+    floor_s = ratios["flop_floor_s"]
+    names = [n for n in models if (tag in n or n.startswith(dense)) and n.endswith("_bf16") == bool(suffix)]
+    ratios["floor_fraction"] = {name: floor_s / models[name]["median_s"] for name in names}
+    best = max(v for name, v in ratios["floor_fraction"].items() if name.startswith("ours_moe"))
+    ratios["moe_floor_goal_met"] = best >= GOALS["moe_floor_fraction"][tag]
+    if compiled:
+        over = paired_ratio(times, f"{moe}_compiled{suffix}", f"{dense}_compiled{suffix}")
+        ratios["compiled_moe_over_dense_time"] = over
+        ratios["compiled_over_dense_goal_met"] = over <= GOALS["moe_over_dense_time"][tag]
+        eager = [n.removesuffix(suffix) for n in names if "_compiled" not in n]
+        ratios["compiled_speedup"] = {n: paired_ratio(times, n + suffix, f"{n}_compiled{suffix}") for n in eager}
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -201,6 +245,12 @@ def main() -> None:
     parser.add_argument(
         "--shapes", nargs="+", choices=[shape_tag(s) for s in SHAPES], help="MoE shapes to time (default: all)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "both"),
+        default="both",
+        help="fp32 steps only, or beside them bf16-autocast steps (every model, OLMoE too, and bf16 GEMMs)",
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
@@ -209,8 +259,15 @@ def main() -> None:
     built = build_models(args.olmoe_experts, args.loss_chunk_tokens, args.strategy, shapes)
     if args.compile:
         built.update({f"{name}_compiled": (compiled_twin(m, hf), hf) for name, (m, hf) in list(built.items())})
-    cases = {name: step_fn(model, hf, args.optimizer) for name, (model, hf) in built.items()}
-    cases.update({f"gemm_{m}x{k}x{n}": gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES})
+    suffixes = {"fp32": [""], "both": ["", "_bf16"]}[args.precision]
+    if "_bf16" in suffixes:
+        built.update({f"{name}_bf16": (copy.deepcopy(m), hf) for name, (m, hf) in list(built.items())})
+    cases = {
+        name: step_fn(model, hf, args.optimizer, bf16=name.endswith("_bf16")) for name, (model, hf) in built.items()
+    }
+    for suffix in suffixes:
+        dtype = torch.bfloat16 if suffix else torch.float32
+        cases.update({f"gemm_{m}x{k}x{n}{suffix}": gemm_fn(m, k, n, dtype) for m, k, n in GEMM_SHAPES})
     times = interleaved_times(cases, rounds=args.rounds, warmup=args.warmup, clock=args.clock)
     tokens = BATCH * SEQ
     models = {
@@ -224,33 +281,18 @@ def main() -> None:
         if name in built
     }
     ratios = {}
-    for shape in shapes:
-        tag = shape_tag(shape)
-        speedup = paired_ratio(times, f"olmoe_{tag}", f"ours_moe_{tag}")
-        dense = f"ours_dense_dff{shape[1] * shape[2]}"
-        over_dense = paired_ratio(times, f"ours_moe_{tag}", dense)
-        ratios[tag] = {
-            "speedup_vs_olmoe": speedup,
-            "speedup_goal_met": speedup >= GOALS["speedup_vs_olmoe"],
-            # NOTE: an MoE step does at least the work of the dense step of equal active size, so
-            # this is the speedup our MoE would have at zero routing cost: the ceiling of the above.
-            "dense_speedup_vs_olmoe": paired_ratio(times, f"olmoe_{tag}", dense),
-            "moe_over_dense_time": over_dense,
-            "over_dense_goal_met": over_dense <= GOALS["moe_over_dense_time"][tag],
-            **flop_floor(times, tag, shape),
+    for suffix in suffixes:
+        for shape in shapes:
+            ratios[shape_tag(shape) + suffix] = shape_ratios(times, models, shape, suffix, args.compile)
+    if "_bf16" in suffixes:
+        ratios["bf16_speedup"] = {
+            name: paired_ratio(times, name, f"{name}_bf16") for name in models if not name.endswith("_bf16")
         }
-        floor_s = ratios[tag]["flop_floor_s"]
-        names = [name for name in models if tag in name or name.startswith(dense)]
-        ratios[tag]["floor_fraction"] = {name: floor_s / models[name]["median_s"] for name in names}
-        best = max(v for name, v in ratios[tag]["floor_fraction"].items() if name.startswith("ours_moe"))
-        ratios[tag]["moe_floor_goal_met"] = best >= GOALS["moe_floor_fraction"][tag]
-        if args.compile:
-            over = paired_ratio(times, f"ours_moe_{tag}_compiled", f"{dense}_compiled")
-            ratios[tag]["compiled_moe_over_dense_time"] = over
-            ratios[tag]["compiled_over_dense_goal_met"] = over <= GOALS["moe_over_dense_time"][tag]
-            ratios[tag]["compiled_speedup"] = {
-                name: paired_ratio(times, name, f"{name}_compiled") for name in names if not name.endswith("_compiled")
-            }
+        for shape in shapes:
+            tag = shape_tag(shape)
+            ratios["bf16_speedup"][f"goal_met_{tag}"] = (
+                ratios["bf16_speedup"][f"ours_moe_{tag}"] >= GOALS["bf16_speedup"]
+            )
     setup = {
         "vocab": VOCAB,
         "d_model": D_MODEL,
@@ -258,7 +300,8 @@ def main() -> None:
         "heads": HEADS,
         "seq": SEQ,
         "batch": BATCH,
-        "dtype": "float32",
+        "dtype": "float32" if args.precision == "fp32" else "float32 and bf16 autocast (_bf16)",
+        "cpu_bf16_flags": native_bf16_flags(),
         "rounds": args.rounds,
         "clock": args.clock,
         "optimizer": f"AdamW ({args.optimizer})",

@@ -23,9 +23,12 @@ from moe_lit.model.transformer import Transformer
 from moe_lit.timing import interleaved_times, median, paired_ratio
 
 
-def training_step(model: Transformer, batch_BL1: torch.Tensor, adamw: str = "fused") -> Callable[[], None]:
+def training_step(
+    model: Transformer, batch_BL1: torch.Tensor, adamw: str = "fused", bf16: bool = False
+) -> Callable[[], None]:
     """One training step (forward, backward, AdamW with the ``adamw`` kernel) on a fixed batch of
-    ``L + 1`` tokens per row (inputs and shifted targets), as a callable."""
+    ``L + 1`` tokens per row (inputs and shifted targets), as a callable; ``bf16``: the forward
+    under CPU bf16 autocast, as Lightning's bf16-mixed (fp32 weights, gradients and AdamW)."""
     kernel = ADAMW_KERNELS[adamw]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=kernel.get("foreach"), fused=kernel.get("fused"))
     idx_BL, targets_BL = batch_BL1[:, :-1], batch_BL1[:, 1:]
@@ -33,7 +36,8 @@ def training_step(model: Transformer, batch_BL1: torch.Tensor, adamw: str = "fus
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        out = model(idx_BL, targets_BL)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(idx_BL, targets_BL)
         (cast(torch.Tensor, out.ce) + out.aux_loss).backward()
         optimizer.step()
 

@@ -13,14 +13,14 @@ optimizer state and the loss in fp32 (the chunked cross-entropy reduces in fp32)
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+
+from moe_lit.model.transformer import Transformer
+from moe_lit.timing import interleaved_times, paired_ratio
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed")
 """Values of ``train.precision``: auto (below), or a Lightning precision forced as given."""
@@ -31,7 +31,8 @@ MIN_SPEEDUP = 1.3
 worth its rounding)."""
 PROBE_MAX_TOKENS = 2048
 """Tokens of the probe batch at most (the probe takes a few training steps' time)."""
-PROBE_ROUNDS = 2
+PROBE_ROUNDS = 3
+"""Interleaved rounds of the probe (their median ratio decides)."""
 CPUINFO = Path("/proc/cpuinfo")
 FP32 = ("32-true", "32", "None")
 """``trainer.precision`` values that mean fp32 (Lightning's default), which ``auto`` may replace."""
@@ -65,30 +66,19 @@ def native_bf16_flags(cpuinfo: Path | None = None) -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def probe_speedup(model: nn.Module, batch_size: int, seq_len: int) -> float:
-    """fp32 time over bf16-autocast time of ``model``'s forward and backward on a random batch of
-    ``batch_size`` x ``seq_len`` tokens (:data:`PROBE_MAX_TOKENS` at most), the median of
-    :data:`PROBE_ROUNDS` interleaved rounds after one warm-up of each, on a copy (the routers'
-    statistics and the gradients of ``model`` stay untouched)."""
-    model = copy.deepcopy(model)
-    vocab_size = model.config.vocab_size
+def probe_speedup(model: Transformer, batch_size: int, seq_len: int) -> float:
+    """Median over :data:`PROBE_ROUNDS` interleaved rounds (after one warm-up) of the fp32 over the
+    bf16-autocast time of ``model``'s training step (``moe_lit.throughput.training_step``) on a
+    random batch of ``batch_size`` x ``seq_len`` tokens (:data:`PROBE_MAX_TOKENS` at most). Each
+    precision trains its own copy: ``model`` and its routers' statistics stay untouched."""
+    from moe_lit.throughput import training_step
+
     batch_size = max(1, min(batch_size, PROBE_MAX_TOKENS // seq_len))
     gen = torch.Generator().manual_seed(0)
-    idx_BL1 = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
-
-    def step(bf16: bool) -> float:
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(idx_BL1[:, :-1], idx_BL1[:, 1:])
-        out.ce.backward()
-        return time.perf_counter() - start
-
-    step(False), step(True)
-    fp32, bf16 = [], []
-    for _ in range(PROBE_ROUNDS):
-        fp32.append(step(False))
-        bf16.append(step(True))
-    return statistics.median(fp32) / statistics.median(bf16)
+    batch_BL1 = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), generator=gen)
+    cases = {f"bf16={bf16}": training_step(copy.deepcopy(model), batch_BL1, bf16=bf16) for bf16 in (False, True)}
+    times = interleaved_times(cases, rounds=PROBE_ROUNDS, warmup=1)
+    return paired_ratio(times, "bf16=False", "bf16=True")
 
 
 def runs_on_cpu(accelerator: str | None) -> bool:
@@ -97,7 +87,7 @@ def runs_on_cpu(accelerator: str | None) -> bool:
 
 
 def choose_precision(
-    requested: str | None, trainer: dict[str, Any], model: nn.Module, batch_size: int, seq_len: int
+    requested: str | None, trainer: dict[str, Any], model: Transformer, batch_size: int, seq_len: int
 ) -> PrecisionChoice | None:
     """The precision that ``train.precision: requested`` means for training ``model`` (a
     Transformer) on batches of ``batch_size`` x ``seq_len`` under the Trainer arguments ``trainer``;
