@@ -152,7 +152,7 @@ def check_records(out_dir: Path) -> None:
         except (OSError, ValueError) as exc:
             raise MoeLitError(
                 f"{path}: not a readable study record ({exc}); restore it, or delete it and rerun "
-                "`moe-lit study run` to train that point again"
+                "moe-lit study run to train that point again"
             ) from exc
 
 

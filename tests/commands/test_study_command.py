@@ -18,5 +18,5 @@ def test_a_corrupt_record_is_one_line_naming_it_and_the_report_stays(tmp_path, c
     assert main(["study", "report", "--out", str(tmp_path)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"moe-lit study report: error: {record}: not a readable study record (")
-    assert line.endswith("restore it, or delete it and rerun `moe-lit study run` to train that point again")
+    assert line.endswith("restore it, or delete it and rerun moe-lit study run to train that point again")
     assert (tmp_path / "summary.md").read_text() == summary

@@ -2,7 +2,8 @@
 
 A command line is a line of a fenced ``bash`` block (backslash continuations joined), a ``$ `` line of
 any other block (the lines under it, up to the next ``$ `` line, are its documented output), or an
-inline code span that starts with a program (``moe-lit``, ``make``, ``python``, ...). A trailing
+inline code span that starts with a program (``moe-lit``, ``make``, ``python``, ...) and is no error
+line (``moe-lit fit: error: ...`` is output). A trailing
 ``# comment`` goes, ``a | b`` and ``a && b`` are two commands, and ``[--flag X]`` counts as given.
 """
 
@@ -81,7 +82,7 @@ def _commands_of(doc: str, lines: list[str]) -> list[DocCommand]:
         elif fence is None:
             for span in _SPAN.findall(line):
                 first = span.split()[0] if span.split() else ""
-                if first in PROGRAMS or first.startswith(".venv/bin/"):
+                if (first in PROGRAMS or first.startswith(".venv/bin/")) and ": error: " not in span:
                     found += _split(f"{doc}:{start + 1}", span, inline=True)
         i += 1
     return found
