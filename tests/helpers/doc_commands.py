@@ -3,8 +3,8 @@
 A command line is a line of a fenced ``bash`` block (backslash continuations joined), a ``$ `` line of
 any other block (the lines under it, up to the next ``$ `` line, are its documented output), or an
 inline code span that starts with a program (``moe-lit``, ``make``, ``python``, ...) and is no error
-line (``moe-lit fit: error: ...`` is output). A trailing
-``# comment`` goes, ``a | b`` and ``a && b`` are two commands, and ``[--flag X]`` counts as given.
+line (``moe-lit fit: error: ...`` is output). A trailing ``# comment`` goes, ``a | b`` and ``a && b``
+are two commands, and ``[--flag X]`` counts as given.
 """
 
 import re
