@@ -1,4 +1,4 @@
-"""Dispatch -> per-expert SwiGLU -> weighted combine as ONE autograd Function with a hand-written backward.
+"""Dispatch -> per-expert SwiGLU -> weighted combine over expert slots, in two halves with hand-written backwards.
 
 Shape legend: T tokens, D d_model, E experts, K top-k, F one expert's hidden size, S sum of hidden sizes,
 N = T*K routed assignments, P expert *slots* (rows of the grouped buffers), H hidden cells (sum over
@@ -18,6 +18,11 @@ flat hidden buffers.
 * looped: the slots are packed, one 2-D block per expert, each matmul a ``torch.mm`` per expert.
   It handles heterogeneous sizes.
 
+The SwiGLU runs in two halves around its elementwise product, each with its backward:
+:func:`project_gate_up` (gather the slots' token rows, gate and up projections) and
+:func:`project_down_combine` (down projection, gate-weighted combine); ``ops.py`` registers them
+as custom ops and computes the product between them in plain torch.
+
 Token rows move with gathers only (no scatter-add over tokens): the dispatch gathers token rows
 into slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum over the k slots of
 a token), and the backward reuses the same two index maps. Padding slots read an appended zero row of
@@ -28,8 +33,9 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -43,6 +49,10 @@ from moe_lit.model.experts.layout import ExpertLayout
 # gemm with few rows. Fitted on this project's 2-core CPU with forced chunk sizes on skewed routing:
 # 30-80 rows. It keeps the chooser from splitting into many small chunks.
 CHUNK_OVERHEAD_ROWS = 64
+
+HOST_PLAN_ASSIGNMENTS = 64
+"""Routings of at most this many assignments (decoding steps) are planned in python lists
+(``_plan_on_host``): per-op overhead, not arithmetic, is what a plan of a few tokens costs."""
 
 Geometry = Literal["grouped", "batched", "looped"]
 ALIGN_BYTES = 16
@@ -61,8 +71,6 @@ class Slots:
     """Slots per chunk (batched only; 0 otherwise)."""
     chunk_expert: torch.Tensor | None
     """Expert of each chunk when some expert has no chunk or several; None when chunk e is expert e."""
-    token_P: torch.Tensor
-    """Token feeding each slot; padding slots hold T, the index of an appended zero row."""
     assign_P: torch.Tensor
     """Flat assignment ``t*K + k`` held by each slot; padding slots hold N (an appended zero gate)."""
     slot_TK: torch.Tensor
@@ -73,6 +81,12 @@ class Slots:
     @property
     def num_slots(self) -> int:
         return sum(self.rows)
+
+    @cached_property
+    def token_P(self) -> torch.Tensor:
+        """Token feeding each slot; padding slots hold T, the index of an appended zero row."""
+        # NOTE: padding slots hold assignment N, and N // K == T.
+        return self.assign_P // self.slot_TK.shape[1]
 
     @property
     def batched(self) -> bool:
@@ -118,43 +132,54 @@ class ExpertBlocks:
         # NOTE: the grouped GEMMs' group ends, made once per routing (not per matmul: on CUDA each
         # would be a host-to-device copy).
         self._offs_E = (
-            torch.tensor(list(itertools.accumulate(slots.rows)), dtype=torch.int32, device=slots.token_P.device)
+            torch.tensor(list(itertools.accumulate(slots.rows)), dtype=torch.int32, device=slots.assign_P.device)
             if slots.geometry == "grouped"
             else None
         )
         self.hidden_cells = sum(self._cells)
         self._filled = [i for i, rows in enumerate(self._block_rows) if rows]
         self._empty = [i for i, rows in enumerate(self._block_rows) if not rows]
+        self._row_starts = list(itertools.accumulate(self._block_rows, initial=0))
+        self._cell_starts = list(itertools.accumulate(self._cells, initial=0))
+        # NOTE: a decoding step fills a few of many experts: then narrow views of those beat one
+        # split into a view per expert.
+        self._few_filled = 4 * len(self._filled) <= len(self._block_rows)
 
     # ------------------------------------------------------------------ views
-    # NOTE: each list comes from one ``split`` call: with 64 experts the backward touches ~20 block
-    # views per expert, and view-by-view slicing cost measurable Python time.
+    # NOTE: the views of the filled blocks only, in block order; each list comes from one ``split``
+    # call unless few blocks are filled: with 64 experts the backward touches ~20 block views per
+    # expert, and view-by-view slicing cost measurable Python time.
+    def _pieces(self, t: torch.Tensor, sizes: Sequence[int], starts: Sequence[int]) -> list[torch.Tensor]:
+        """Views of the filled blocks of ``t`` along its first dim (block i: ``sizes[i]`` from ``starts[i]``)."""
+        if self._few_filled:
+            return [t.narrow(0, starts[i], sizes[i]) for i in self._filled]
+        pieces = t[: starts[len(sizes)]].split(list(sizes))
+        return [pieces[i] for i in self._filled] if self._empty else list(pieces)
+
     def _rows(self, t_P: torch.Tensor) -> list[torch.Tensor]:
-        """The blocks of a slot-major tensor (first dim P, extra rows ignored)."""
-        t = t_P[: self.slots.num_slots]
+        """The filled blocks of a slot-major tensor (first dim P, extra rows ignored)."""
         if self.slots.batched:
-            return [t.view(-1, self.slots.chunk_rows, *t.shape[1:])]
-        return list(t.split(self._block_rows))
+            t = t_P[: self.slots.num_slots]
+            return [t.view(-1, self.slots.chunk_rows, *t.shape[1:])] if self._filled else []
+        return self._pieces(t_P, self._block_rows, self._row_starts)
 
     def _hidden(self, h_H: torch.Tensor) -> list[torch.Tensor]:
-        """The blocks of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
+        """The filled blocks of a flat hidden buffer: ``(B, C, F)`` batched, else ``(rows, F)``."""
         h_PF = self._uniform_rows(h_H)
         if h_PF is None:  # looped over experts of different sizes
-            return [
-                c.view(r, f)
-                for c, r, f in zip(
-                    self._cells_of(h_H).split(self._cells), self._block_rows, self._block_sizes, strict=False
-                )
-            ]
+            cells = self._pieces(h_H, self._cells, self._cell_starts)
+            return [c.view(self._block_rows[i], -1) for c, i in zip(cells, self._filled, strict=True)]
         if self.slots.batched:
-            return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])]
-        return list(h_PF.split(self._block_rows))
+            return [h_PF.view(-1, self.slots.chunk_rows, h_PF.shape[1])] if self._filled else []
+        return self._pieces(h_PF, self._block_rows, self._row_starts)
 
     def _weights(self, w_SD: torch.Tensor) -> list[torch.Tensor]:
-        """Per-block weights: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather when chunks
-        repeat experts); ``(F_e, D)`` looped."""
+        """Weights of the filled blocks: ``(E, F, D)`` grouped; ``(B, F, D)`` chunks batched (a gather
+        when chunks repeat experts); ``(F_e, D)`` looped."""
         if self.slots.geometry == "looped":
-            return list(self.layout.split(w_SD))
+            return self._pieces(w_SD, self.layout.sizes, self.layout.offsets)
+        if not self._filled:
+            return []
         if self.slots.chunk_expert is None:
             return [self.layout.as_EFD(w_SD)]
         # NOTE: a 2-D row gather; index_select over a 3-D tensor takes a slower path on CPU.
@@ -177,9 +202,8 @@ class ExpertBlocks:
             x = x_PD[: self.slots.num_slots]
             return _grouped_mm(x, self.layout.as_EFD(w_SD).mT, offs=self._offs_E).view(-1)
         h_H = x_PD.new_empty(self.hidden_cells)
-        xs, hs, ws = self._rows(x_PD), self._hidden(h_H), self._weights(w_SD)
-        for i in self._filled:
-            torch.matmul(xs[i], ws[i].mT, out=hs[i])
+        for x, h, w in zip(self._rows(x_PD), self._hidden(h_H), self._weights(w_SD), strict=True):
+            torch.matmul(x, w.mT, out=h)
         return h_H
 
     def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,15 +218,15 @@ class ExpertBlocks:
                 return add_to
             return _with_zero_row(o_PD) if self.slots.may_drop else o_PD
         if add_to is None:
-            # NOTE: one extra zero row at index P: dropped assignments point there.
-            add_to = h_H.new_empty(num_slots + 1, self.d_model)
-            add_to[-1].zero_()
+            # NOTE: one extra zero row at index P when dropped assignments point there.
+            add_to = h_H.new_empty(num_slots + self.slots.may_drop, self.d_model)
+            if self.slots.may_drop:
+                add_to[-1].zero_()
             matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = _matmul_into
         else:
             matmul = _add_matmul_
-        hs, ws, outs = self._hidden(h_H), self._weights(w_SD), self._rows(add_to)
-        for i in self._filled:
-            matmul(hs[i], ws[i], outs[i])
+        for h, w, out in zip(self._hidden(h_H), self._weights(w_SD), self._rows(add_to), strict=True):
+            matmul(h, w, out)
         return add_to
 
     def weight_grad(self, h_H: torch.Tensor, y_PD: torch.Tensor, like_SD: torch.Tensor) -> torch.Tensor:
@@ -213,18 +237,20 @@ class ExpertBlocks:
             g_EFD = _grouped_mm(h_PF.mT, y_PD[:num_slots], offs=self._offs_E)
             return g_EFD.view_as(like_SD)
         # chunks that repeat an expert: their gradients are summed into it
-        repeated_E = self.slots.chunk_expert if self.slots.batched else None
+        repeated_E = self.slots.chunk_expert if self.slots.batched and self._filled else None
         if repeated_E is not None:
             g_SD = torch.zeros_like(like_SD)
             outs = [like_SD.new_empty(len(repeated_E), self.layout.sizes[0], self.d_model)]
+        elif self.slots.batched:
+            g_SD = torch.empty_like(like_SD) if self._filled else torch.zeros_like(like_SD)
+            outs = [self.layout.as_EFD(g_SD)] if self._filled else []
         else:
             g_SD = torch.empty_like(like_SD)
-            outs = [self.layout.as_EFD(g_SD)] if self.slots.batched else list(self.layout.split(g_SD))
-        hs, ys = self._hidden(h_H), self._rows(y_PD)
-        for i in self._filled:
-            torch.matmul(hs[i].mT, ys[i], out=outs[i])
-        for i in self._empty:
-            outs[i].zero_()
+            outs = self._pieces(g_SD, self.layout.sizes, self.layout.offsets)
+            for e in self._empty:  # idle experts get exact zeros
+                g_SD[self.layout.rows(e)].zero_()
+        for h, y, out in zip(self._hidden(h_H), self._rows(y_PD), outs, strict=True):
+            torch.matmul(h.mT, y, out=out)
         if repeated_E is not None:
             num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
             g_SD.view(num_experts, width).index_add_(0, repeated_E, outs[0].view(-1, width))
@@ -397,10 +423,9 @@ def build_slots(
     assign_P.index_copy_(0, kept_slot_N, kept_order_N)
     slot_TK = torch.empty(num_assignments, dtype=torch.long, device=device)
     slot_TK.index_copy_(0, order_N, slot_N)
-    # NOTE: padding slots hold assignment N, and N // K == T is the appended zero row of the input.
-    token_P = assign_P // top_k
-    may_drop = capacity is not None
-    return Slots(rows, geometry, chunk_rows, chunk_expert, token_P, assign_P, slot_TK.view(num_tokens, top_k), may_drop)
+    return Slots(
+        rows, geometry, chunk_rows, chunk_expert, assign_P, slot_TK.view(num_tokens, top_k), capacity is not None
+    )
 
 
 @dataclass
@@ -419,6 +444,8 @@ class Dispatch:
 
 def plan_dispatch(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None, geometry: Geometry) -> Dispatch:
     """Group assignments by expert; with a capacity, drop each expert's overflow in token order."""
+    if indices_TK.numel() <= HOST_PLAN_ASSIGNMENTS and geometry != "batched":
+        return _plan_on_host(indices_TK, layout, capacity, geometry)
     experts_N = indices_TK.reshape(-1)
     order_N = torch.argsort(experts_N, stable=True)
     routed_counts_E = torch.bincount(experts_N, minlength=layout.num_experts)
@@ -436,6 +463,41 @@ def plan_dispatch(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int 
     return Dispatch(slots, kept_counts, routed_counts_E, dropped)
 
 
+def _plan_on_host(indices_TK: torch.Tensor, layout: ExpertLayout, capacity: int | None, geometry: Geometry) -> Dispatch:
+    """:func:`plan_dispatch` for packed slots, computed in python lists: the same plan from one
+    device-to-host read and four small tensors, instead of about twenty tensor ops."""
+    num_tokens, top_k = indices_TK.shape
+    experts_N = indices_TK.reshape(-1).tolist()
+    routed = [0] * layout.num_experts
+    for expert in experts_N:
+        routed[expert] += 1
+    kept = routed if capacity is None else [min(count, capacity) for count in routed]
+    starts = list(itertools.accumulate(kept, initial=0))
+    num_slots = starts[-1]
+    # NOTE: assignments in flat (token-major) order, so each expert's kept ones are its first, as
+    # the stable sort of plan_dispatch keeps them; a dropped one points at the zero row P.
+    seen = [0] * layout.num_experts
+    slot_N, assign_P = [num_slots] * len(experts_N), [0] * num_slots
+    for n, expert in enumerate(experts_N):
+        if seen[expert] < kept[expert]:
+            slot_N[n] = starts[expert] + seen[expert]
+            assign_P[slot_N[n]] = n
+        seen[expert] += 1
+    device = indices_TK.device
+    slots = Slots(
+        rows=tuple(kept),
+        geometry=geometry,
+        chunk_rows=0,
+        chunk_expert=None,
+        assign_P=torch.tensor(assign_P, dtype=torch.long, device=device),
+        slot_TK=torch.tensor(slot_N, dtype=torch.long, device=device).view(num_tokens, top_k),
+        may_drop=capacity is not None,
+    )
+    routed_counts_E = torch.tensor(routed, dtype=torch.long, device=device)
+    dropped = torch.tensor(len(experts_N) - num_slots, dtype=torch.long, device=device)
+    return Dispatch(slots, kept, routed_counts_E, dropped)
+
+
 def restore_slots(
     assign_P: torch.Tensor, slot_TK: torch.Tensor, kept_counts: list[int], geometry: Geometry, may_drop: bool
 ) -> Slots:
@@ -443,5 +505,4 @@ def restore_slots(
     pass between them, ``assign_P`` possibly padded beyond P: ``ops.py``)."""
     rows, chunk_rows, chunk_expert = slot_rows(kept_counts, geometry, assign_P.device)
     assign_P = assign_P[: sum(rows)]
-    token_P = assign_P // slot_TK.shape[1]
-    return Slots(rows, geometry, chunk_rows, chunk_expert, token_P, assign_P, slot_TK, may_drop)
+    return Slots(rows, geometry, chunk_rows, chunk_expert, assign_P, slot_TK, may_drop)

@@ -33,6 +33,7 @@ symbolic one in the fake): there the op runs eager, a graph break, unless
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -67,15 +68,20 @@ def routed_swiglu(
     """``(y_TD, routed_counts_E)``: ``y_t = sum_k gate_tk * SwiGLU_{e_tk}(x_t)`` (no bias), and the
     assignments per expert before any dropping."""
     sizes = list(layout.sizes)
-    x_PD, h1_H, h2_H, *plan = torch.ops.moe_lit.experts_gate_up(
-        x_TD, indices_TK, w1_SD, v1_SD, sizes, geometry, capacity
-    )
-    if torch.is_grad_enabled() and (h1_H.requires_grad or h2_H.requires_grad):
+    needs_autograd = torch.is_grad_enabled() and any(t.requires_grad for t in (x_TD, gate_TK, w1_SD, v1_SD, w2_SD))
+    # NOTE: an eager call without autograd runs the ops' implementations directly: the dispatcher's
+    # python round trip per op is a visible share of a decoding step. Traced or differentiated, the ops.
+    gate_up: Callable[..., tuple[torch.Tensor, ...]] = _experts_gate_up
+    down: Callable[..., torch.Tensor] = _experts_down
+    if needs_autograd or torch.compiler.is_compiling():
+        gate_up, down = torch.ops.moe_lit.experts_gate_up, torch.ops.moe_lit.experts_down
+    x_PD, h1_H, h2_H, *plan = gate_up(x_TD, indices_TK, w1_SD, v1_SD, sizes, geometry, capacity)
+    if needs_autograd:
         act_H = F.silu(h1_H) * h2_H
     else:
         # NOTE: without autograd the product overwrites the gate projection's buffer (one hidden buffer fewer).
         act_H = F.silu(h1_H, inplace=True).mul_(h2_H)
-    y_TD = torch.ops.moe_lit.experts_down(act_H, w2_SD, gate_TK, *plan, sizes, geometry, capacity)
+    y_TD = down(act_H, w2_SD, gate_TK, *plan, sizes, geometry, capacity)
     return y_TD, plan[2]
 
 
@@ -85,10 +91,12 @@ def _slots(plan: Plan, geometry: str, capacity: int | None) -> Slots:
     return restore_slots(assign_P, slot_TK, kept_E.tolist(), geometry, capacity is not None)  # type: ignore[arg-type]
 
 
-def _eager(device: torch.device) -> contextlib.AbstractContextManager:
-    """No autocast inside an op (its inputs come cast, and its buffers are written with ``out=``),
-    whatever the caller's context at run time."""
-    return torch.autocast(device.type, enabled=False)
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off (the ops' inputs come cast, and their buffers are written with ``out=``), whatever
+    the caller's context at run time; nothing to enter when it is off already (every decoding step)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def static_slot_sizes(num_tokens: int, top_k: int, sizes: list[int], geometry: str) -> tuple[int, int] | None:
@@ -111,8 +119,7 @@ def _pad_to(t: torch.Tensor, length: int, value: int = 0) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- gate/up half
-@torch.library.custom_op("moe_lit::experts_gate_up", mutates_args=())
-def experts_gate_up(
+def _experts_gate_up(
     x_TD: torch.Tensor,
     indices_TK: torch.Tensor,
     w1_SD: torch.Tensor,
@@ -122,9 +129,10 @@ def experts_gate_up(
     capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plan the dispatch, gather the slots, project: ``(x_PD, h1_H, h2_H, assign_P, slot_TK, routed_counts_E)``."""
-    with _eager(x_TD.device):
-        plan = plan_dispatch(indices_TK, ExpertLayout.of(sizes), capacity, geometry)  # type: ignore[arg-type]
-        x_PD, h1_H, h2_H = project_gate_up(x_TD, w1_SD, v1_SD, plan.slots, ExpertLayout.of(sizes))
+    with no_autocast(x_TD.device):
+        layout = ExpertLayout.of(sizes)
+        plan = plan_dispatch(indices_TK, layout, capacity, geometry)  # type: ignore[arg-type]
+        x_PD, h1_H, h2_H = project_gate_up(x_TD, w1_SD, v1_SD, plan.slots, layout)
     assign_P = plan.slots.assign_P
     padded = static_slot_sizes(indices_TK.shape[0], indices_TK.shape[1], sizes, geometry)
     if padded is not None:
@@ -134,6 +142,9 @@ def experts_gate_up(
         x_PD, h1_H, h2_H = _pad_to(x_PD, num_slots), _pad_to(h1_H, cells), _pad_to(h2_H, cells)
         assign_P = _pad_to(assign_P, num_slots, value=indices_TK.numel())
     return x_PD, h1_H, h2_H, assign_P, plan.slots.slot_TK, plan.routed_counts_E
+
+
+experts_gate_up = torch.library.custom_op("moe_lit::experts_gate_up", _experts_gate_up, mutates_args=())
 
 
 @experts_gate_up.register_fake
@@ -171,7 +182,7 @@ def experts_gate_up_backward(
     capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx_TD, dw1_SD, dv1_SD)`` of :func:`experts_gate_up`."""
-    with _eager(x_PD.device):
+    with no_autocast(x_PD.device):
         slots = _slots((assign_P, slot_TK, routed_counts_E), geometry, capacity)
         # NOTE: the incoming gradients may be any strided tensors (expanded ones from a sum, say);
         # the block views and the grouped GEMM need flat buffers.
@@ -207,8 +218,7 @@ experts_gate_up.register_autograd(_gate_up_backward, setup_context=_gate_up_setu
 
 
 # ---------------------------------------------------------------------- down half + combine
-@torch.library.custom_op("moe_lit::experts_down", mutates_args=())
-def experts_down(
+def _experts_down(
     act_H: torch.Tensor,
     w2_SD: torch.Tensor,
     gate_TK: torch.Tensor,
@@ -220,9 +230,12 @@ def experts_down(
     capacity: int | None,
 ) -> torch.Tensor:
     """``(T, D)``: every slot's down projection, summed per token with its gates."""
-    with _eager(act_H.device):
+    with no_autocast(act_H.device):
         slots = _slots((assign_P, slot_TK, routed_counts_E), geometry, capacity)
         return project_down_combine(act_H.contiguous(), w2_SD, gate_TK, slots, ExpertLayout.of(sizes))
+
+
+experts_down = torch.library.custom_op("moe_lit::experts_down", _experts_down, mutates_args=())
 
 
 @experts_down.register_fake
@@ -244,7 +257,7 @@ def experts_down_backward(
     capacity: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dact_H, dgate_TK, dw2_SD)`` of :func:`experts_down`."""
-    with _eager(act_H.device):
+    with no_autocast(act_H.device):
         slots = _slots((assign_P, slot_TK, routed_counts_E), geometry, capacity)
         dact_H, dgate_TK, dw2_SD = project_down_combine_backward(
             dy_TD, act_H, w2_SD, gate_TK, slots, ExpertLayout.of(sizes)

@@ -22,7 +22,7 @@ from torch import nn
 from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.grouped_swiglu import ALIGN_BYTES, Dispatch, Geometry, plan_dispatch
 from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts, register_output_bias
-from moe_lit.model.experts.ops import routed_swiglu
+from moe_lit.model.experts.ops import no_autocast, routed_swiglu
 
 Strategy = Literal["auto", "grouped", "batched", "looped"]
 STRATEGIES = ("auto", "grouped", "batched", "looped")
@@ -107,7 +107,7 @@ class TorchExperts(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
         geometry = choose_geometry(self.strategy, self.layout, x_TD.shape[-1], dtype, x_TD.device)
         x, weights, w1, v1, w2 = (t.to(dtype) for t in (x_TD, weights_TK, self.mlp.w1, self.mlp.v1, self.mlp.w2))
-        with torch.autocast(device_type, enabled=False):
+        with no_autocast(x_TD.device):
             y_TD, routed_counts_E = routed_swiglu(x, weights, indices_TK, w1, v1, w2, self.layout, geometry, capacity)
             y_TD = y_TD + self.bias.to(dtype)
         return y_TD, RoutingCounts.of(routed_counts_E, capacity)
