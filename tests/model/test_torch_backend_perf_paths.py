@@ -76,22 +76,27 @@ def _force_chunks(monkeypatch, chunk_rows):
 
 
 @pytest.mark.parametrize(
-    "strategy,sizes,chunk_rows",
-    [("batched", [3] * 3, 0), ("batched", [3] * 3, 2), ("looped", [3, 5, 2], None)],
-    ids=["batched-direct", "batched-chunks-of-2", "looped-hetero"],
+    "strategy,sizes,chunk_rows,tokens",
+    [
+        ("batched", [3] * 3, 0, 7),
+        ("batched", [3] * 3, 2, 7),
+        ("looped", [3, 5, 2], None, 7),
+        ("looped", [3] * 8, None, 1),  # a decoding step: 2 of 8 experts filled, views of those only
+    ],
+    ids=["batched-direct", "batched-chunks-of-2", "looped-hetero", "looped-one-token"],
 )
 @pytest.mark.parametrize("capacity", [None, 3])
-def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy, sizes, chunk_rows, capacity):
+def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy, sizes, chunk_rows, tokens, capacity):
     if chunk_rows is not None:
         _force_chunks(monkeypatch, chunk_rows)
     experts = _experts(sizes, strategy, dtype=torch.float64)
-    weights, indices = _routing(7, 3, 2, seed=4)
+    weights, indices = _routing(tokens, len(sizes), 2, seed=4)
     layout = experts.layout
     plan = plan_dispatch(indices, layout, capacity, strategy)
     assert (plan.slots.chunk_expert is not None) == (chunk_rows == 2)
     gen = torch.Generator().manual_seed(5)
     inputs = (
-        torch.randn(7, D, generator=gen, dtype=torch.float64).requires_grad_(True),
+        torch.randn(tokens, D, generator=gen, dtype=torch.float64).requires_grad_(True),
         weights.double().requires_grad_(True),
         *(p.detach().clone().requires_grad_(True) for p in (experts.mlp.w1, experts.mlp.v1, experts.mlp.w2)),
         torch.randn(D, generator=gen, dtype=torch.float64).requires_grad_(True),
@@ -101,6 +106,23 @@ def test_hand_written_backward_matches_numerical_gradients(monkeypatch, strategy
         return routed_swiglu(x, gate, indices, w1, v1, w2, layout, strategy, capacity)[0] + bias
 
     assert torch.autograd.gradcheck(experts_fn, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+@pytest.mark.parametrize("geometry", ["looped", "grouped"])
+def test_a_small_routing_is_planned_on_the_host_exactly_as_with_tensor_ops(monkeypatch, capacity, geometry):
+    _, indices = _routing(9, 4, 2, skew=1)
+    layout = ExpertLayout.of([4] * 4)
+    assert indices.numel() <= grouped_swiglu_module.HOST_PLAN_ASSIGNMENTS
+    host = plan_dispatch(indices, layout, capacity, geometry)
+    monkeypatch.setattr(grouped_swiglu_module, "HOST_PLAN_ASSIGNMENTS", 0)
+    device = plan_dispatch(indices, layout, capacity, geometry)
+    assert host.kept_counts == device.kept_counts and host.slots.rows == device.slots.rows
+    assert (int(host.dropped) > 0) == (capacity is not None)
+    for name in ("routed_counts_E", "dropped"):
+        assert torch.equal(getattr(host, name), getattr(device, name)), name
+    for name in ("assign_P", "slot_TK", "token_P"):
+        assert torch.equal(getattr(host.slots, name), getattr(device.slots, name)), name
 
 
 def test_chunking_pads_balanced_routing_to_the_max_and_splits_busy_experts():
