@@ -125,8 +125,11 @@ def fast_lightning_parser(monkeypatch):
     # (seconds per line here); without them the parser accepts exactly the same words.
     import jsonargparse
 
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=False)
+    set_parsing_settings = jsonargparse.set_parsing_settings
+    set_parsing_settings(docstring_parse_attribute_docstrings=False)
     monkeypatch.setattr(jsonargparse, "set_parsing_settings", lambda **settings: None)
+    yield
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # what moe-lit itself sets
 
 
 def _mode(cmd: DocCommand) -> str:
