@@ -13,7 +13,8 @@ With ``compile=True`` the model's transformer blocks are compiled in place
 (:func:`moe_lit.model.compile.compile_blocks`, as ``train.compile`` does) and the decode steps run
 them on a *static* cache (``kv_cache.py``): one shape for every step, so one compiled decode graph
 per batch size (after a second cache length, dynamo's automatic dynamic shapes make the slot
-dimension symbolic: one more graph, then none). Prefills run eager (their length is the
+dimension symbolic: one more graph, then none); the first decode step on a cache checks dynamo's
+guards, the later ones skip them (``_stance``). Prefills run eager (their length is the
 prompt's), and so does all of a ``compile=False`` generation, even with blocks compiled earlier
 (``train.compile``): its key length grows every step, which would trace a graph per step.
 
@@ -92,6 +93,7 @@ def stream(
     longest = min(window, max(len(row) for row in rows))
     cache_slots = min(window, longest + max_new_tokens - 1)
     cache, logits_BV = _prefill(model, [row[-window:] for row in rows], cache_slots, device, compile)
+    guarded: KVCache | None = None
     done = [False] * len(rows)
     for step in range(max_new_tokens):
         picked_B = next_tokens(logits_BV, temperature, top_k, top_p, generator).tolist()
@@ -110,8 +112,9 @@ def stream(
             return
         if cache.length < cache.max_slots:
             idx_B1 = torch.tensor([[row[-1]] for row in rows], device=device)
-            with _stance(compiled=compile):
+            with _stance(compiled=compile, guarded=cache is guarded):
                 logits_BV = model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
+            guarded = cache
         else:
             windows = [row[-window:] for row in rows]
             cache, logits_BV = _prefill(model, windows, max(len(w) for w in windows), device, compile)
@@ -133,9 +136,20 @@ def _prefill(model, rows: list[list[int]], max_slots: int, device, static: bool)
         return cache, model(idx_BL, kv_cache=cache).logits_BLV[:, -1]
 
 
-def _stance(compiled: bool) -> contextlib.AbstractContextManager:
-    """Run compiled blocks as compiled (``compiled``) or eager, whether or not they are compiled."""
-    return contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager")
+def _stance(compiled: bool, guarded: bool = False) -> contextlib.AbstractContextManager:
+    """Run compiled blocks as compiled (``compiled``) or eager, whether or not they are compiled.
+
+    ``guarded``: a decode step on a cache whose first step already ran (with every guard checked,
+    compiling if need be). Every later step on that cache has the same shapes, dtypes and Python
+    values in the blocks' inputs (the test of compiled decoding counts no new frame over them), so
+    its guards are skipped (dynamo's ``skip_guard_eval_unsafe``): their evaluation in each block is
+    a fixed per-step cost of the size of a small layer's work.
+    """
+    if not compiled:
+        return torch.compiler.set_stance("force_eager")
+    if guarded:
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def next_tokens(

@@ -128,3 +128,6 @@ def test_compiled_decoding_gives_the_eager_tokens_with_one_graph_for_all_steps(k
     # an eager generation of the compiled model, past the window, compiles nothing either
     assert generate(model, [long_prompt], 10) == [past_the_window]
     assert counters["frames"]["ok"] == frames
+    # another batch size: its first decode step checks the guards (and compiles), the later ones,
+    # which skip them, run that graph, not the 3-row one
+    assert generate(model, [[5, 6, 7]], 6, compile=True) == generate(model, [[5, 6, 7]], 6)

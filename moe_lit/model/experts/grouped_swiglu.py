@@ -141,8 +141,8 @@ class ExpertBlocks:
         self._empty = [i for i, rows in enumerate(self._block_rows) if not rows]
         self._row_starts = list(itertools.accumulate(self._block_rows, initial=0))
         self._cell_starts = list(itertools.accumulate(self._cells, initial=0))
-        # NOTE: a decoding step fills a few of many experts: then narrow views of those beat one
-        # split into a view per expert.
+        # NOTE: a decoding step fills a few of many experts: then slices of those beat one split
+        # into a view per expert.
         self._few_filled = 4 * len(self._filled) <= len(self._block_rows)
 
     # ------------------------------------------------------------------ views
@@ -152,7 +152,7 @@ class ExpertBlocks:
     def _pieces(self, t: torch.Tensor, sizes: Sequence[int], starts: Sequence[int]) -> list[torch.Tensor]:
         """Views of the filled blocks of ``t`` along its first dim (block i: ``sizes[i]`` from ``starts[i]``)."""
         if self._few_filled:
-            return [t.narrow(0, starts[i], sizes[i]) for i in self._filled]
+            return [t[starts[i] : starts[i] + sizes[i]] for i in self._filled]
         pieces = t[: starts[len(sizes)]].split(list(sizes))
         return [pieces[i] for i in self._filled] if self._empty else list(pieces)
 
