@@ -47,6 +47,15 @@ class ValidationCurve(pl.Callback):
         point = {"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val/loss"])}
         self.curve = [p for p in self.curve if p["step"] != point["step"]] + [point]
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # NOTE: in the checkpoint, so that a resumed run's curve starts at its first validation.
+        return {"curve": [dict(p) for p in self.curve]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.curve = [dict(p) for p in state_dict.get("curve", [])]
+
 
 class SaveAtSteps(pl.Callback):
     """Save a full checkpoint (weights, optimizer, schedule, data position) right after given

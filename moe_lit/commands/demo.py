@@ -13,12 +13,19 @@
 
 Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``). A non-empty ``--out`` or
 ``--work-dir`` is refused unless ``--force`` (``make demo`` passes it: it rebuilds the tracked results).
+
+A SIGTERM, SIGINT or SIGUSR1 while a model trains saves its checkpoint at the next step, prints one
+line with the command that resumes (the same one with ``--resume``) and exits with 128 + signal.
+``--resume`` continues the demo of ``--work-dir`` with the same settings: a model already trained
+is not trained again (``<work-dir>/<name>/result.json``), an interrupted one continues from its
+``checkpoints/last.ckpt``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,12 +43,15 @@ from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
+    from moe_lit.callbacks.preemption import Preemption
     from moe_lit.lit.runner import RunResult
 
 MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
 MODELS_DIR = "models"
 COMMAND = "make demo"
+WORK_DIR_SETTINGS, RESULT_FILE = "demo.json", "result.json"
+"""In ``--work-dir``: the settings of the demo it holds; in each model's folder: its RunResult."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,20 +71,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="interleaved steps timing each trained model's step eager vs compiled (0 = skip)",
     )
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out and --work-dir")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the interrupted demo of --work-dir (same settings)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.lit.runner import train_run
+    from moe_lit.callbacks.preemption import Preemption
 
     for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
         if getattr(args, name) < 1:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.step_rounds < 0:
         raise MoeLitError(f"--step-rounds: must be >= 0 (0 skips the step timing), got {args.step_rounds}")
-    for flag, path in (("--out", args.out), ("--work-dir", args.work_dir)):
-        check_output(path, {"--data": args.data}, args.force, flag)
+    check_output(args.out, {"--data": args.data}, args.force)
+    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir", "force", "resume")}
+    check_work_dir(args, settings)
     data_dir = prepare_default_data(args.data)
     steps = args.tokens // (args.seq_len * args.batch_size)
+    preemption = Preemption(resume=resume_command(), label="moe-lit demo")
     results = {}
     for name, path in MODELS.items():
         model_cfg, optim = load_module_config(path)
@@ -85,14 +100,81 @@ def run(args: argparse.Namespace) -> int:
             optim=optim,
             train=TrainConfig(max_tokens=args.tokens, val_every=max(1, steps // args.evals), seed=args.seed),
         )
-        print(f"demo: training {name} ({path.name}) for {args.tokens:,} tokens", flush=True)
-        shutil.rmtree(args.work_dir / name, ignore_errors=True)  # a previous demo's logs and checkpoints
-        results[name] = train_run(model_cfg, run_cfg, args.work_dir / name)
+        results[name] = train_model(name, path, model_cfg, run_cfg, args, preemption)
     steps_timed = step_throughput(results, data_dir, args) if args.step_rounds else {}
-    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir", "force")}
     write_results(results, settings, tokenizer_file(data_dir), args.out, steps_timed)
     print((args.out / RESULTS_MD).read_text())
     return 0
+
+
+def check_work_dir(args: argparse.Namespace, settings: dict[str, object]) -> None:
+    """``--resume`` needs the work dir of a demo with the same settings; otherwise it must be
+    empty, or ``--force`` (the demo's own ``demo.json`` is written there)."""
+    marker = args.work_dir / WORK_DIR_SETTINGS
+    settings = {**settings, "data": None if args.data is None else str(args.data)}
+    earlier = _read_settings(marker)
+    if args.resume:
+        if earlier is None:
+            raise MoeLitError(f"--resume: {args.work_dir} holds no demo to continue; run without --resume")
+        if earlier != settings:
+            changed = sorted(k for k in {*earlier, *settings} if earlier.get(k) != settings.get(k))
+            raise MoeLitError(
+                f"--resume: the demo in {args.work_dir} ran with other settings ({', '.join(changed)}); "
+                "run with those, or with --force instead of --resume to start over"
+            )
+        check_output(args.work_dir, {"--data": args.data}, True, "--work-dir")
+        return
+    if not args.force and earlier is not None:
+        raise MoeLitError(
+            f"--work-dir: {args.work_dir} holds an earlier demo; pass --resume to continue it (an interrupted "
+            "demo: probably what you want) or --force to start over"
+        )
+    check_output(args.work_dir, {"--data": args.data}, args.force, "--work-dir")
+    atomic_write_json(marker, settings)
+
+
+def _read_settings(marker: Path) -> dict[str, object] | None:
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except ValueError as exc:
+        raise MoeLitError(f"{marker}: not readable JSON; pass --force to start the demo over") from exc
+
+
+def resume_command() -> str:
+    """This command with ``--resume``: what continues it."""
+    from moe_lit.callbacks.preemption import command_line
+
+    command = command_line()
+    return command if "--resume" in command.split() else f"{command} --resume"
+
+
+def train_model(
+    name: str,
+    config: Path,
+    model_cfg: ModelConfig,
+    run_cfg: RunConfig,
+    args: argparse.Namespace,
+    preemption: Preemption,
+) -> RunResult:
+    """One model's run in ``<work-dir>/<name>``: reused with ``--resume`` when it finished, continued
+    when it was interrupted, else trained afresh; its result saved beside it."""
+    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT, RunResult, train_run
+
+    run_dir = args.work_dir / name
+    result_file, last = run_dir / RESULT_FILE, run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
+    if args.resume and result_file.is_file():
+        print(f"demo: {name} was trained ({result_file})", flush=True)
+        return RunResult(**json.loads(result_file.read_text()))
+    resume_from = last if args.resume and last.is_file() else None
+    if resume_from is None:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a previous demo's logs and checkpoints
+    what = f"continuing from {resume_from}" if resume_from else f"for {args.tokens:,} tokens"
+    print(f"demo: training {name} ({config.name}) {what}", flush=True)
+    result = train_run(model_cfg, run_cfg, run_dir, callbacks=[preemption], resume_from=resume_from)
+    atomic_write_json(result_file, dataclasses.asdict(result))
+    return result
 
 
 def prepare_default_data(data_dir: Path | None) -> Path:

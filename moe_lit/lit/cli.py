@@ -9,10 +9,12 @@ Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: 
 rewritten every 100 steps; ``--checkpoint.*`` changes it), a ``routing`` monitor
 (RoutingMonitor), a ``divergence`` guard (DivergenceGuard: a non-finite loss stops the run with one
 line and exit 2; ``--divergence.policy skip`` skips such steps instead), a ThroughputMonitor
-(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a progress bar (MoEProgressBar: step /
-max_steps, loss, ce, aux losses, lr, tokens/s, load imbalance; unless ``trainer.enable_progress_bar``
-is false), a model summary with the analytic FLOPs per token (MoEModelSummary; unless
-``trainer.enable_model_summary`` is false) and a CSV logger in the run directory
+(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a progress bar (on a terminal
+MoEProgressBar, one line: step / max_steps, ETA, loss, lr, tokens/s, load imbalance, ...; else
+StepLines, plain lines for logs; unless ``trainer.enable_progress_bar`` is false), a ``Preemption``
+handler (SIGTERM, SIGINT or SIGUSR1: ``last.ckpt`` at the next step boundary, one line with the
+command that resumes, exit 128 + signal), a model summary with the analytic FLOPs per token
+(MoEModelSummary; unless ``trainer.enable_model_summary`` is false) and a CSV logger in the run directory
 (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
 
 Every run writes into one run directory (``--out DIR``, or ``--trainer.default_root_dir DIR``, or
@@ -25,7 +27,9 @@ else ``runs/<first --config's stem>``, else ``runs/<subcommand>``), with a fixed
 ``<segment>`` is ``fit`` for a fresh run, ``fit-step<N>`` for a resume from a checkpoint at step
 N, ``validate-step<N>`` / ``test-step<N>`` for an evaluation of one: a name that follows from
 the inputs, so a resume or validate never opens a new ``version_N`` and a rerun of the same
-command replaces its own log. A fresh ``fit`` refuses a non-empty DIR unless ``--force``.
+command replaces its own log. A fresh ``fit`` refuses a non-empty DIR, saying which flag probably
+fits: ``--resume`` continues it from ``DIR/checkpoints/last.ckpt`` (the same command plus
+``--resume``, e.g. after an interrupt), ``--force`` replaces it.
 
 ``--ckpt_path`` takes a Lightning ``.ckpt`` (loaded with ``weights_only=True``; resume with
 ``moe-lit fit --config ... --ckpt_path DIR/checkpoints/last.ckpt``) or an exported directory
@@ -47,26 +51,30 @@ import inspect
 import os
 import re
 import shutil
+import signal
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import ActionYesNo
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from moe_lit._compat import require_tested
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
+from moe_lit.callbacks.preemption import Preemption, exit_status
 from moe_lit.checkpoint import checkpoint_config, load_config, load_model, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output
-from moe_lit.lit.console import MoEModelSummary, MoEProgressBar, evaluation_table, quiet_lightning
+from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.resume import existing_run_message, fit_resume_command, resume_checkpoint
 from moe_lit.lit.runner import throughput_monitor
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
@@ -100,10 +108,17 @@ class MoELightningCLI(LightningCLI):
         parser.add_argument(
             "--force", action=ActionYesNo, default=False, help="fit: replace a non-empty --out (a fresh run)"
         )
+        parser.add_argument(
+            "--resume",
+            action=ActionYesNo,
+            default=False,
+            help="fit: continue the run in --out from its checkpoints/last.ckpt (e.g. after an interrupt)",
+        )
         parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self.argv = list(args)
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as exc:
@@ -127,6 +142,9 @@ class MoELightningCLI(LightningCLI):
             )
         if "weights_only" in section:
             section["weights_only"] = True
+        if section.get("resume"):
+            last = last_checkpoint(section, run_dir_of(section, self.config["subcommand"]))
+            section["ckpt_path"] = str(resume_checkpoint(last, section.get("ckpt_path"), section["force"]))
         ckpt_path = section.get("ckpt_path")
         self.exported: Path | None = None
         self.start_step: int | None = None
@@ -157,7 +175,7 @@ class MoELightningCLI(LightningCLI):
         # (Lightning refuses a progress-bar callback with enable_progress_bar=False); the summary
         # likewise with enable_model_summary=False (Lightning would still run a given one).
         trainer = self._section()["trainer"]
-        for flag, kind in (("enable_progress_bar", RichProgressBar), ("enable_model_summary", ModelSummary)):
+        for flag, kind in (("enable_progress_bar", ProgressBar), ("enable_model_summary", ModelSummary)):
             if trainer.get(flag) is False:
                 callbacks = self.trainer_defaults.get("callbacks", [])
                 self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, kind)]
@@ -167,7 +185,14 @@ class MoELightningCLI(LightningCLI):
         subcommand = self.config["subcommand"]
         run_dir = use_run_dir(self._section(), subcommand, self.start_step)
         if subcommand == "fit":
-            prepare_fit_dir(run_dir, self._section().get("ckpt_path"), self.exported, self._section()["force"])
+            section = self._section()
+            last = last_checkpoint(section, run_dir)
+            prepare_fit_dir(
+                run_dir, section.get("ckpt_path"), self.exported, section["force"], last, trainer["max_steps"]
+            )
+            for callback in self.trainer_defaults["callbacks"]:
+                if isinstance(callback, Preemption):
+                    callback.resume = fit_resume_command(self.argv, run_dir)
 
     def validate(self, **kwargs: Any) -> None:
         """``trainer.validate``, its metrics printed as one table (a row per language)."""
@@ -355,14 +380,25 @@ def use_run_dir(section: Any, subcommand: str, start_step: int | None) -> Path:
     return run_dir
 
 
-def prepare_fit_dir(run_dir: Path, ckpt_path: Any, exported: Path | None, force: bool) -> None:
-    """A resume (``--ckpt_path`` inside the run) continues ``run_dir``; a fresh fit needs it absent
-    or empty, or ``--force`` (which removes it first; never the working directory or its parents)."""
+def last_checkpoint(section: Any, run_dir: Path) -> Path:
+    """The run's ``last.ckpt`` (in ``checkpoint.dirpath``, by default ``run_dir/checkpoints``)."""
+    return Path(section["checkpoint"].get("dirpath") or run_dir / "checkpoints") / "last.ckpt"
+
+
+def prepare_fit_dir(
+    run_dir: Path, ckpt_path: Any, exported: Path | None, force: bool, last: Path, max_steps: int | None
+) -> None:
+    """A resume (``--ckpt_path`` inside the run, or ``--resume``) continues ``run_dir``; a fresh fit
+    needs it absent or empty, or ``--force`` (which removes it first; never the working directory or
+    its parents). The refusal says whether ``--resume`` (a run stopped before ``max_steps`` with a
+    checkpoint ``last``) or ``--force`` probably fits."""
     resolved = run_dir.resolve()
     source = Path(ckpt_path).resolve() if ckpt_path and Path(ckpt_path).is_file() else None
     if source is not None and resolved in source.parents:
         return
-    check_output(run_dir, {"--ckpt_path": exported}, force)
+    check_output(run_dir, {"--ckpt_path": exported}, force=True)  # the input checks only
+    if not force and run_dir.exists() and (run_dir.is_file() or any(run_dir.iterdir())):
+        raise MoeLitError(existing_run_message(run_dir, last, max_steps))
     if force and run_dir.exists():
         cwd = Path.cwd().resolve()
         if resolved == cwd or resolved in cwd.parents:
@@ -370,10 +406,16 @@ def prepare_fit_dir(run_dir: Path, ckpt_path: Any, exported: Path | None, force:
         shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
 
 
-def _trainer_defaults() -> dict[str, Any]:
+def _trainer_defaults(subcommand: str) -> dict[str, Any]:
+    # NOTE: Preemption's resume command is set once the run directory is known (before_instantiate_classes).
     return {
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
-        "callbacks": [MoEProgressBar(), MoEModelSummary(), throughput_monitor()],
+        "callbacks": [
+            progress_bar(),
+            MoEModelSummary(),
+            throughput_monitor(),
+            Preemption(label=f"moe-lit {subcommand}"),
+        ],
     }
 
 
@@ -419,7 +461,9 @@ def run_lightning_cli(argv: Sequence[str]) -> int:
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             _run_cli(argv)
-    except SystemExit as exc:  # --help and --print_config exit 0
+    except SIGTERMException:  # Lightning's own stop outside training (Preemption handles it inside)
+        return exit_status(signal.SIGTERM)
+    except SystemExit as exc:  # --help and --print_config exit 0; an interrupted fit 128 + signal
         return exc.code if isinstance(exc.code, int) else 2
     return 0
 
@@ -430,7 +474,7 @@ def _run_cli(argv: Sequence[str]) -> None:
     MoELightningCLI(
         MoELitModule,
         MoEDataModule,
-        trainer_defaults=_trainer_defaults(),
+        trainer_defaults=_trainer_defaults(argv[0]),
         parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --train.max_step is no --train.max_steps
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,

@@ -1,34 +1,48 @@
-"""What a run prints: a progress bar with the run's step and health, a model summary with our FLOPs,
-one table per evaluation, and none of Lightning's harmless notices.
+"""What a run prints: a progress bar (on a terminal) or plain step lines (in a log), a model summary
+with our FLOPs, one table per evaluation, and none of Lightning's harmless notices.
 
-* :class:`MoEProgressBar` (a RichProgressBar): ``step/max_steps`` of the whole run (a resumed run
-  continues where it stopped; epochs only count when there is no max_steps) and, refreshed every
-  ``trainer.log_every_n_steps`` steps, what torchtitan shows: loss, ce, every auxiliary loss, lr,
-  tokens/s (ThroughputMonitor), the mean load imbalance over MoE layers (the routers' last step) and
-  the last validation loss.
+* :func:`progress_bar`: :class:`MoEProgressBar` when stdout is a terminal, :class:`StepLines` when it
+  is not (CI, SLURM, ``make demo > log``);
+* :class:`MoEProgressBar` (a RichProgressBar): one line of at most the terminal's width,
+  ``step/max_steps`` of the whole run (a resumed run continues where it stopped; epochs only count
+  when there is no max_steps), the ETA and, refreshed every ``trainer.log_every_n_steps`` steps,
+  as many of the run's health fields as fit, most telling first: loss, lr, tokens/s
+  (ThroughputMonitor), the mean load imbalance over MoE layers (the routers' last step), the last
+  validation loss, ce, every auxiliary loss;
+* :class:`StepLines`: a plain line every ``log_every_n_steps`` optimizer steps and at least every
+  ``max_interval_s`` seconds (step, loss, ..., lr, tok/s, ETA), and one per validation inside fit;
+  no escape codes;
 * :class:`MoEModelSummary` (a RichModelSummary): the FLOPs column and "Total FLOPs" are the package's
   analytic training FLOPs per token (``moe_lit.accounting``; Lightning would measure a forward of an
   example input, which we do not give), followed by one line with forward FLOPs and active parameters.
 * :func:`evaluation_table`: the per-language losses of ``validate``/``test`` as one table, a row per
   language, instead of Lightning's one column per dataloader.
-* :func:`quiet_lightning`: drops Lightning's notices that say nothing about this run.
+* :func:`quiet_lightning`: drops Lightning's notices that say nothing about this run, and prints
+  every warning as one line (:func:`warning_line`: no dangling source line such as ``rank_zero_warn(``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import ProgressBar, RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import BatchesProcessedColumn, CustomBarColumn
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from rich.progress import ProgressColumn, Task, TextColumn
+from rich.style import Style
+from rich.text import Text
 from typing_extensions import override
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
+from moe_lit.config import ConfigError
 
 LIGHTNING_WARNINGS = (
     # NOTE: Lightning's CombinedLoader flattens the dataloaders with torch's deprecated LeafSpec
@@ -37,6 +51,8 @@ LIGHTNING_WARNINGS = (
     # NOTE: the training MixtureLoader runs in the main process (num_workers=0) and its len() is
     # exact, which is what this warning about multi-process loading asks for.
     r"Your `IterableDataset` has `__len__` defined",
+    # NOTE: train_run resumes into its own directory and keeps the earlier rows of metrics.csv.
+    r"Experiment logs directory .* exists and is not empty",
 )
 """Messages of the Lightning warnings :func:`quiet_lightning` ignores (regular expressions)."""
 LIGHTNING_NOTICES = (
@@ -45,6 +61,10 @@ LIGHTNING_NOTICES = (
     # NOTE: save_checkpoint's default is the full checkpoint (optimizer and loops too), which is
     # what every save of ours wants; Lightning announces the default on each save.
     "`weights_only` was not set, defaulting to `False`",
+    # NOTE: the accelerator a run uses is its config's; Lightning's inventory of absent ones is noise
+    # (a GPU present but unused still warns).
+    "GPU available:",
+    "TPU available:",
 )
 """Starts of the Lightning info lines :func:`quiet_lightning` drops."""
 LIGHTNING_LOGGERS = (
@@ -61,19 +81,34 @@ class _DropNotices(logging.Filter):
         return not str(record.msg).startswith(LIGHTNING_NOTICES)
 
 
+def warning_line(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """``warnings.formatwarning`` without the source line: ``file:line: Category: message``.
+
+    NOTE: Python adds the source line of the call that warned, which for Lightning's
+    ``rank_zero_warn(`` calls spread over several lines is that bare first line."""
+    return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+
+
 @contextmanager
 def quiet_lightning() -> Iterator[None]:
-    """Inside the block, Lightning's :data:`LIGHTNING_WARNINGS` and :data:`LIGHTNING_NOTICES` are not shown."""
+    """Inside the block, Lightning's :data:`LIGHTNING_WARNINGS` and :data:`LIGHTNING_NOTICES` are not
+    shown and every other warning is printed as :func:`warning_line`."""
     notices = _DropNotices()
     loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    formatwarning = warnings.formatwarning
     with warnings.catch_warnings():
         for message in LIGHTNING_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
         for logger in loggers:
             logger.addFilter(notices)
+        # NOTE: formatwarning, not showwarning: warnings recorded (pytest, catch_warnings) stay recorded.
+        warnings.formatwarning = warning_line
         try:
             yield
         finally:
+            warnings.formatwarning = formatwarning
             for logger in loggers:
                 logger.removeFilter(notices)
 
@@ -121,8 +156,56 @@ def _tokens_per_s(trainer: pl.Trainer) -> float | None:
     return None if per_device is None else float(per_device) * trainer.world_size
 
 
+SHOWN_FIRST = ("loss", "lr", "tok/s", "imbalance", "val/loss", "ce")
+"""The health fields a narrow progress bar keeps first (then the auxiliary losses)."""
+BAR_WIDTH = 10
+"""Characters of the bar itself."""
+ETA_WIDTH = len("eta 00:00:00")
+
+
+def by_importance(shown: dict[str, str]) -> list[tuple[str, str]]:
+    """The fields of :func:`step_metrics`, :data:`SHOWN_FIRST` first, the others in their order."""
+    first = [(name, shown[name]) for name in SHOWN_FIRST if name in shown]
+    return first + [(name, value) for name, value in shown.items() if name not in SHOWN_FIRST]
+
+
+def fitting_metrics(shown: dict[str, str], width: int) -> dict[str, str]:
+    """The most telling fields whose ``name: value`` texts, space-separated, fit in ``width`` characters."""
+    kept: dict[str, str] = {}
+    used = 0
+    for name, value in by_importance(shown):
+        cost = len(f"{name}: {value}") + (1 if kept else 0)
+        if used + cost > width:
+            break
+        kept[name], used = value, used + cost
+    return kept
+
+
+def eta(seconds: float | None) -> str:
+    """``h:mm:ss``, hours past 24 included (``-:--:--`` when unknown)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-:--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02}:{secs:02}"
+
+
+class EtaColumn(ProgressColumn):
+    """``eta h:mm:ss``: the task's remaining time at its recent speed."""
+
+    max_refresh = 0.5  # NOTE: as Lightning's time column: a steadier number
+
+    def __init__(self, style: str | Style) -> None:
+        self.style = style
+        super().__init__()
+
+    @override
+    def render(self, task: Task) -> Text:
+        return Text(f"eta {eta(task.time_remaining)}", style=self.style)
+
+
 class MoEProgressBar(RichProgressBar):
-    """RichProgressBar over the run's optimizer steps, with the run's health every log step."""
+    """RichProgressBar over the run's optimizer steps on one terminal line: step, ETA and the run's
+    health every log step, as much of it as fits the width."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -141,7 +224,36 @@ class MoEProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         if not self._counts_steps():
             return super()._get_train_description(current_epoch)
-        return f"{'Step':{len(self.validation_description)}}"
+        return "Step"
+
+    @property
+    @override
+    def validation_description(self) -> str:
+        return "Val"  # NOTE: the rows share the column's width: "Validation" would cost every row 6 characters
+
+    @override
+    def configure_columns(self, trainer: pl.Trainer) -> list:
+        # NOTE: Lightning's columns (a 40-character bar, elapsed and remaining time, it/s) fill an
+        # 80-column terminal before any metric, which then wraps over several lines.
+        return [
+            TextColumn("[progress.description]{task.description}"),
+            CustomBarColumn(
+                bar_width=BAR_WIDTH,
+                complete_style=self.theme.progress_bar,
+                finished_style=self.theme.progress_bar_finished,
+                pulse_style=self.theme.progress_bar_pulse,
+            ),
+            BatchesProcessedColumn(style=self.theme.batch_progress),
+            EtaColumn(style=self.theme.time),
+        ]
+
+    def metrics_width(self, console_width: int) -> int:
+        """Characters left for the metrics after the other columns (as wide as their widest row)."""
+        total = self.total_train_batches
+        count = f"{total}/{total}" if math.isfinite(total) else "--/--"
+        description = max(len("Step"), len(self.validation_description))  # the rows shown beside each other
+        columns = (description, BAR_WIDTH, len(count), ETA_WIDTH)
+        return max(0, console_width - sum(columns) - len(columns) - 1)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -166,7 +278,87 @@ class MoEProgressBar(RichProgressBar):
         step = trainer.global_step
         if step != self._shown_step and (step % trainer.log_every_n_steps == 0 or not self._shown):
             self._shown, self._shown_step = step_metrics(trainer, pl_module), step
-        return dict(self._shown)
+        width = self._console.width if self._console is not None else 80
+        return fitting_metrics(self._shown, self.metrics_width(width))
+
+
+class StepLines(ProgressBar):
+    """The progress of a run as plain lines, for a stdout that is not a terminal (a log file)."""
+
+    def __init__(self, every_n_steps: int | None = None, max_interval_s: float = 20.0) -> None:
+        """
+        Args:
+            every_n_steps: A line after every N-th optimizer step (None: ``trainer.log_every_n_steps``).
+            max_interval_s: Also a line after a step that ends this many seconds after the last line.
+        """
+        super().__init__()
+        if every_n_steps is not None and not (isinstance(every_n_steps, int) and every_n_steps > 0):
+            raise ConfigError(f"StepLines.every_n_steps: must be a positive integer or null, got {every_n_steps!r}")
+        if not (isinstance(max_interval_s, int | float) and max_interval_s > 0):
+            raise ConfigError(f"StepLines.max_interval_s: must be a positive number, got {max_interval_s!r}")
+        self.every_n_steps, self.max_interval_s = every_n_steps, float(max_interval_s)
+        self._enabled = True
+        self._start = (0.0, 0)
+        self._last_line = 0.0
+
+    @override
+    def disable(self) -> None:
+        self._enabled = False
+
+    @override
+    def enable(self) -> None:
+        self._enabled = True
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = (time.monotonic(), trainer.global_step)
+        self._last_line = self._start[0]
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, now = trainer.global_step, time.monotonic()
+        every = self.every_n_steps or trainer.log_every_n_steps
+        due = step % every == 0 or step == self._start[1] + 1 or now - self._last_line >= self.max_interval_s
+        if self._enabled and trainer.is_global_zero and due and step > self._start[1]:
+            self._emit(step_line(trainer, step_metrics(trainer, pl_module), self._remaining_s(trainer, now)), now)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        val_loss = trainer.callback_metrics.get("val/loss")
+        if not self._enabled or not trainer.is_global_zero or trainer.sanity_checking or val_loss is None:
+            return
+        if trainer.state.fn == "fit":
+            self._emit(f"{_step_of(trainer)}  val/loss {float(val_loss):.3f}", time.monotonic())
+
+    def _remaining_s(self, trainer: pl.Trainer, now: float) -> float | None:
+        started, first = self._start
+        done = trainer.global_step - first
+        if not (trainer.max_steps and trainer.max_steps > 0) or done <= 0:
+            return None
+        return (now - started) / done * (trainer.max_steps - trainer.global_step)
+
+    def _emit(self, line: str, now: float) -> None:
+        print(line, flush=True)
+        self._last_line = now
+
+
+def _step_of(trainer: pl.Trainer) -> str:
+    total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
+    return f"step {trainer.global_step}{total}"
+
+
+def step_line(trainer: pl.Trainer, shown: dict[str, str], remaining_s: float | None) -> str:
+    """``step 40/2000  loss 6.123  lr 3.00e-04  tok/s 12.3k  ...  eta 0:04:30``."""
+    fields = [f"{name} {value}" for name, value in by_importance(shown)]
+    return "  ".join([_step_of(trainer), *fields, f"eta {eta(remaining_s)}"])
+
+
+def progress_bar(stream: TextIO | None = None) -> ProgressBar:
+    """:class:`MoEProgressBar` when ``stream`` (stdout) is a terminal, else :class:`StepLines`."""
+    stream = sys.stdout if stream is None else stream
+    return MoEProgressBar() if stream.isatty() else StepLines()
 
 
 # ----------------------------------------------------------------------------- model summary
@@ -227,8 +419,13 @@ __all__ = [
     "AccountedSummary",
     "MoEModelSummary",
     "MoEProgressBar",
+    "StepLines",
     "accounting_line",
     "evaluation_table",
+    "fitting_metrics",
+    "progress_bar",
     "quiet_lightning",
+    "warning_line",
+    "step_line",
     "step_metrics",
 ]

@@ -4,12 +4,17 @@ It trains a model as a :class:`~moe_lit.lit.run_config.RunConfig` says (data, op
 validation cadence, seed, Trainer arguments), validates every ``run.eval_every`` steps and at the
 end, and returns a :class:`RunResult`. Everything it writes lies under ``out_dir``:
 ``metrics.csv`` (CSVLogger, one row per logged step) and ``checkpoints/last.ckpt`` (rewritten every
-``train.checkpoint_every`` steps and at the end; continue with ``resume_from``).
+``train.checkpoint_every`` steps and at the end; continue with ``resume_from``). A SIGTERM, SIGINT
+or SIGUSR1 saves that checkpoint at the next step boundary and ends the run with
+:class:`~moe_lit.callbacks.preemption.Interrupted` (exit status 128 + signal; a
+:class:`~moe_lit.callbacks.preemption.Preemption` among the callbacks sets the line it prints); a
+run resumed into its own ``out_dir`` keeps the earlier rows of its ``metrics.csv``.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,10 +29,12 @@ from lightning.pytorch.loggers import CSVLogger
 from moe_lit.accounting import count_config_params, forward_flops_per_token
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
+from moe_lit.callbacks.preemption import Preemption
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
-from moe_lit.lit.console import MoEProgressBar, quiet_lightning
+from moe_lit.io import atomic_write_text
+from moe_lit.lit.console import progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import RunConfig
@@ -144,10 +151,14 @@ def train_run(
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
+    earlier = _earlier_metrics(out_dir, resume_from)
     with quiet_lightning():  # the Trainer too: its constructor prints the litlogger notice
         trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
         if run.steps > 0:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+            finally:
+                _keep_earlier_metrics(out_dir / METRICS_FILE, earlier)
         else:
             trainer.validate(module, datamodule=datamodule, verbose=False)
         # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
@@ -160,6 +171,38 @@ def train_run(
             trainer.validate(module, datamodule=datamodule, verbose=False)
     wall_s = time.perf_counter() - start
     return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s, curve.curve)
+
+
+def _earlier_metrics(out_dir: Path, resume_from: str | Path | None) -> list[dict[str, str]]:
+    """The rows of ``out_dir``'s metrics.csv when the run resumes into its own directory (an
+    interrupted run continued): Lightning's CSVLogger starts the file afresh."""
+    metrics = out_dir / METRICS_FILE
+    if resume_from is None or not metrics.is_file() or out_dir.resolve() not in Path(resume_from).resolve().parents:
+        return []
+    return _csv_rows(metrics)
+
+
+def _keep_earlier_metrics(path: Path, earlier: list[dict[str, str]]) -> None:
+    """Put the ``earlier`` rows the resumed run did not log again (same step, same columns) back in
+    front of ``path``'s rows, so that metrics.csv holds the whole run."""
+    if not earlier:
+        return
+    rows = _csv_rows(path) if path.is_file() else []
+    logged = {(row.get("step"), frozenset(row)) for row in rows}
+    merged = [row for row in earlier if (row.get("step"), frozenset(row)) not in logged] + rows
+    merged.sort(key=lambda row: float(row.get("step", 0)))  # stable: earlier rows first within a step
+    columns = sorted({key for row in merged for key in row})
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(merged)
+    atomic_write_text(path, text.getvalue())
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    """Rows of a CSV file as text, empty cells dropped."""
+    with open(path, newline="") as handle:
+        return [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
 
 
 def _initial_module(
@@ -198,8 +241,10 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     if run.train.compile:
         # NOTE: after the extra callbacks: a model swap at a batch start is compiled in that batch.
         callbacks.append(CompileBlocks())
+    if not any(isinstance(c, Preemption) for c in callbacks):
+        callbacks.append(Preemption())
     if run.trainer.get("enable_progress_bar", True):
-        callbacks.append(MoEProgressBar())
+        callbacks.append(progress_bar())
     kwargs = {
         "max_steps": run.steps,
         "val_check_interval": eval_every,

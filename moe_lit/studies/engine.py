@@ -61,9 +61,13 @@ TRANSFORMED_START = "start"
 """Folder of a point's run directory holding its transformed start weights (an exported model)."""
 Log = Callable[[str], None]
 TrainFn = Callable[..., Any]
-# NOTE: a worker stopped by Ctrl-C or SIGTERM is an interrupted study, not a failed point: it
-# leaves no record, so the point runs again on resume (a SIGKILL, e.g. the OOM killer, is a failure).
-INTERRUPTED_EXIT_CODES = (130, -signal.SIGINT, -signal.SIGTERM)
+# NOTE: a worker stopped by Ctrl-C, SIGTERM or SIGUSR1 is an interrupted study, not a failed point:
+# it leaves no record but its checkpoint, from which the point continues on resume (a SIGKILL, e.g.
+# the OOM killer, is a failure). Its status is 128 + signal (moe_lit.callbacks.preemption), or minus
+# the signal when the signal itself ended it.
+INTERRUPTED_EXIT_CODES = tuple(
+    code for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1) for code in (128 + signum, -signum)
+)
 
 
 # ----------------------------------------------------------------------------- identity
@@ -356,11 +360,14 @@ def _module_arguments(point: Point, parents: dict[str, Point], out_dir: Path) ->
 
 
 def _callbacks(point: Point, save_at: Sequence[int], out_dir: Path) -> list[Any]:
+    from moe_lit.callbacks.preemption import Preemption, command_line
     from moe_lit.callbacks.study import SaveAtSteps
 
     callbacks = [call() for call in point.callbacks]
     if save_at:
         callbacks.append(SaveAtSteps({s: fork_checkpoint(out_dir, point, s) for s in sorted(save_at)}))
+    # NOTE: the study's command (a spawned worker has its runner's argv) continues the point.
+    callbacks.append(Preemption(resume=command_line(), label=f"study point {point.name}"))
     return callbacks
 
 
@@ -380,18 +387,20 @@ def run_point(
 ) -> dict[str, Any]:
     """Run one point and write its record atomically; a failure is recorded, never raised.
 
-    ``KeyboardInterrupt`` (and other non-``Exception`` exits) propagate and leave no record, so the
-    point runs again on resume.
+    ``KeyboardInterrupt`` (and other non-``Exception`` exits, such as the ``Interrupted`` of a
+    signal) propagate and leave no record, so the point runs again on resume: from its
+    :func:`interrupted_checkpoint` when it has one.
     """
     workdir = run_dir(out_dir, point)
-    if workdir.exists():
-        shutil.rmtree(workdir)  # leftovers of an interrupted attempt: start the point afresh
-    workdir.mkdir(parents=True)
+    interrupted = interrupted_checkpoint(out_dir, point)
+    if workdir.exists() and interrupted is None:
+        shutil.rmtree(workdir)  # leftovers of a failed attempt: start the point afresh
+    workdir.mkdir(parents=True, exist_ok=True)
     record = point_record(point)
     start = time.perf_counter()
     try:
         callbacks = _callbacks(point, save_at, out_dir)
-        start_arguments = _start_arguments(point, parents, out_dir)
+        start_arguments = {"resume_from": interrupted} if interrupted else _start_arguments(point, parents, out_dir)
         if measure_only(point):
             result = {"steps": 0, "checkpoint": str(start_arguments["init_from"])}
         else:
@@ -419,6 +428,16 @@ def run_point(
     record["study_wall_s"] = round(time.perf_counter() - start, 3)
     atomic_write_json(record_path(out_dir, point), record)
     return record
+
+
+def interrupted_checkpoint(out_dir: Path, point: Point) -> Path | None:
+    """The ``last.ckpt`` of a point that stopped without a record (a signal, a killed runner): its
+    run continues from there. None when there is none or the point has a record (a failed point is
+    retried from its start)."""
+    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
+
+    checkpoint = run_dir(out_dir, point) / CHECKPOINT_DIR / LAST_CHECKPOINT
+    return checkpoint if checkpoint.is_file() and read_record(record_path(out_dir, point)) is None else None
 
 
 def run_leased(

@@ -25,7 +25,7 @@ def test_fit_writes_the_run_dir_prints_its_checkpoint_and_resumes_into_it(prepar
     assert load_model(last).config.d_model == 32 and not (tmp_path / "runs").exists()
     # a fresh run refuses the non-empty run dir; a resume continues it under a log named by its step
     assert _fit(prepared, "--trainer.max_steps", "3", "--out", str(root)) == 2
-    assert "exists and is not empty; pass --force" in capsys.readouterr().err
+    assert "holds a run stopped at step 2 of 3; pass --resume" in capsys.readouterr().err
     assert _fit(prepared, "--trainer.max_steps", "3", "--ckpt_path", str(last)) == 0
     assert sorted(p.name for p in (root / "logs").iterdir()) == ["fit", "fit-step2"]
     assert read_lightning_checkpoint(last)["global_step"] == 3

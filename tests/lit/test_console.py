@@ -1,7 +1,10 @@
 """What ``moe-lit fit|validate`` print: no Lightning notices, our FLOPs, step/max_steps, one table."""
 
+import io
 import json
 import logging
+import subprocess
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -15,8 +18,12 @@ from moe_lit.lit.console import (
     LIGHTNING_NOTICES,
     LIGHTNING_WARNINGS,
     MoEProgressBar,
+    StepLines,
     evaluation_table,
+    fitting_metrics,
+    progress_bar,
     quiet_lightning,
+    step_line,
     step_metrics,
 )
 from moe_lit.model.router import RoutingStats
@@ -67,12 +74,28 @@ def test_quiet_lightning_drops_only_the_listed_notices(lightning_info):
         warnings.simplefilter("always")
         with quiet_lightning():
             logger.info(LIGHTNING_NOTICES[0] + " try litlogger")
-            logger.info("GPU available: False")
+            logger.info("GPU available: False, used: False")
+            logger.info("TPU available: False, using: 0 TPU cores")
+            logger.info("Restoring states from the checkpoint path at last.ckpt")
             warnings.warn("Your `IterableDataset` has `__len__` defined. ...", UserWarning, stacklevel=1)
             warnings.warn("something else", UserWarning, stacklevel=1)
-    assert lightning_info == ["GPU available: False"] and [str(w.message) for w in caught] == ["something else"]
+    assert lightning_info == ["Restoring states from the checkpoint path at last.ckpt"]
+    assert [str(w.message) for w in caught] == ["something else"]
     logger.info(LIGHTNING_NOTICES[0])  # outside the block: shown again
-    assert lightning_info[-1] == LIGHTNING_NOTICES[0] and len(LIGHTNING_WARNINGS) == 2
+    assert lightning_info[-1] == LIGHTNING_NOTICES[0] and len(LIGHTNING_WARNINGS) == 3
+
+
+def test_a_warning_inside_quiet_lightning_is_one_line_without_its_source_line():
+    script = (
+        "import warnings\n"
+        "from moe_lit.lit.console import quiet_lightning\n"
+        "with quiet_lightning():\n"
+        "    warnings.warn(\n"
+        "        'a warning',\n"
+        "    )\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert proc.stderr.strip().splitlines() == ["<string>:4: UserWarning: a warning"]
 
 
 def test_validate_prints_one_table_with_a_row_per_language(prepared, tmp_path, monkeypatch, capsys):
@@ -145,3 +168,89 @@ def test_train_run_prints_no_lightning_notices(prepared, tmp_path, lightning_inf
     )
     train_run(tiny(vocab_size=300, seq_len=16), run, tmp_path / "run")
     assert not [m for m in lightning_info if m.startswith(LIGHTNING_NOTICES)], lightning_info
+
+
+SHOWN = {
+    "loss": "8.040",
+    "ce": "8.030",
+    "load_balancing": "0.0100",
+    "z_loss": "0.0001",
+    "val/loss": "7.912",
+    "lr": "3.00e-04",
+    "tok/s": "12.3k",
+    "imbalance": "1.42",
+}
+
+
+def test_the_progress_bar_is_one_line_at_80_columns_with_the_most_telling_fields():
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+
+    bar = MoEProgressBar()
+    bar._trainer = SimpleNamespace(max_steps=2000, global_step=37, num_training_batches=4, max_epochs=-1)
+    shown = fitting_metrics(SHOWN, bar.metrics_width(80))
+    assert list(shown) == ["loss", "lr", "tok/s"]  # the rest does not fit beside bar, count and ETA
+    metrics = " ".join(f"{name}: {value}" for name, value in shown.items())
+    progress = Progress(*bar.configure_columns(bar._trainer), TextColumn(metrics), auto_refresh=False)
+    progress.add_task("Step", total=2000, completed=2000)
+    progress.add_task(bar.validation_description, total=12, completed=3)
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(progress.make_tasks_table(progress.tasks))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Step") and "2000/2000" in lines[0], lines  # nothing wraps
+    assert lines[0].rstrip().endswith("loss: 8.040 lr: 3.00e-04 tok/s: 12.3k"), lines
+    assert list(fitting_metrics(SHOWN, 200)) == [
+        "loss",
+        "lr",
+        "tok/s",
+        "imbalance",
+        "val/loss",
+        "ce",
+        *list(SHOWN)[2:4],
+    ]
+
+
+def test_step_lines_are_plain_and_come_every_n_steps_and_after_a_pause(capsys, monkeypatch):
+    lines = StepLines(every_n_steps=5, max_interval_s=20)
+    trainer = SimpleNamespace(
+        max_steps=100, global_step=0, log_every_n_steps=50, is_global_zero=True, callback_metrics={}, logged_metrics={}
+    )
+    module = SimpleNamespace(model=None)
+    clock = iter([0.0, 1.0, 2.0, 3.0, 30.0])
+    monkeypatch.setattr("moe_lit.lit.console.time.monotonic", lambda: next(clock))
+    lines.on_train_start(trainer, module)
+    for step, loss in ((1, 8.0), (2, 7.5), (5, 7.0), (6, 6.5)):  # at 0, 1, 2 and 30 s
+        trainer.global_step, trainer.callback_metrics = step, {"train/loss": torch.tensor(loss)}
+        lines.on_train_batch_end(trainer, module, None, None, step - 1)
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "step 1/100  loss 8.000  eta 0:01:39",  # the first step: the run has started
+        "step 5/100  loss 7.000  eta 0:00:57",  # every 5 steps: 3 s for 5 steps, 95 to go
+        "step 6/100  loss 6.500  eta 0:07:50",  # 27 s since the last line
+    ]
+    assert "\x1b" not in out
+    assert step_line(trainer, {"loss": "1.000", "lr": "1.00e-03", "tok/s": "5.0k"}, None) == (
+        "step 6/100  loss 1.000  lr 1.00e-03  tok/s 5.0k  eta -:--:--"
+    )
+
+
+def test_progress_bar_is_the_rich_bar_on_a_terminal_and_step_lines_in_a_log():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert isinstance(progress_bar(Terminal()), MoEProgressBar)
+    assert isinstance(progress_bar(io.StringIO()), StepLines)
+
+
+def test_fit_into_a_log_prints_step_lines_and_no_escape_codes(prepared, tmp_path):
+    argv = ["fit", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, "--trainer.max_steps", "3"]
+    argv = [arg for arg in argv if arg not in ("--trainer.enable_progress_bar", "false")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_lit.cli", *argv], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"], proc.stdout
+    assert all(" loss " in f" {line} " and "eta " in line for line in steps)
+    assert "\x1b" not in proc.stdout + proc.stderr
+    assert "GPU available" not in proc.stdout + proc.stderr and "rank_zero_warn(" not in proc.stderr

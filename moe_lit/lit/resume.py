@@ -1,0 +1,107 @@
+"""Rerunning into a run directory: continue it (``--resume``) or replace it (``--force``).
+
+``moe-lit fit`` writes one run directory (``moe_lit.lit.cli``); a second run of the same command
+finds it. :func:`existing_run_message` is the refusal that says which of the two flags the user
+probably wants, read from the run's ``checkpoints/last.ckpt``: a run that stopped before its last
+step (an interrupt, a crash) is continued with ``--resume``; a finished one, or one without a
+checkpoint, is replaced with ``--force`` (or kept, with another ``--out``).
+:func:`fit_resume_command` is the command an interrupted fit prints: the same arguments with
+``--resume``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from moe_lit.errors import MoeLitError
+
+RESUME_FLAG, FORCE_FLAG = "--resume", "--force"
+_BOOLEAN_WORDS = ("true", "false", "yes", "no")
+_VALUE_OPTIONS = ("--ckpt_path",)
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a Lightning checkpoint was saved at (None when it is not readable)."""
+    from moe_lit.checkpoint import read_lightning_checkpoint
+
+    try:
+        return int(read_lightning_checkpoint(path).get("global_step", 0))
+    except MoeLitError:
+        return None
+
+
+def existing_run_message(run_dir: Path, last: Path, max_steps: int | None) -> str:
+    """One line refusing a fresh run into the non-empty ``run_dir`` (checkpoint ``last``), with the
+    flag that probably fits."""
+    step = checkpoint_step(last) if last.is_file() else None
+    where = f"the run directory {run_dir}"
+    if step is None:
+        return f"{where} is not empty and holds no checkpoint to resume; pass {FORCE_FLAG} to replace it, or --out DIR"
+    total = max_steps if max_steps is not None and max_steps > 0 else None
+    if total is not None and step >= total:
+        return (
+            f"{where} holds a finished run (step {step} of {total}); pass {FORCE_FLAG} to train it again from "
+            "scratch, or --out DIR to keep it"
+        )
+    of_total = f" of {total}" if total is not None else ""
+    return (
+        f"{where} holds a run stopped at step {step}{of_total}; pass {RESUME_FLAG} to continue it from {last} "
+        f"(probably what you want), or {FORCE_FLAG} to replace it"
+    )
+
+
+def resume_checkpoint(last: Path, ckpt_path: object, force: bool) -> Path:
+    """``--resume``: the run's ``last`` checkpoint, which must exist; neither ``--ckpt_path`` nor
+    ``--force`` goes with it."""
+    if ckpt_path:
+        raise MoeLitError(f"{RESUME_FLAG}: continues the run from {last}; give it or --ckpt_path, not both")
+    if force:
+        raise MoeLitError(f"{RESUME_FLAG} continues the run, {FORCE_FLAG} replaces it: give one of them")
+    if not last.is_file():
+        raise MoeLitError(f"{RESUME_FLAG}: {last} does not exist (nothing to resume); run without {RESUME_FLAG}")
+    return last
+
+
+def _without(argv: Sequence[str], flags: Sequence[str], value_options: Sequence[str]) -> list[str]:
+    """``argv`` without the boolean ``flags`` (``--f``, ``--f=x``, ``--no_f``, ``--f true``) and the
+    ``value_options`` with their values."""
+    negated = [f"--no_{flag.removeprefix('--')}" for flag in flags]
+    kept: list[str] = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in value_options:
+            skip = "=" not in arg
+            continue
+        if name in flags or arg in negated:
+            nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            skip = "=" not in arg and arg not in negated and nxt in _BOOLEAN_WORDS
+            continue
+        kept.append(arg)
+    return kept
+
+
+def _as_typed(arg: str) -> str:
+    """A packaged config's path as the ``configs/...`` it was typed as (``moe-lit`` maps it again)."""
+    from moe_lit.resources import CONFIGS_DIR, CONFIGS_PREFIX
+
+    option, sep, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    packaged = f"{CONFIGS_DIR}/"
+    return f"{option}{sep}{CONFIGS_PREFIX}{value.removeprefix(packaged)}" if value.startswith(packaged) else arg
+
+
+def fit_resume_command(argv: Sequence[str], run_dir: Path) -> str:
+    """``moe-lit fit`` with ``argv``'s arguments (subcommand first) that continues ``run_dir``:
+    ``--force`` and ``--ckpt_path`` dropped; ``--out run_dir`` (unless given) and ``--resume`` added."""
+    args = [_as_typed(arg) for arg in _without(argv, (FORCE_FLAG, RESUME_FLAG), _VALUE_OPTIONS)]
+    if not any(arg.split("=", 1)[0] == "--out" for arg in args):
+        args += ["--out", str(run_dir)]
+    return shlex.join(["moe-lit", *args, RESUME_FLAG])
+
+
+__all__ = ["checkpoint_step", "existing_run_message", "fit_resume_command", "resume_checkpoint"]
