@@ -1,12 +1,14 @@
 """MoE layer forward+backward tokens/s next to a dense SwiGLU FFN of equal active parameters.
 
-    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--clock wall]
+    .venv/bin/python -m benchmarks.moe_layer [--rounds 15] [--threads 2] [--clock wall] [--compile]
 
 For each shape (E, k, F) at d_model 256 and 2048 tokens, one process times, INTERLEAVED: the MoE
 layer (router + experts + auxiliary loss) once per slot geometry of the torch backend (grouped,
 batched, looped: ``moe_<geometry>``; ``auto_geometry`` names the one ``strategy: auto`` takes), the
 dense SwiGLU with d_ff = k*F, and a plain fp32 matmul ``(T, D) @ (D, k*F)`` (one of the three
-matmuls of that dense FFN). FLOP/s count useful work only (no padding, no routing bookkeeping):
+matmuls of that dense FFN); ``--compile`` adds compiled twins (``nn.Module.compile``, inductor) of
+the auto-geometry MoE layer and of the dense FFN (``moe_auto_compiled``, ``dense_compiled``; the
+warmup rounds hold the compile). FLOP/s count useful work only (no padding, no routing bookkeeping):
 18*T*k*D*F for the experts' forward+backward plus 6*T*D*E for the router; 18*T*D*d_ff for the
 dense FFN; 2*T*D*d_ff for the matmul.
 """
@@ -14,6 +16,7 @@ dense FFN; 2*T*D*d_ff for the matmul.
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 
 import torch
@@ -59,7 +62,7 @@ def matmul_step(d_ff: int) -> Callable[[], None]:
     return lambda: torch.mm(a_TD, b_DF)
 
 
-def bench_shape(shape: tuple[int, int, int], rounds: int, warmup: int, clock: str) -> dict:
+def bench_shape(shape: tuple[int, int, int], rounds: int, warmup: int, clock: str, compiled: bool) -> dict:
     num_experts, top_k, size = shape
     d_ff = top_k * size
     layers = {}
@@ -73,19 +76,39 @@ def bench_shape(shape: tuple[int, int, int], rounds: int, warmup: int, clock: st
     dy_BLD = torch.randn(1, TOKENS, D_MODEL, generator=gen)
     cases = {f"moe_{g}": moe_step(layer, x_BLD, dy_BLD) for g, layer in layers.items()}
     cases.update(dense=dense_step(dense, x_BLD, dy_BLD), matmul=matmul_step(d_ff))
+    auto = choose_geometry("auto", layers["looped"].experts.layout, D_MODEL, x_BLD.dtype, x_BLD.device)
+    if compiled:
+        moe_twin, dense_twin = copy.deepcopy(layers[auto]), copy.deepcopy(dense)
+        moe_twin.compile()
+        dense_twin.compile()
+        cases.update(
+            moe_auto_compiled=moe_step(moe_twin, x_BLD, dy_BLD), dense_compiled=dense_step(dense_twin, x_BLD, dy_BLD)
+        )
     times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
     moe_flops = 18 * TOKENS * top_k * D_MODEL * size + 6 * TOKENS * D_MODEL * num_experts
     flops = {name: moe_flops for name in cases if name.startswith("moe_")}
-    flops.update(dense=18 * TOKENS * D_MODEL * d_ff, matmul=2 * TOKENS * D_MODEL * d_ff)
+    flops.update({name: 18 * TOKENS * D_MODEL * d_ff for name in cases if name.startswith("dense")})
+    flops.update(matmul=2 * TOKENS * D_MODEL * d_ff)
     flops_per_s = {name: flops[name] / median(times[name]) for name in cases}
-    counts = layers["grouped"].router.tokens_per_expert
-    layout = layers["grouped"].experts.layout
-    auto = choose_geometry("auto", layout, D_MODEL, x_BLD.dtype, x_BLD.device)
+    counts = layers["grouped"].router.pending_tokens_per_expert()  # summed over the rounds
+    compiled_ratios = {}
+    if compiled:
+        compiled_ratios = {
+            "moe_over_dense_time_compiled": paired_ratio(times, "moe_auto_compiled", "dense_compiled"),
+            "compiled_speedup": {
+                "moe": paired_ratio(times, f"moe_{auto}", "moe_auto_compiled"),
+                "dense": paired_ratio(times, "dense", "dense_compiled"),
+            },
+        }
     return {
         "auto_geometry": auto,
         "routing_max_over_mean": (counts.max() / counts.mean()).item(),
-        "tokens_per_s": {name: TOKENS / median(t) for name, t in times.items() if name != "matmul"},
+        "tokens_per_s": {
+            name: TOKENS / median(t) for name, t in times.items() if name != "matmul" and "compiled" not in name
+        },
+        "compiled_tokens_per_s": {name: TOKENS / median(t) for name, t in times.items() if "compiled" in name},
         "moe_over_dense_time": {g: paired_ratio(times, f"moe_{g}", "dense") for g in GEOMETRIES},
+        **compiled_ratios,
         "median_ms": {name: 1e3 * median(t) for name, t in times.items()},
         "gflop_per_s": {name: value / 1e9 for name, value in flops_per_s.items()},
         "flops_fraction_of_matmul": {
@@ -100,15 +123,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time compiled twins of the MoE layer and dense FFN"
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
-    shapes = {"E{}k{}F{}".format(*shape): bench_shape(shape, args.rounds, args.warmup, args.clock) for shape in SHAPES}
+    shapes = {
+        "E{}k{}F{}".format(*shape): bench_shape(shape, args.rounds, args.warmup, args.clock, args.compile)
+        for shape in SHAPES
+    }
     setup = {
         "d_model": D_MODEL,
         "tokens": TOKENS,
         "rounds": args.rounds,
         "clock": args.clock,
+        "compile": args.compile,
     }
     report("moe_layer", {"setup": setup, "shapes": shapes}, save=not args.no_save)
 
