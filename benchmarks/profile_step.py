@@ -1,9 +1,11 @@
 """Where a training step's time goes: torch.profiler op table by category, eager and compiled.
 
     .venv/bin/python -m benchmarks.profile_step [--steps 5] [--threads 2] [--compile] [--shapes E16k2F256 E64k8F64]
+        [--precision bf16]
 
 The models, batch and optimizer are those of ``benchmarks.train_step`` (our MoE per shape and
-our dense model of equal active size; ``--compile`` adds the compiled twins). After warmup steps
+our dense model of equal active size; ``--compile`` adds the compiled twins; ``--precision bf16``
+runs every step under bf16 autocast and measures the GEMM peak with bf16 matmuls). After warmup steps
 (which include any compile), ``--steps`` steps run under ``torch.profiler``; every op's *self* CPU
 time is put in one category:
 
@@ -130,6 +132,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also profile a compiled twin of every model")
     parser.add_argument("--shapes", nargs="+", choices=[shape_tag(s) for s in SHAPES])
     parser.add_argument("--strategy", choices=STRATEGIES, default="auto", help="our experts' slot geometry")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: steps under autocast")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
@@ -146,9 +149,11 @@ def main() -> None:
         models.setdefault(f"ours_dense_dff{shape[1] * shape[2]}", Transformer(our_config(None, shape[1] * shape[2])))
     if args.compile:
         models.update({f"{name}_compiled": compiled_twin(m, hf=False) for name, m in list(models.items())})
-    gemms = {(m, k, n): gemm_fn(m, k, n) for m, k, n in GEMM_SHAPES}
+    bf16 = args.precision == "bf16"
+    gemm_dtype = torch.bfloat16 if bf16 else torch.float32
+    gemms = {(m, k, n): gemm_fn(m, k, n, gemm_dtype) for m, k, n in GEMM_SHAPES}
     gemm_times: dict[tuple[int, int, int], list[float]] = {shape: [] for shape in gemms}
-    steps = {name: step_fn(model, hf=False) for name, model in models.items()}
+    steps = {name: step_fn(model, hf=False, bf16=bf16) for name, model in models.items()}
     for _ in range(args.warmup):
         for step in steps.values():
             step()
@@ -179,6 +184,7 @@ def main() -> None:
         }
     setup = {
         "strategy": args.strategy,
+        "precision": args.precision,
         "batch": BATCH,
         "seq": SEQ,
         "steps": args.steps,
