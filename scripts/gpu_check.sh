@@ -10,7 +10,8 @@
 #   bash scripts/gpu_check.sh
 #       ON THE GPU MACHINE (no internet; carry .gpu-sdists): build grouped_gemm and megablocks from
 #       those sdists into /tmp/gpu-site (in parallel, patched for CUDA 13), run the GPU-marked tests
-#       (tests/gpu: MegaBlocks and grouped-GEMM parity vs the torch backend's loop, a CPU-trained checkpoint
+#       (tests/gpu: MegaBlocks and grouped-GEMM parity vs the torch backend's loop, the experts' custom
+#       ops on CUDA (opcheck, a compiled bf16 step = eager), a CPU-trained checkpoint
 #       evaluated on the MegaBlocks path), `moe-lit fit` with configs/trainer/ddp.yaml and fsdp2.yaml on
 #       every GPU (20 steps, resumed from step 10) and benchmarks/gpu_throughput.py (eager, plus the moe-180m
 #       step compiled on the megablocks and grouped backends). Logs and the benchmark
@@ -89,9 +90,11 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import megablocks, grouped_gemm; print('megablocks', megablocks.__file__, 'grouped_gemm OK')" \
   || echo "MegaBlocks does not import: its tests skip and the benchmark records the error"
 
-stamp "GPU tests (tests/gpu, 90 s limit)"
+stamp "GPU tests (tests/gpu and the experts' custom ops on CUDA, 90 s limit)"
 # NOTE: no network here: the CPU stand-in test's pip download must fail fast (it then skips).
-PIP_NO_INDEX=1 timeout 90 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu 2>&1 | tail -n 40
+PIP_NO_INDEX=1 timeout 90 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu \
+  tests/model/test_expert_ops.py::test_on_cuda_the_ops_pass_opcheck_and_a_compiled_bf16_block_is_one_graph_with_the_eager_losses \
+  2>&1 | tail -n 40
 echo "pytest exit ${PIPESTATUS[0]}"
 
 stamp "moe-lit fit with ddp.yaml and fsdp2.yaml on every GPU, each resumed once (150 s limit)"
