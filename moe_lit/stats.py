@@ -239,6 +239,11 @@ def format_summary(s: Summary, digits: int = 4) -> str:
     return f"{s.mean:.{digits}f} ± {s.std:.{digits}f} ({count})"
 
 
+def format_values(values: Sequence[float], digits: int = 4) -> str:
+    """:func:`format_summary` of the values; empty for none (a table cell of an arm not measured)."""
+    return format_summary(summarize(values), digits) if len(values) else ""
+
+
 def format_estimate(d: Difference, digits: int = 4) -> str:
     """``-0.0170 [-0.0401, +0.0061]``: the estimate and its 95% CI; ``-0.0361 (no CI)`` untested."""
     if not d.testable:
@@ -247,10 +252,10 @@ def format_estimate(d: Difference, digits: int = 4) -> str:
 
 
 def format_p(p: float) -> str:
-    """Two significant digits (``0.087``, ``0.0054``, ``< 1e-6``); ``n/a`` for NaN."""
+    """Three significant digits (``0.0869``, ``0.0495``, ``< 1e-6``); ``n/a`` for NaN."""
     if _nan(p):
         return "n/a"
-    return "< 1e-6" if p < 1e-6 else f"{p:.2g}"
+    return "< 1e-6" if p < 1e-6 else f"{p:.3g}"
 
 
 def format_difference(d: Difference, digits: int = 4) -> str:
@@ -275,6 +280,7 @@ __all__ = [
     "format_estimate",
     "format_p",
     "format_summary",
+    "format_values",
     "holm",
     "paired_difference",
     "summarize",

@@ -14,16 +14,11 @@ unless ``--force``, an ``--out`` that is or holds the input always.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from typing import Any
 
-import torch
-
+from moe_lit.convert.recipes import PRUNING, calibration_batches, partition_dense
 from moe_lit.errors import MoeLitError
 
 PARTITION_FILE = "partition.json"
-PRUNING = "pruning"
-"""The structured-pruning baseline: a dense model cut to the active width d_ff * k / E (no experts)."""
 
 
 def run_partition(args: argparse.Namespace) -> int:
@@ -77,43 +72,6 @@ def run_partition(args: argparse.Namespace) -> int:
     return 0
 
 
-def partition_dense(
-    dense,
-    method: str,
-    num_experts: int,
-    top_k: int,
-    batches: Iterator[torch.Tensor] | None = None,
-    *,
-    router: str | None = None,
-    calibration_tokens: int = 16_384,
-    router_steps: int = 100,
-    train_tokens: int = 65_536,
-    lr: float = 1e-2,
-    train_dense: bool = False,
-    balancing: str = "aux_loss",
-    seed: int = 0,
-) -> tuple[Any, dict[str, Any]]:
-    """(the MoE, what was done) for a dense model: the conversion of ``moe-lit convert partition``
-    (its options, without the files), also the transform of the ``partition`` study kind.
-    ``batches``: the calibration / DOT-MoE training stream (:func:`calibration_batches`)."""
-    if method == "dot_moe":
-        return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed)
-    if method == PRUNING:
-        return _pruning(dense, num_experts, top_k, batches, calibration_tokens)
-    return _heuristic(
-        dense,
-        method,
-        num_experts,
-        top_k,
-        batches,
-        router or "centroid",
-        calibration_tokens,
-        router_steps,
-        balancing,
-        seed,
-    )
-
-
 def _check_arguments(args: argparse.Namespace) -> None:
     from moe_lit.convert.partition import NEEDS_CALIBRATION
 
@@ -134,87 +92,4 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
 
 
-def calibration_batches(data_dir, cfg, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    """The training stream of the prepared ``data_dir``, at the model's sequence length."""
-    from moe_lit.lit.datamodule import MoEDataModule
-
-    datamodule = MoEDataModule(str(data_dir), seq_len=cfg.seq_len, batch_size=batch_size, seed=seed)
-    if datamodule.vocab_size != cfg.vocab_size:
-        raise MoeLitError(
-            f"--calibration: its tokenizer has {datamodule.vocab_size} tokens, the model {cfg.vocab_size}; "
-            "prepare the data with the model's tokenizer"
-        )
-    return iter(datamodule.train_dataloader())
-
-
-def _take(batches: Iterator[torch.Tensor], tokens: int) -> list[torch.Tensor]:
-    """Whole batches from ``batches`` until ``tokens`` predicted tokens are covered."""
-    out, seen = [], 0
-    for batch_BL1 in batches:
-        out.append(batch_BL1)
-        seen += batch_BL1[:, 1:].numel()
-        if seen >= tokens:
-            return out
-    raise MoeLitError(f"--calibration: the training stream has only {seen} tokens, fewer than the {tokens} asked")
-
-
-def _heuristic(dense, method, num_experts, top_k, batches, router, calibration_tokens, router_steps, balancing, seed):
-    from moe_lit.convert.calibration import ffn_inputs
-    from moe_lit.convert.partition import assign_neurons, build_routers, partition_ffn, partitioned_config
-
-    cfg = partitioned_config(dense.config, num_experts, top_k, balancing=balancing)
-    calibration, tokens = None, 0
-    if batches is not None and (method == "coactivation" or router == "trained"):
-        taken = _take(batches, calibration_tokens)
-        tokens = sum(b[:, 1:].numel() for b in taken)
-        calibration = ffn_inputs(dense, taken, calibration_tokens)
-    assignment = assign_neurons(dense, method, num_experts, calibration, seed, cfg.moe_layer_ids)
-    routers = build_routers(dense, assignment, router, num_experts, calibration, seed, router_steps)
-    model = partition_ffn(dense, assignment, num_experts, top_k, routers, seed, balancing=balancing)
-    return model, {"router": router, "calibration_tokens": tokens, "train_tokens": 0}
-
-
-def _pruning(dense, num_experts, top_k, batches, calibration_tokens):
-    from moe_lit.convert.calibration import ffn_inputs
-    from moe_lit.convert.prune_dense import prune_dense_ffn
-
-    if num_experts < 1 or top_k < 1 or (dense.config.d_ff * top_k) % num_experts:
-        raise MoeLitError(
-            f"--top-k/--experts: pruning keeps d_ff * k / E neurons, which must be a whole number; "
-            f"got d_ff={dense.config.d_ff}, k={top_k}, E={num_experts}"
-        )
-    keep = dense.config.d_ff * top_k // num_experts
-    calibration = ffn_inputs(dense, batches, calibration_tokens)
-    tokens = min(len(x_TD) for x_TD in calibration.values())
-    return prune_dense_ffn(dense, calibration, keep), {
-        "router": None,
-        "calibration_tokens": tokens,
-        "train_tokens": 0,
-        "kept_neurons": keep,
-    }
-
-
-def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed):
-    from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe, fit_dot_moe
-    from moe_lit.lit.optim import OptimConfig
-
-    if batches is None:
-        raise MoeLitError("calibration: method dot_moe needs training batches (calibration_batches of a prepared dir)")
-    cfg = DotMoEConfig(train_dense=train_dense)
-    student = dot_moe_student(dense, num_experts, top_k, cfg, seed, balancing=balancing)
-    taken = _take(batches, train_tokens)
-    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
-    fit_dot_moe(dense, student, taken, cfg, optim)
-    tokens = sum(b[:, 1:].numel() for b in taken)
-    record = {
-        "router": "learned",
-        "calibration_tokens": 0,
-        "train_tokens": tokens,
-        "steps": len(taken),
-        "train_dense": train_dense,
-        "lr": lr,
-    }
-    return export_dot_moe(student), record
-
-
-__all__ = ["PARTITION_FILE", "PRUNING", "calibration_batches", "partition_dense", "run_partition"]
+__all__ = ["PARTITION_FILE", "calibration_batches", "partition_dense", "run_partition"]

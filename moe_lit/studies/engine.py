@@ -113,6 +113,14 @@ class Call:
         if not isinstance(self.path, str) or self.path.count(":") != 1:
             raise ConfigError(f"call.path: expected 'package.module:attribute', got {self.path!r}")
 
+    @classmethod
+    def of(cls, fn: Callable[..., Any], **kwargs: Any) -> Call:
+        """The call of a module-level function or class by its import path (``module:name``, the
+        string the point's hash covers), so that no path is written by hand."""
+        if "<" in fn.__qualname__ or "." in fn.__qualname__:
+            raise ConfigError(f"call: {fn.__qualname__} is not a module-level function or class")
+        return cls(f"{fn.__module__}:{fn.__qualname__}", kwargs)
+
     def resolve(self) -> Callable[..., Any]:
         module, attribute = self.path.split(":")
         return getattr(importlib.import_module(module), attribute)

@@ -2,9 +2,11 @@
 
 Everything here reads ``results/<study>/study.json`` and ``runs/<hash>.json`` only, so a report can
 be rebuilt at any time (``moe-lit study report``), also while a study still runs. The kind's
-``analyse`` supplies the findings, tables and plots; this module the rest. A report built from
-fewer finished points than the one it would replace is refused unless ``force`` (a fresh clone
-without the records must never overwrite the shipped results).
+``analyse`` supplies its claims (tested), findings, tables and plots; this module judges the
+claims together (:func:`moe_lit.studies.verdicts.judge`: Holm over the study's claims, one verdict
+each), names the tests used in the header, and writes the rest. A report built from fewer finished
+points than the one it would replace is refused unless ``force`` (a fresh clone without the
+records must never overwrite the shipped results).
 """
 
 from __future__ import annotations
@@ -21,12 +23,10 @@ from typing import Any
 from moe_lit.accounting import markdown_table
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json, atomic_write_text
-
-# NOTE: re-exported for the kinds that import them from here; they live in moe_lit.plotting.
-from moe_lit.plotting import pyplot, save_figure
 from moe_lit.studies.engine import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
 from moe_lit.studies.kinds import Analysis, kind_module
 from moe_lit.studies.study import study_from_plan
+from moe_lit.studies.verdicts import Verdict, judge, report_json, used_tests
 
 PLOTS_DIR = "plots"
 LOSS = "val_loss"
@@ -133,9 +133,12 @@ def summary_markdown(
     analysis: Analysis,
     level: int = 1,
     plots_href: str = PLOTS_DIR,
+    verdicts: list[Verdict] | None = None,
 ) -> str:
     """The study's markdown summary; ``level`` is the level of its top heading, ``plots_href`` the
-    plot folder as seen from where the markdown lives."""
+    plot folder as seen from where the markdown lives; ``verdicts``: the judged claims (default:
+    :func:`~moe_lit.studies.verdicts.judge` of the analysis' claims)."""
+    verdicts = judge(analysis.claims) if verdicts is None else verdicts
     failed = [r for r in records if r["status"] == STATUS_FAILED]
     pending = len(plan["points"]) - len(records)
     top, sub = "#" * level, "#" * (level + 1)
@@ -145,11 +148,12 @@ def summary_markdown(
         plan.get("description", "").strip(),
         f"Command: `{plan['command']}`" if plan.get("command") else "",
         f"{len(plan['points'])} points: {len(records) - len(failed)} ok, {len(failed)} failed, {pending} pending; "
-        f"seeds {seeds} (values are mean ± std over the seeds, n = seeds finished; differences are called "
-        "significant at p < 0.05 by Welch's t-test).",
-        f"{sub} Findings (computed from the runs below)",
-        "\n".join(analysis.findings) or "(not enough finished runs)",
+        f"seeds {seeds} (values are mean ± std over the seeds, n = seeds finished). {used_tests(verdicts)}".strip(),
+        f"{sub} Claims (verdicts: reproduced, contradicted, not detected, untestable here)",
+        markdown_table([v.fields for v in verdicts]) if verdicts else "(not enough finished runs)",
     ]
+    if analysis.findings:
+        parts += [f"{sub} Findings (computed from the runs below)", "\n".join(analysis.findings)]
     for title, rows in analysis.tables.items():
         parts += [f"{sub} {title}", markdown_table(rows) if rows else "(none finished)"]
     if failed:
@@ -160,7 +164,9 @@ def summary_markdown(
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def update_readme(readme: Path, out_dir: Path, plan: dict[str, Any], records, analysis: Analysis) -> Path:
+def update_readme(
+    readme: Path, out_dir: Path, plan: dict[str, Any], records, analysis: Analysis, verdicts: list[Verdict]
+) -> Path:
     """Replace the block between ``<!-- study:NAME -->`` and ``<!-- /study:NAME -->`` in ``readme``
     with the summary (headings at level 3, plot links relative to the README)."""
     readme = Path(readme)
@@ -173,7 +179,7 @@ def update_readme(readme: Path, out_dir: Path, plan: dict[str, Any], records, an
     href = os.path.relpath(
         Path(out_dir) / PLOTS_DIR, readme.resolve().parent if readme.is_absolute() else readme.parent
     )
-    body = summary_markdown(plan, records, analysis, level=3, plots_href=Path(href).as_posix())
+    body = summary_markdown(plan, records, analysis, level=3, plots_href=Path(href).as_posix(), verdicts=verdicts)
     return atomic_write_text(readme, f"{head}{begin}\n{body}{end}{tail}")
 
 
@@ -206,20 +212,22 @@ def write_report(out_dir: Path, readme: Path | None = None, force: bool = False)
     finished = sum(r["status"] == STATUS_OK for r in records)
     _refuse_fewer(out_dir, finished, force)
     analysis = kind_module(plan.get("kind", "dense_vs_sparse")).analyse(plan, records, out_dir / PLOTS_DIR)
+    verdicts = judge(analysis.claims)
     paths = {
         "runs_csv": atomic_write_text(out_dir / "runs.csv", runs_csv(records)),
-        "summary": atomic_write_text(out_dir / "summary.md", summary_markdown(plan, records, analysis)),
+        "summary": atomic_write_text(
+            out_dir / "summary.md", summary_markdown(plan, records, analysis, verdicts=verdicts)
+        ),
     }
     if readme is not None:
-        paths["readme"] = update_readme(readme, out_dir, plan, records, analysis)
-    atomic_write_json(out_dir / REPORT_FILE, {"finished": finished, "points": len(plan["points"])})
+        paths["readme"] = update_readme(readme, out_dir, plan, records, analysis, verdicts)
+    report = {"finished": finished, "points": len(plan["points"]), "claims": report_json(verdicts)}
+    atomic_write_json(out_dir / REPORT_FILE, report)
     return paths | {p.stem: p for p in analysis.plots}
 
 
 __all__ = [
     "aggregate",
-    "pyplot",
-    "save_figure",
     "flat_row",
     "load_study",
     "runs_csv",

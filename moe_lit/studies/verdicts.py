@@ -7,10 +7,11 @@ claim of no effect, the equivalence margin stated in the study file before it ra
     claim = Claim("MoE interferes less", "interference", ("moe", "dense"), LOWER)
     evidence = claim.on({0: 0.11, 1: 0.09, 2: 0.12}, {0: 0.15, 1: 0.14, 2: 0.16})   # seed -> value
 
-``on`` pairs the arms by seed where they share seeds (the paired t-test) and uses Welch's test
-only where they share none; ``b`` may be a number (the one-sample test against it). A claim the
-study cannot test says why (``untestable``, or :meth:`Claim.missing`). :func:`judge` adjusts the
-p-values of a study's tested claims by Holm and gives each one verdict:
+``on`` (``on_records``: the arms named by a field of the study's records) pairs the arms by seed
+where they share seeds (the paired t-test) and uses Welch's test only where they share none; ``b``
+may be a number (the one-sample test against it). A claim the study cannot test says why
+(``untestable``, or :meth:`Claim.missing`). :func:`judge` adjusts the p-values of a study's
+tested claims by Holm and gives each one verdict:
 
 * **reproduced**: the claimed effect, significant after Holm; for a claim of no effect,
   equivalence shown (TOST within the margin);
@@ -50,6 +51,7 @@ from moe_lit.stats import (
     paired_difference,
     welch_difference,
 )
+from moe_lit.studies.records import Value, by_seed
 
 REPRODUCED, CONTRADICTED, NOT_DETECTED, UNTESTABLE = "reproduced", "contradicted", "not detected", "untestable here"
 VERDICTS = (REPRODUCED, CONTRADICTED, NOT_DETECTED, UNTESTABLE)
@@ -129,6 +131,11 @@ class Claim:
         else:
             decides, p = ("equivalence", test.p) if test.p < difference.p else ("difference", difference.p)
         return Evidence(self, difference, test, decides, p)
+
+    def on_records(self, records: Sequence[dict[str, Any]], value: Value, by: str = "config_name") -> Evidence:
+        """The claim tested on the ok records whose field ``by`` names its arms: ``value`` per seed."""
+        a, b = (by_seed(records, value, **{by: arm}) for arm in self.arms)
+        return self.on(a, b)
 
     def missing(self, reason: str) -> Evidence:
         """The claim without values: untestable here for ``reason`` (e.g. an arm did not finish)."""
@@ -239,7 +246,7 @@ def _row(evidence: Evidence, p_holm: float, word: str) -> dict[str, Any]:
         "p": _p_label(evidence),
         "Holm p": format_p(p_holm),
         f"MDE (power {POWER:g})": "n/a" if d is None or math.isnan(d.mde) else f"{d.mde:.{digits}f}",
-        "paper": "" if claim.paper is None else f"{claim.paper:+.{digits}g}",
+        "paper": "" if claim.paper is None else f"{claim.paper:+.{digits}f}",
         "verdict": verdict,
     }
 
@@ -253,9 +260,9 @@ def used_tests(verdicts: Sequence[Verdict]) -> str:
         return f"{len(verdicts)} claims, none testable here (reasons in the claims table)." if verdicts else ""
     used = ", ".join(TEST_SOURCES[name] for name in dict.fromkeys(names))
     return (
-        f"Claims: {used}; each claim's 95% CI and its p adjusted by Holm over the study's {len(tested)} tested "
-        f"claims (statsmodels multipletests), alpha {ALPHA:g}; MDE: the smallest |a - b| detected with power "
-        f"{POWER:g} at the claim's n and observed noise (statsmodels TTestPower / TTestIndPower)."
+        f"Tests: {used}. Each claim has its 95% CI and its p adjusted by Holm over the study's {len(tested)} "
+        f"tested claims (statsmodels multipletests), alpha {ALPHA:g}; MDE: the smallest |a - b| detected with "
+        f"power {POWER:g} at the claim's n and observed noise (statsmodels TTestPower / TTestIndPower)."
     )
 
 

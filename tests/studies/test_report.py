@@ -3,9 +3,10 @@ import csv
 import pytest
 
 from moe_lit.errors import MoeLitError
-from moe_lit.studies.kinds.dense_vs_sparse import findings
+from moe_lit.studies.kinds.dense_vs_sparse import claims, findings
 from moe_lit.studies.report import aggregate, load_study, write_report
 from moe_lit.studies.study import parse_study, run_study
+from moe_lit.studies.verdicts import NO_MARGIN, judge
 from tests.helpers.studies import small_spec
 from tests.studies import fakes
 
@@ -76,27 +77,33 @@ def test_summary_and_plots(study_dir):
         assert f"![{name}](plots/{name}.png)" in text
 
 
-def test_findings_check_the_seed_claims_with_numbers(study_dir):
-    _, records = load_study(study_dir)
-    lines = findings(aggregate(records))
+def test_claims_and_findings_of_the_seed_with_numbers(study_dir):
+    plan, records = load_study(study_dir)
+    rows = aggregate(records)
+    lines = findings(rows)
 
     def line(prefix):
         return next(text for text in lines if text.startswith(prefix))
 
     total_m = line("- **Loss vs total params at fixed active** (M")
-    assert "loss falls at 2 of 2 steps up in total params" in total_m and "dense -0.1037: **reproduced**" in total_m
-    assert total_m.endswith("seed noise: diff -0.1037 (n=1 vs n=1): not testable (n < 2).")
+    assert total_m.endswith("dense 4.9425 → E4 4.8945 → E8 4.8388.")
     total_s = line("- **Loss vs total params at fixed active** (S")
-    assert "E8" not in total_s and "1 of 1 steps" in total_s  # the failed point is left out
-    best = line("- **Best expert size at fixed active** (M)")
-    assert "E4: F=126 (k=1, " in best and "**reproduced: the same expert size at every E**" in best
-    capacity = line("- **capacity**")
-    assert "loss minus dropless: cf=1 +0.0200, cf=2 +0.0100 (positive = dropless better): **reproduced**" in capacity
-    assert "seed noise: cf=1 diff 0.0200 (n=1 vs n=1): not testable (n < 2)" in capacity  # one seed: no test
-    balancing = line("- **balancing**")
-    assert "spread 0.0000 vs the expert-count effect" in balancing and "**reproduced: small**" in balancing
-    shared = line("- **shared**")  # fewer total params with a shared expert: the fake loss rises a bit
-    assert "; spread 0.0216 vs the expert-count effect 0.1037" in shared and shared.endswith("**reproduced: small**.")
+    assert "E8" not in total_s  # the failed point is left out
+    assert "E4: F=126 (k=1, " in line("- **Best expert size at fixed active** (M)")
+    assert line("- **capacity**") == "- **capacity**: dropless 4.8945, cf=1 4.9145, cf=2 4.9045."  # 0.02 / cf
+    verdicts = judge(claims(rows, plan["spec"]["ablations"], margin=0.01))
+    texts = [v.evidence.claim.text for v in verdicts]
+    assert texts[:3] == [
+        "S, top-2: at fixed active params the most total params beat dense",  # S/E8k2 failed: no smallest MoE
+        "M, top-2: at fixed active params the most total params beat dense",
+        "M, top-2: at fixed active params the most total params beat the smallest MoE",
+    ]
+    assert "dropless beats token dropping (cf=1)" in texts and "shared: 0.5 matters little" in texts
+    # one seed: every claim is untestable here, for want of a noise estimate
+    assert {v.word for v in verdicts} == {"untestable here"}
+    assert {v.evidence.reason for v in verdicts} == {"no noise estimate: 1 seed"}
+    unstated = judge(claims(rows, plan["spec"]["ablations"]))  # no margin stated: the no-effect claims say so
+    assert {v.evidence.reason for v in unstated if v.evidence.claim.direction == "equivalent"} == {NO_MARGIN}
 
 
 def test_readme_block_is_filled_and_the_rest_kept(study_dir, tmp_path):

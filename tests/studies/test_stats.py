@@ -101,4 +101,4 @@ def test_format_summary():
     assert format_summary(summarize([5.681])) == "5.6810 (n=1)"
     assert format_summary(summarize([1.0, 2.0, math.nan]), digits=2) == "1.50 ± 0.71 (n=2, 1 NaN)"
     d = paired_difference([1.0, 2.0, 3.0], [1.1, 2.3, 3.2])
-    assert format_difference(d).startswith("-0.2000 [") and format_difference(d).endswith(" (paired t-test, p=0.074)")
+    assert format_difference(d).startswith("-0.2000 [") and format_difference(d).endswith(" (paired t-test, p=0.0742)")

@@ -67,7 +67,7 @@ def test_within_noise_is_not_detected_with_the_mde_and_the_papers_effect_beside_
     assert verdict.word == NOT_DETECTED
     d = verdict.evidence.difference
     assert d.mde > abs(d.estimate) and verdict.fields["MDE (power 0.8)"] == f"{d.mde:.4f}"
-    assert verdict.fields["paper"] == "-0.05"
+    assert verdict.fields["paper"] == "-0.0500"
 
 
 def test_a_claim_of_no_effect_needs_its_margin_and_is_reproduced_by_tost():

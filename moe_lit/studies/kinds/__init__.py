@@ -1,23 +1,23 @@
-"""Study kinds: each a small plug-in module of the one engine (:mod:`moe_lit.studies.engine`).
+"""Study kinds: each a short declaration the one engine (:mod:`moe_lit.studies.engine`) runs.
 
-A kind module provides
-
-* ``default_run() -> dict``: the base run config sections it assumes (the study's ``run`` overrides them);
-* ``parse(fields: dict, header: StudyHeader) -> spec``: its own YAML fields, validated;
-* ``expand(spec, header) -> list[Point]``: the points (with parent links where they fork);
-* ``analyse(plan, records, plots_dir) -> Analysis``: tables, findings and plots from the records.
+A kind module is a :class:`StudyKind`: its spec (``parse``: the study file's own fields, built
+and validated by :func:`moe_lit.studies.spec.parser`), its plan (``expand``: the points, with
+parent links where they fork) and its analysis (``analyse``: the claims it tests, its tables and
+at most a few plots of its own). The claims are judged together by
+:func:`moe_lit.studies.verdicts.judge` in the report; records are read through
+:mod:`moe_lit.studies.records`; shared measurements are in :mod:`moe_lit.studies.measures`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol, cast
 
 from moe_lit.config import ConfigError
+from moe_lit.studies.engine import Point
+from moe_lit.studies.verdicts import Evidence
 
 KINDS = {
     "dense_vs_sparse": "moe_lit.studies.kinds.dense_vs_sparse",
@@ -34,29 +34,40 @@ KINDS = {
 class Analysis:
     """What a kind computes from its records: the report's body."""
 
+    claims: list[Evidence] = field(default_factory=list)
+    """Each declared claim tested on the records (the report judges them together)."""
     findings: list[str] = field(default_factory=list)
-    """Markdown bullets: each claim checked, with its numbers, the seed noise and a verdict."""
+    """Markdown bullets: what the numbers show beyond the claims (no verdict words)."""
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Title -> rows (markdown tables, in order)."""
     plots: list[Path] = field(default_factory=list)
     """PNG files written under the plots directory."""
 
 
-def check_fields(spec_cls: type, fields: dict[str, Any], required: tuple[str, ...] = ()) -> None:
-    """A kind's own fields: unknown keys and missing required ones are one-line errors."""
-    known = [f.name for f in dataclasses.fields(spec_cls)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
-    for name in required:
-        if name not in fields:
-            raise ConfigError(f"{name}: is required")
+class StudyKind(Protocol):
+    """The plug-in interface of a kind (a module)."""
+
+    def default_run(self) -> dict[str, Any]:
+        """The base run config sections it assumes (the study's ``run`` overrides them)."""
+        ...
+
+    def parse(self, fields: dict[str, Any], header: Any) -> Any:
+        """Its own YAML fields as its spec dataclass, validated."""
+        ...
+
+    def expand(self, spec: Any, header: Any) -> list[Point]:
+        """The points of the study."""
+        ...
+
+    def analyse(self, plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
+        """Claims, findings, tables and plots from the records."""
+        ...
 
 
-def kind_module(name: Any) -> ModuleType:
+def kind_module(name: Any) -> StudyKind:
     if name not in KINDS:
         raise ConfigError(f"kind: got {name!r}, allowed values: {', '.join(KINDS)}")
-    return importlib.import_module(KINDS[name])
+    return cast(StudyKind, importlib.import_module(KINDS[name]))
 
 
-__all__ = ["Analysis", "KINDS", "check_fields", "kind_module"]
+__all__ = ["Analysis", "KINDS", "StudyKind", "kind_module"]

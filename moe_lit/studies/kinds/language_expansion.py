@@ -7,9 +7,9 @@ schedule) on a mix that adds the new languages, with the same token budget: ``de
 Interference = change in val loss on the base languages from the switch to the end; gain = the drop
 on the new languages; routing: the JS divergence of each new language's expert usage from the base
 languages' mean (0 = same experts, 1 = disjoint), measured on validation tokens after the continuation.
-Plot ``plots/interference.png``: the interference per arm and each MoE arm minus dense, paired by
-seed (± std over seeds).
-Built only from the engine's parts: parent links (``init``), a transform, a measurement.
+Claims (Marco-MoE): each MoE arm interferes less than dense, paired by seed (the arms of one seed
+read the same data stream). Plot ``plots/interference.png``: the interference per arm and each MoE
+arm minus dense, paired by seed (± std over seeds).
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig
-from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note, zero_line
+from moe_lit.convert.expand import expand_experts
+from moe_lit.stats import format_summary, summarize
+from moe_lit.studies import plots
+from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start
-from moe_lit.studies.kinds import Analysis, check_fields
-from moe_lit.studies.stats import compare_paired, format_comparison, format_summary, summarize
+from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.records import minus, select
+from moe_lit.studies.verdicts import LOWER, Claim
 
 ARMS = ("dense", "moe", "moe_grown")
+CLAIM = "an MoE adds languages without the dense model's interference (Marco-MoE)"
+Values = dict[str, dict[str, dict[int, float]]]
+"""arm -> measure -> seed -> value."""
 
 
 @dataclass
@@ -51,9 +58,7 @@ class LanguageExpansionSpec:
 
     def __post_init__(self) -> None:
         for name in ("base_languages", "new_languages"):
-            value = getattr(self, name)
-            if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{name}: must be a non-empty list of language codes, got {value!r}")
+            check.distinct(getattr(self, name), name, each=lambda v: isinstance(v, str), what="language codes")
         if set(self.base_languages) & set(self.new_languages):
             raise ConfigError("new_languages: must not repeat a base language")
         if self.dense.moe is not None:
@@ -68,17 +73,14 @@ def default_run() -> dict[str, Any]:
     return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
 
 
-def parse(fields: dict[str, Any], header) -> LanguageExpansionSpec:
-    check_fields(LanguageExpansionSpec, fields, ("dense", "base_languages", "new_languages"))
-    dense = ModelConfig.from_dict(dict(fields["dense"])).replace(seq_len=header.run.data.seq_len)
-    return LanguageExpansionSpec(**{**fields, "dense": dense})
+parse = check.parser(LanguageExpansionSpec, ("dense", "base_languages", "new_languages"))
 
 
 def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
     moe = matched_moe_config(spec.dense, spec.num_experts, spec.top_k, "active", balancing="bias")
     base_mix = {"languages": spec.languages, "language_weights": {lang: 1.0 for lang in spec.base_languages}}
-    grow = Call("moe_lit.convert.expand:expand_experts", {"factor": spec.grow_factor, "noise": 0.0, "balancing": None})
-    measure = Call("moe_lit.studies.kinds.language_expansion:measure_routing", {"new_languages": spec.new_languages})
+    grow = Call.of(expand_experts, factor=spec.grow_factor, noise=0.0, balancing=None)
+    measure = Call.of(measure_routing, new_languages=spec.new_languages)
     points = []
     for seed in header.seeds:
         pretrain = header.seeded_run(seed, header.run.replace(data=base_mix))
@@ -87,23 +89,19 @@ def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
             train={"max_steps": spec.continue_steps},
             optim={"warmup_steps": spec.continue_warmup},
         )
-        for model_name, model in (("dense", spec.dense), ("moe", moe)):
-            parent = header.point_name(f"{model_name}/base", seed)
-            info = {"phase": "base", "family": model_name}
-            points.append(Point(parent, f"{model_name}/base", seed, model, pretrain, info=info))
-            arms = [("dense", None)] if model_name == "dense" else [("moe", None), ("moe_grown", grow)]
-            for arm, transform in arms:
+        for family, model in (("dense", spec.dense), ("moe", moe)):
+            parent = header.point_name(f"{family}/base", seed)
+            points.append(
+                Point(parent, f"{family}/base", seed, model, pretrain, info={"phase": "base", "family": family})
+            )
+            for arm, transform in [("dense", None)] if family == "dense" else [("moe", None), ("moe_grown", grow)]:
+                info = {"phase": "continued", "family": arm, "base_point": parent}
+                start = Start(parent=parent, mode="init")
+                name = f"{arm}/continued"
+                measured = measure if family == "moe" else None
                 points.append(
                     Point(
-                        header.point_name(f"{arm}/continued", seed),
-                        f"{arm}/continued",
-                        seed,
-                        model,
-                        cont,
-                        info={"phase": "continued", "family": arm, "base_point": parent},
-                        start=Start(parent=parent, mode="init"),
-                        transform=transform,
-                        measure=measure if model_name == "moe" else None,
+                        header.point_name(name, seed), name, seed, model, cont, info, start, transform, measure=measured
                     )
                 )
     return points
@@ -117,130 +115,99 @@ def measure_routing(point: Point, result: Any, run_dir: Path, new_languages: lis
     from moe_lit.analysis.routing import js_divergence, usage_by_language
     from moe_lit.checkpoint import load_model
     from moe_lit.evaluation.routing_trace import routing_trace
-    from moe_lit.lit.datamodule import MoEDataModule
+    from moe_lit.studies.measures import validation_batches
 
-    data = point.run.data
     model = load_model(result.checkpoint).eval()
-    datamodule = MoEDataModule(
-        data.resolved_dir(),
-        seq_len=data.seq_len,
-        batch_size=data.batch_size,
-        languages=data.languages,
-        val_batches=data.val_batches,
-        seed=point.seed,
-    )
-    languages = datamodule.languages
+    batches = validation_batches(point.run)
+    languages = list(batches)
     with torch.no_grad(), routing_trace(model) as recorder:
-        for lang, loader in zip(languages, datamodule.val_dataloader(), strict=False):
+        for lang, loader in batches.items():
             for batch_BL1 in loader:
                 recorder.set_labels(language=lang)
                 model(batch_BL1[:, :-1])
     usage_GME = usage_by_language(recorder.trace(), languages)
-    base = [i for i, lang in enumerate(languages) if lang not in new_languages]
-    base_ME = usage_GME[base].mean(dim=0)
+    base_ME = usage_GME[[i for i, lang in enumerate(languages) if lang not in new_languages]].mean(dim=0)
     js = {lang: float(js_divergence(usage_GME[languages.index(lang)], base_ME).mean()) for lang in new_languages}
     return {"routing_js_new_vs_base": js}
 
 
-def _losses(record: dict[str, Any], languages: list[str]) -> float:
+def _loss(record: dict[str, Any], languages: list[str]) -> float:
     per = record["val_loss_per_language"]
     return sum(per[lang] for lang in languages) / len(languages)
 
 
-def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
-    spec = plan["spec"]
-    base_langs, new_langs = spec["base_languages"], spec["new_languages"]
-    ok = {r["name"]: r for r in records if r["status"] == "ok"}
-    # arm -> measure -> seed -> value (paired by seed: the arms of one seed read the same data stream)
-    per_arm: dict[str, dict[str, dict[int, float]]] = {arm: {} for arm in ARMS}
-    for record in ok.values():
+def per_arm(plan: dict[str, Any], records: list[dict[str, Any]]) -> Values:
+    """arm -> measure (interference, gain, base, new, js) -> seed -> value, each continued run
+    against its own base point."""
+    base_langs, new_langs = plan["spec"]["base_languages"], plan["spec"]["new_languages"]
+    ok = {r["name"]: r for r in select(records)}
+    out: Values = {arm: {} for arm in ARMS}
+    for record in select(records, phase="continued"):
         parent = ok.get(record.get("base_point") or "")
-        if record["phase"] != "continued" or parent is None:
+        if parent is None:
             continue
         values = {
-            "interference": _losses(record, base_langs) - _losses(parent, base_langs),
-            "gain": _losses(parent, new_langs) - _losses(record, new_langs),
-            "base": _losses(record, base_langs),
-            "new": _losses(record, new_langs),
+            "interference": _loss(record, base_langs) - _loss(parent, base_langs),
+            "gain": _loss(parent, new_langs) - _loss(record, new_langs),
+            "base": _loss(record, base_langs),
+            "new": _loss(record, new_langs),
         }
         if record.get("routing_js_new_vs_base"):
             values["js"] = sum(record["routing_js_new_vs_base"].values()) / len(new_langs)
         for key, value in values.items():
-            per_arm[record["family"]].setdefault(key, {})[record.get("seed", 0)] = value
+            out[record["family"]].setdefault(key, {})[record.get("seed", 0)] = value
+    return out
+
+
+COLUMNS = {
+    "interference (base-language loss change; < 0: improved)": "interference",
+    "final loss, base languages": "base",
+    "gain on new languages": "gain",
+    "final loss, new languages": "new",
+    "JS(new vs base usage), bits": "js",
+}
+
+
+def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
+    values = per_arm(plan, records)
 
     def cell(arm: str, key: str) -> str:
-        values = per_arm[arm].get(key)
-        return format_summary(summarize(list(values.values()))) if values else ""
+        return format_summary(summarize(list(values[arm][key].values()))) if key in values[arm] else ""
 
-    rows = [
-        {
-            "arm": arm,
-            "interference (base-language loss change; < 0: improved)": cell(arm, "interference"),
-            "final loss, base languages": cell(arm, "base"),
-            "gain on new languages": cell(arm, "gain"),
-            "final loss, new languages": cell(arm, "new"),
-            "JS(new vs base usage), bits": cell(arm, "js"),
-        }
-        for arm in ARMS
-        if per_arm[arm]
+    rows = [{"arm": arm} | {title: cell(arm, key) for title, key in COLUMNS.items()} for arm in ARMS if values[arm]]
+    dense = values["dense"].get("interference", {})
+    claims = [
+        Claim(f"{arm}: {CLAIM}", "interference", (arm, "dense"), LOWER).on(mine, dense)
+        for arm in ("moe", "moe_grown")
+        if (mine := values[arm].get("interference")) and dense
     ]
-    findings = []
-    dense = per_arm["dense"].get("interference", {})
-    for arm in ("moe", "moe_grown"):
-        mine = per_arm[arm].get("interference", {})
-        seeds = sorted(set(mine) & set(dense))
-        if seeds:
-            verdict = compare_paired([mine[s] for s in seeds], [dense[s] for s in seeds])
-            findings.append(
-                f"- **Interference, {arm} minus dense** (Marco-MoE: an MoE adds languages without the dense "
-                f"model's interference; paired by seed): {format_comparison(verdict)}; "
-                f"**{'reproduced' if verdict.significant and verdict.diff < 0 else 'not reproduced'}**."
-            )
-    figure = interference_figure(per_arm)
-    plots = [save_figure(figure, Path(plots_dir) / "interference.png")] if figure is not None else []
+    figure = interference_figure(values)
     return Analysis(
-        findings=findings, tables={"Switch to the new languages (mean ± std over seeds)": rows}, plots=plots
+        claims=claims,
+        tables={"Switch to the new languages (mean ± std over seeds)": rows},
+        plots=[plots.save(figure, plots_dir, "interference")] if figure is not None else [],
     )
 
 
-def interference_figure(per_arm: dict[str, dict[str, dict[int, float]]]):
+def interference_figure(values: Values):
     """Interference per arm (± std over seeds) and each MoE arm's minus dense's, paired by seed,
     both around a zero line; None when no arm finished."""
-    arms = [arm for arm in ARMS if per_arm.get(arm, {}).get("interference")]
+    arms = [arm for arm in ARMS if values.get(arm, {}).get("interference")]
     if not arms:
         return None
-    plt = pyplot()
-    fig, (ax_arm, ax_diff) = plt.subplots(1, 2, figsize=(9.5, 4))
-    stats = [summarize(list(per_arm[arm]["interference"].values())) for arm in arms]
-    seed_errorbar(ax_arm, range(len(arms)), stats, linestyle="none")
-    dense = per_arm.get("dense", {}).get("interference", {})
-    others = [arm for arm in arms if arm != "dense" and set(per_arm[arm]["interference"]) & set(dense)]
-    diffs = [
-        summarize([mine[s] - dense[s] for s in sorted(set(mine) & set(dense))])
-        for mine in (per_arm[arm]["interference"] for arm in others)
-    ]
-    seed_errorbar(ax_diff, range(len(others)), diffs, linestyle="none", color="tab:red")
-    for ax, names, title, ylabel in (
-        (
-            ax_arm,
-            arms,
-            f"interference per arm ({spread_note(s.n for s in stats)})",
-            "base-language val loss change, switch to end\n(< 0: improved)",
-        ),
-        (
-            ax_diff,
-            others,
-            f"minus dense, paired by seed ({spread_note(s.n for s in diffs)})",
-            "interference minus dense's\n(> 0: more interference than dense)",
-        ),
-    ):
-        zero_line(ax)
-        ax.set_xticks(range(len(names)), names)
-        ax.set_xlim(-0.6, max(1, len(names)) - 0.4)
-        ax.set(ylabel=ylabel)
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, axis="y", alpha=0.3)
+    fig, (ax_arm, ax_diff) = plots.panels(2, 4.75)
+    stats = [summarize(list(values[arm]["interference"].values())) for arm in arms]
+    dense = values.get("dense", {}).get("interference", {})
+    others = {arm: minus(values[arm]["interference"], dense) for arm in arms if arm != "dense"}
+    others = {arm: diffs for arm, diffs in others.items() if diffs}
+    ylabel = "base-language val loss change, switch to end\n(< 0: improved)"
+    plots.categories(ax_arm, arms, {None: stats}, ylabel, "interference per arm", zero=True)
+    diffs = [summarize(list(d.values())) for d in others.values()]
+    ylabel = "interference minus dense's\n(> 0: more interference than dense)"
+    plots.categories(
+        ax_diff, list(others), {None: diffs}, ylabel, "minus dense, paired by seed", zero=True, color="tab:red"
+    )
     return fig
 
 
-__all__ = ["LanguageExpansionSpec", "analyse", "expand", "interference_figure", "measure_routing", "parse"]
+__all__ = ["LanguageExpansionSpec", "analyse", "expand", "interference_figure", "measure_routing", "parse", "per_arm"]

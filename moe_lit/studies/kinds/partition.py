@@ -1,22 +1,16 @@
 """Study kind ``partition``: how much of a pretrained dense model survives its cut into an MoE?
 
-Per seed: a dense model pretrains (the study's ``run`` budget); from its final weights, one child
-per conversion (a fresh run of the ``recovery`` budget, identical for every child):
-
-* every ``methods`` entry (random | kmeans | coactivation with a router centroid | trained |
-  random, and dot_moe, which learns its routers) at every ``settings`` entry (E experts, top-k) —
-  the conversion of :func:`moe_lit.commands.convert_partition.partition_dense`;
-* ``pruning``: structured pruning (:func:`moe_lit.convert.prune_dense.prune_dense_ffn`) to the same
-  active FFN width d_ff * k / E, once per width;
-* ``dense/recovered``: the dense model itself, trained the same recovery budget (the reference).
-
-Every conversion reads its calibration / DOT-MoE training tokens from the start of the training
-stream of ``run.data``; its token count (``conversion_tokens``, whole batches are read) is a
-column of the table. The measurement (:func:`measure_converted`) validates the converted model
-before recovery. Analysis: loss gap = converted - dense/recovered val loss of the same seed;
-retention = (ln V - L_converted) / (ln V - L_dense), the share of the dense model's loss
-reduction below the uniform prediction (ln V) that is kept; the paper's orderings (DOT-MoE >
-clustering > random, DOT-MoE > pruning) are tested per setting on the gaps by Welch's t-test.
+Per seed a dense model pretrains (the study's ``run``); from its final weights one child per
+conversion, each trained the same ``recovery`` budget: every ``methods`` entry (random | kmeans |
+coactivation with a router centroid | trained | random, and dot_moe, which learns its routers) at
+every ``settings`` entry (E experts, top-k), by :func:`moe_lit.convert.recipes.partition_dense`;
+``pruning``: structured pruning to the same active FFN width d_ff * k / E; ``dense/recovered``:
+the dense model itself (the reference). A conversion reads its calibration / DOT-MoE tokens from
+the start of the training stream (``conversion tokens``, whole batches) and is validated before
+recovery (:func:`measure_converted`). Loss gap = converted - dense/recovered val loss of the same
+seed; retention = (ln V - L_converted) / (ln V - L_dense), the share of the dense model's loss
+reduction below the uniform prediction that is kept. Claims per setting, on the gaps, paired by
+seed: DOT-MoE > clustering > random, DOT-MoE > pruning.
 """
 
 from __future__ import annotations
@@ -28,16 +22,22 @@ from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
-from moe_lit.lit.run_config import _build
-from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
-from moe_lit.studies.kinds import Analysis, check_fields
-from moe_lit.studies.measures import SuiteSpec, measure_child
-from moe_lit.studies.stats import compare, format_comparison, format_summary, summarize
+from moe_lit.convert.recipes import PRUNING
+from moe_lit.plotting import seed_errorbar, spread_note, zero_line
+from moe_lit.stats import format_values, summarize
+from moe_lit.studies import plots
+from moe_lit.studies import spec as check
+from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.measures import SuiteSpec, measure_child, start_validation
+from moe_lit.studies.records import select
+from moe_lit.studies.verdicts import LOWER, Claim
 
-DOT_MOE, PRUNING, DENSE = "dot_moe", "pruning", "dense"
+DOT_MOE, DENSE = "dot_moe", "dense"
 METHODS = (*ASSIGNMENTS, DOT_MOE)
-CLUSTERING = ("kmeans", "coactivation")
-MODULE = "moe_lit.studies.kinds.partition"
+COLOURS = {DOT_MOE: "tab:red", "clustering": "tab:blue", "random": "tab:grey", PRUNING: "tab:green"}
+ORDERINGS = (("DOT-MoE", DOT_MOE, "clustering"), ("clustering", "clustering", "random"), ("DOT-MoE", DOT_MOE, PRUNING))
+"""(who is claimed better, its family, the family it beats)."""
 
 
 @dataclass
@@ -69,14 +69,12 @@ class MethodSpec:
     routers and takes none."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"method: got {self.method!r}, allowed values: {', '.join(METHODS)}")
+        check.choice(self.method, "method", METHODS)
         if self.method == DOT_MOE and self.router is not None:
             raise ConfigError("router: dot_moe learns its routers; leave router out")
         if self.method != DOT_MOE:
             self.router = self.router or "centroid"
-            if self.router not in ROUTERS:
-                raise ConfigError(f"router: got {self.router!r}, allowed values: {', '.join(ROUTERS)}")
+            check.choice(self.router, "router", ROUTERS)
 
     @property
     def name(self) -> str:
@@ -106,11 +104,8 @@ class ConversionSpec:
 
     def __post_init__(self) -> None:
         for name in ("calibration_tokens", "router_steps", "train_tokens", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name}: must be an integer >= 1, got {value!r}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr!r}")
+            check.positive_int(getattr(self, name), name)
+        check.number(self.lr, "lr", 0)
 
 
 @dataclass
@@ -125,12 +120,9 @@ class RecoverySpec:
     """Warmup steps of its fresh schedule."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 1:
-            raise ConfigError(f"steps: must be an integer >= 1, got {self.steps!r}")
-        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or not 0 <= self.warmup < self.steps:
-            raise ConfigError(f"warmup: must be an integer in [0, steps), got {self.warmup!r}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr!r}")
+        check.positive_int(self.steps, "steps")
+        check.int_in(self.warmup, "warmup", 0, self.steps, "steps")
+        check.number(self.lr, "lr", 0)
 
 
 @dataclass
@@ -158,64 +150,31 @@ class PartitionSpec:
     def __post_init__(self) -> None:
         if self.dense.moe is not None:
             raise ConfigError("dense.moe: the dense model must be dense (moe: null)")
-        if not self.settings or not self.methods:
-            raise ConfigError("settings / methods: need at least one entry each")
         for i, setting in enumerate(self.settings):
             try:
                 partitioned_config(self.dense, setting.experts, setting.top_k, balancing=self.balancing)
             except ConfigError as exc:
                 raise ConfigError(f"settings[{i}].{exc}") from None
-        for what, names in (("settings", [s.name for s in self.settings]), ("methods", [m.name for m in self.methods])):
-            if len(set(names)) != len(names):
-                raise ConfigError(f"{what}: an entry is repeated ({names})")
-
-
-def _list(cls, value: Any, name: str) -> list:
-    if not isinstance(value, list) or not value:
-        raise ConfigError(f"{name}: must be a non-empty list of mappings, got {value!r}")
-    return [_build(cls, item, f"{name}[{i}]") for i, item in enumerate(value)]
+        check.distinct([s.name for s in self.settings], "settings", what="settings")
+        check.distinct([m.name for m in self.methods], "methods", what="methods")
 
 
 def default_run() -> dict[str, Any]:
     return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1500}}
 
 
-def parse(fields: dict[str, Any], header) -> PartitionSpec:
-    check_fields(PartitionSpec, fields, ("dense", "settings", "methods"))
-    dense = ModelConfig.from_dict(dict(fields["dense"])).replace(seq_len=header.run.data.seq_len)
-    return PartitionSpec(
-        **{
-            **fields,
-            "dense": dense,
-            "settings": _list(SettingSpec, fields["settings"], "settings"),
-            "methods": _list(MethodSpec, fields["methods"], "methods"),
-            "conversion": _build(ConversionSpec, fields.get("conversion"), "conversion"),
-            "recovery": _build(RecoverySpec, fields.get("recovery"), "recovery"),
-            "suite": _build(SuiteSpec, fields["suite"], "suite") if fields.get("suite") is not None else None,
-        }
-    )
+parse = check.parser(PartitionSpec, ("dense", "settings", "methods"))
 
 
 # ----------------------------------------------------------------------------- points
-def _whole_batches(tokens: int, batch_tokens: int) -> int:
-    """Tokens read when whole batches are taken until ``tokens`` are covered."""
-    return math.ceil(tokens / batch_tokens) * batch_tokens
-
-
 def conversion_kwargs(
     spec: PartitionSpec, method: str, router: str | None, setting: SettingSpec, data_dir: str, seed: int
 ) -> dict[str, Any]:
     """The transform's arguments: only those its method reads (a setting of another method changes
     no hash of this one)."""
     conv = spec.conversion
-    kwargs: dict[str, Any] = {
-        "method": method,
-        "experts": setting.experts,
-        "top_k": setting.top_k,
-        "data_dir": data_dir,
-        "batch_size": conv.batch_size,
-        "seed": seed,
-    }
+    kwargs: dict[str, Any] = {"method": method, "experts": setting.experts, "top_k": setting.top_k}
+    kwargs |= {"data_dir": data_dir, "batch_size": conv.batch_size, "seed": seed}
     if method == PRUNING:
         return kwargs | {"calibration_tokens": conv.calibration_tokens}
     kwargs["balancing"] = spec.balancing
@@ -223,115 +182,76 @@ def conversion_kwargs(
         return kwargs | {"train_tokens": conv.train_tokens, "lr": conv.lr, "train_dense": conv.train_dense}
     kwargs["router"] = router
     if method == "coactivation" or router == "trained":
-        kwargs |= {"calibration_tokens": conv.calibration_tokens}
+        kwargs["calibration_tokens"] = conv.calibration_tokens
     if router == "trained":
-        kwargs |= {"router_steps": conv.router_steps}
+        kwargs["router_steps"] = conv.router_steps
     return kwargs
 
 
 def _conversion_tokens(kwargs: dict[str, Any], seq_len: int) -> int:
-    tokens = kwargs.get("train_tokens", kwargs.get("calibration_tokens", 0))
-    return _whole_batches(tokens, kwargs["batch_size"] * seq_len) if tokens else 0
+    """Tokens read when whole batches are taken until the budget is covered."""
+    tokens, batch = kwargs.get("train_tokens", kwargs.get("calibration_tokens", 0)), kwargs["batch_size"] * seq_len
+    return math.ceil(tokens / batch) * batch if tokens else 0
 
 
-def _pruning_settings(spec: PartitionSpec) -> list[SettingSpec]:
-    """One setting per distinct active FFN width (the first setting that has it)."""
-    widths: dict[float, SettingSpec] = {}
-    for setting in spec.settings:
-        widths.setdefault(setting.active_ffn, setting)
-    return list(widths.values())
-
-
-def expand(spec: PartitionSpec, header) -> list[Point]:
-    data_dir = header.run.data.resolved_dir()
-    seq_len = header.run.data.seq_len
-    rec = spec.recovery
-    measure = Call(f"{MODULE}:measure_converted")
+def _arms(spec: PartitionSpec) -> list[tuple[str, str, str | None, str, SettingSpec | None]]:
+    """(config name, method, router, family, setting): the dense reference, every method at every
+    setting, and pruning once per distinct active FFN width (the first setting that has it)."""
     arms: list[tuple[str, str, str | None, str, SettingSpec | None]] = [("dense/recovered", DENSE, None, DENSE, None)]
     for setting in spec.settings:
         arms += [(f"{setting.name}/{m.name}", m.method, m.router, m.family, setting) for m in spec.methods]
+    widths: dict[float, SettingSpec] = {}
+    for setting in spec.settings:
+        widths.setdefault(setting.active_ffn, setting)
     if spec.pruning:
-        arms += [(f"pruning/ffn{s.active_ffn:g}", PRUNING, None, PRUNING, s) for s in _pruning_settings(spec)]
+        arms += [(f"pruning/ffn{s.active_ffn:g}", PRUNING, None, PRUNING, s) for s in widths.values()]
+    return arms
+
+
+def expand(spec: PartitionSpec, header) -> list[Point]:
+    data_dir, seq_len, rec = header.run.data.resolved_dir(), header.run.data.seq_len, spec.recovery
     points = []
     for seed in header.seeds:
         pretrain = header.seeded_run(seed)
         recovery = pretrain.replace(
-            train={"max_steps": rec.steps, "val_every": rec.steps},
-            optim={"lr": rec.lr, "warmup_steps": rec.warmup},
+            train={"max_steps": rec.steps, "val_every": rec.steps}, optim={"lr": rec.lr, "warmup_steps": rec.warmup}
         )
         parent = header.point_name("dense/pretrain", seed)
-        points.append(
-            Point(
-                parent,
-                "dense/pretrain",
-                seed,
-                spec.dense,
-                pretrain,
-                info={"phase": "pretrain", "method": DENSE, "family": DENSE},
-            )
-        )
-        for config_name, method, router, family, setting in arms:
-            info = {
-                "phase": "recovered",
-                "method": method,
-                "router": router,
-                "family": family,
-                "setting": setting.name if family not in (DENSE, PRUNING) else None,
-                "active_ffn": setting.active_ffn if setting else 1.0,
-                "conversion_tokens": 0,
-            }
-            model, transform = spec.dense, None
+        info = {"phase": "pretrain", "method": DENSE, "family": DENSE}
+        points.append(Point(parent, "dense/pretrain", seed, spec.dense, pretrain, info))
+        for config_name, method, router, family, setting in _arms(spec):
+            active = setting.active_ffn if setting else 1.0
+            info = {"phase": "recovered", "method": method, "router": router, "family": family}
+            info |= {"setting": setting.name if family not in (DENSE, PRUNING) else None, "active_ffn": active}
+            info["conversion_tokens"], model, transform = 0, spec.dense, None
             if method == PRUNING:
                 model = spec.dense.replace(d_ff=spec.dense.d_ff * setting.top_k // setting.experts)
             elif method != DENSE:
                 model = partitioned_config(spec.dense, setting.experts, setting.top_k, balancing=spec.balancing)
             if method != DENSE:
                 kwargs = conversion_kwargs(spec, method, router, setting, data_dir, seed)
-                transform = Call(f"{MODULE}:convert", kwargs)
-                info["conversion_tokens"] = _conversion_tokens(kwargs, seq_len)
-            recovered = Point(
-                header.point_name(config_name, seed),
-                config_name,
-                seed,
-                model,
-                recovery,
-                info=info,
-                start=Start(parent=parent, mode="init"),
-                transform=transform,
-                measure=measure if transform else None,
-            )
-            points.append(recovered)
+                transform, info["conversion_tokens"] = Call.of(convert, **kwargs), _conversion_tokens(kwargs, seq_len)
+            start, measure = Start(parent=parent, mode="init"), Call.of(measure_converted) if transform else None
+            name = header.point_name(config_name, seed)
+            points.append(Point(name, config_name, seed, model, recovery, info, start, transform, measure=measure))
             if spec.suite is not None:
-                points.append(measure_child(recovered, spec.suite.measure()))
+                points.append(measure_child(points[-1], spec.suite.measure()))
     return points
 
 
-# ----------------------------------------------------------------------------- transform and measurement
 def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_size: int, seed: int, **options: Any):
     """The study's transform: ``model`` (dense) converted by ``method`` (a partition method of
-    :func:`~moe_lit.commands.convert_partition.partition_dense`, or ``pruning`` to the active
-    width d_ff * top_k / experts), reading calibration / training tokens from ``data_dir``."""
-    from moe_lit.commands.convert_partition import calibration_batches, partition_dense
+    :func:`~moe_lit.convert.recipes.partition_dense`, or ``pruning`` to the active width d_ff *
+    top_k / experts), reading calibration / training tokens from ``data_dir``."""
+    from moe_lit.convert.recipes import calibration_batches, partition_dense
 
     batches = calibration_batches(data_dir, model.config, batch_size, seed)
-    converted, _ = partition_dense(model, method, experts, top_k, batches, seed=seed, **options)
-    return converted
+    return partition_dense(model, method, experts, top_k, batches, seed=seed, **options)[0]
 
 
 def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
-    """Validation loss (overall and per language) of the converted model before its recovery: the
-    start weights the engine wrote under ``run_dir/TRANSFORMED_START``, validated by a 0-step
-    :func:`~moe_lit.lit.runner.train_run` on the run's validation batches."""
-    from moe_lit.lit.runner import train_run
-
-    start = Path(run_dir) / TRANSFORMED_START
-    converted = train_run(
-        point.model, point.run.replace(train={"max_steps": 0}), Path(run_dir) / "converted", init_from=start
-    )
-    return {
-        "val_loss_converted": converted.val_loss,
-        "val_loss_converted_per_language": converted.val_loss_per_language,
-    }
+    """Validation loss of the converted model before its recovery (:func:`.measures.start_validation`)."""
+    return start_validation(point, run_dir)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -341,189 +261,113 @@ def retention(loss: float, dense_loss: float, vocab_size: int) -> float:
     return (chance - loss) / (chance - dense_loss)
 
 
-def _fmt(values: list[float]) -> str:
-    return format_summary(summarize(values)) if values else ""
+KEYS = ("loss", "gap", "retention", "gap_before", "acc", "acc_retention")
 
 
 def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """config_name -> its info and the per-seed values (gap, retention, ...) against the same seed's
-    dense/recovered and dense/pretrain records."""
+    """config_name -> its first record and per-seed values (gap, retention, ...) against the same
+    seed's dense/recovered and dense/pretrain records."""
     vocab = plan["spec"]["dense"]["vocab_size"]
-    ok = [r for r in records if r["status"] == "ok"]
-    dense = {r["seed"]: r for r in ok if r.get("method") == DENSE and r.get("phase") == "recovered"}
-    pretrain = {r["seed"]: r for r in ok if r.get("phase") == "pretrain"}
-    suite = {r["parent"]: r["suite"] for r in ok if r.get("phase") == "suite" and "suite" in r}
+    dense = {r["seed"]: r for r in select(records, method=DENSE, phase="recovered")}
+    pretrain = {r["seed"]: r for r in select(records, phase="pretrain")}
+    suite = {r["parent"]: r["suite"] for r in select(records, phase="suite") if "suite" in r}
     out: dict[str, dict[str, Any]] = {}
-    for record in ok:
-        if record.get("phase") != "recovered" or record["seed"] not in dense:
-            continue
-        ref = dense[record["seed"]]
-        entry = out.setdefault(
-            record["config_name"],
-            {
-                "record": record,
-                "loss": [],
-                "gap": [],
-                "retention": [],
-                "gap_before": [],
-                "per_language": {},
-                "acc": [],
-                "acc_retention": [],
-            },
-        )
-        entry["loss"].append(record["val_loss"])
-        entry["gap"].append(record["val_loss"] - ref["val_loss"])
-        entry["retention"].append(retention(record["val_loss"], ref["val_loss"], vocab))
+    for record in (r for r in select(records, phase="recovered") if r["seed"] in dense):
+        seed, ref = record["seed"], dense[record["seed"]]
+        entry = out.setdefault(record["config_name"], {"record": record, "per_language": {}, **{k: {} for k in KEYS}})
+        entry["loss"][seed], entry["gap"][seed] = record["val_loss"], record["val_loss"] - ref["val_loss"]
+        entry["retention"][seed] = retention(record["val_loss"], ref["val_loss"], vocab)
         before = record.get("val_loss_converted")
-        if before is None and record["method"] == DENSE and record["seed"] in pretrain:
-            before = pretrain[record["seed"]]["val_loss"]
-        if before is not None and record["seed"] in pretrain:
-            entry["gap_before"].append(before - pretrain[record["seed"]]["val_loss"])
+        if before is None and record["method"] == DENSE and seed in pretrain:
+            before = pretrain[seed]["val_loss"]
+        if before is not None and seed in pretrain:
+            entry["gap_before"][seed] = before - pretrain[seed]["val_loss"]
         for lang, loss in (record.get("val_loss_per_language") or {}).items():
             entry["per_language"].setdefault(lang, []).append(loss)
         scores, ref_scores = suite.get(record["name"]), suite.get(ref["name"])
         if scores and ref_scores:
-            entry["acc"].append(scores["mean_acc"])
+            entry["acc"][seed] = scores["mean_acc"]
             if ref_scores["mean_above_chance"] > 0:  # a reference at chance has nothing to retain
-                entry["acc_retention"].append(scores["mean_above_chance"] / ref_scores["mean_above_chance"])
+                entry["acc_retention"][seed] = scores["mean_above_chance"] / ref_scores["mean_above_chance"]
     return out
 
 
-def _method_label(record: dict[str, Any]) -> str:
-    if record["method"] in (DENSE, PRUNING, DOT_MOE):
-        return record["method"]
-    return f"{record['method']} + {record['router']} router"
+def _label(r: dict[str, Any]) -> str:
+    return r["method"] if r["method"] in (DENSE, PRUNING, DOT_MOE) else f"{r['method']} + {r['router']} router"
 
 
-def _main_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for entry in configs.values():
-        r = entry["record"]
-        rows.append(
-            {
-                "point": r["config_name"],
-                "method": _method_label(r),
-                "experts / top-k": f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense",
-                "active FFN": f"{r['active_ffn']:.0%}",
-                "active / total params": f"{r['active_params']:,} / {r['total_params']:,}",
-                "conversion tokens": r.get("conversion_tokens", 0),
-                "val loss": _fmt(entry["loss"]),
-                "loss gap to dense": _fmt(entry["gap"]),
-                "retention": _fmt(entry["retention"]),
-                "gap before recovery": _fmt(entry["gap_before"]),
-                "task acc": _fmt(entry["acc"]),
-                "task retention (above chance)": _fmt(entry["acc_retention"]),
-            }
-        )
-    return rows
+COLUMNS = {"val loss": "loss", "loss gap to dense": "gap", "retention": "retention"}
+COLUMNS |= {"gap before recovery": "gap_before", "task acc": "acc", "task retention (above chance)": "acc_retention"}
 
 
-def _language_rows(configs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for name, entry in configs.items():
-        row: dict[str, Any] = {"point": name}
-        for lang, values in entry["per_language"].items():
-            row[lang] = f"{summarize(values).mean:.4f}"
-        rows.append(row)
-    return rows
+def _main_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    r = entry["record"]
+    shape = f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense"
+    row = {"point": name, "method": _label(r), "experts / top-k": shape, "active FFN": f"{r['active_ffn']:.0%}"}
+    row["active / total params"] = f"{r['active_params']:,} / {r['total_params']:,}"
+    row["conversion tokens"] = r.get("conversion_tokens", 0)
+    return row | {title: format_values(list(entry[key].values())) for title, key in COLUMNS.items()}
 
 
-Group = tuple[str, list[float]] | None
-"""(config_name, per-seed loss gaps) of one configuration, or None."""
+def _best(configs: dict[str, dict[str, Any]], keep) -> str | None:
+    """The configuration with the lowest mean gap among those ``keep`` accepts."""
+    means = {name: summarize(list(e["gap"].values())).mean for name, e in configs.items() if keep(e["record"])}
+    return min(means, key=means.__getitem__) if means else None
 
 
-def _best(configs: dict[str, dict[str, Any]], keep) -> Group:
-    """(config_name, gaps) of the configuration with the lowest mean gap among those ``keep`` accepts."""
-    candidates = [(summarize(e["gap"]).mean, name, e["gap"]) for name, e in configs.items() if keep(e["record"])]
-    if not candidates:
-        return None
-    _, name, gaps = min(candidates, key=lambda c: c[0])
-    return name, gaps
-
-
-def _ordering(claim: str, better: Group, worse: Group) -> str | None:
-    """A finding line: is ``better``'s gap significantly lower than ``worse``'s? None if one is missing."""
-    if better is None or worse is None:
-        return None
-    verdict = compare(better[1], worse[1])
-    reproduced = verdict.significant and verdict.diff < 0
-    return (
-        f"- **{claim}**: {better[0]} vs {worse[0]}, loss gap {format_comparison(verdict)}; "
-        f"**{'reproduced' if reproduced else 'not reproduced'}**."
-    )
-
-
-def _findings(configs: dict[str, dict[str, Any]]) -> list[str]:
-    findings = []
-    settings = list(dict.fromkeys(e["record"]["setting"] for e in configs.values() if e["record"].get("setting")))
+def _claims(configs: dict[str, dict[str, Any]]) -> list:
+    claims = []
+    settings = dict.fromkeys(e["record"]["setting"] for e in configs.values() if e["record"].get("setting"))
     for setting in settings:
         here = {n: e for n, e in configs.items() if e["record"].get("setting") == setting}
         width = next(iter(here.values()))["record"]["active_ffn"]
-        dot = _best(here, lambda r: r["family"] == DOT_MOE)
-        clustering = _best(here, lambda r: r["family"] == "clustering")
-        rand = _best(here, lambda r: r["family"] == "random")
-        pruning = _best(configs, lambda r, w=width: r["family"] == PRUNING and r["active_ffn"] == w)
-        for claim, better, worse in (
-            (f"{setting}: DOT-MoE > clustering", dot, clustering),
-            (f"{setting}: clustering > random", clustering, rand),
-            (f"{setting}: DOT-MoE > pruning", dot, pruning),
-        ):
-            line = _ordering(claim, better, worse)
-            if line:
-                findings.append(line)
-    if findings:
-        findings.append(
-            "- Each family is represented by its best configuration at the setting (lowest mean "
-            "loss gap); the gap is to the dense model trained the same recovery budget, per seed."
-        )
-    return findings
+        best = {f: _best(here, lambda r, f=f: r["family"] == f) for f in (DOT_MOE, "clustering", "random")}
+        best[PRUNING] = _best(configs, lambda r, w=width: r["family"] == PRUNING and r["active_ffn"] == w)
+        for who, better, worse in ORDERINGS:
+            a, b = best[better], best[worse]
+            if a is not None and b is not None:
+                claim = Claim(f"{setting}: {who} beats {worse}", "loss gap to dense", (a, b), LOWER)
+                claims.append(claim.on(configs[a]["gap"], configs[b]["gap"]))
+    return claims
 
 
 def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
-    from moe_lit.plotting import pyplot, save_figure, spread_note
-
-    entries = [(n, e) for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]]
+    """Each conversion's loss gap to dense (± std over seeds) around the zero line, one colour per family."""
+    entries = {n: e for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]}
     if not entries:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(entries)), 4.5))
-    colours = {DOT_MOE: "tab:red", "clustering": "tab:blue", "random": "tab:grey", PRUNING: "tab:green"}
-    stats = [summarize(e["gap"]) for _, e in entries]
-    ax.bar(
-        range(len(entries)),
-        [s.mean for s in stats],
-        yerr=[s.std if s.n > 1 else 0.0 for s in stats],
-        color=[colours[e["record"]["family"]] for _, e in entries],
-        capsize=3,
-    )
-    ax.set_xticks(range(len(entries)), [n for n, _ in entries], rotation=70, ha="right", fontsize=7)
-    ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_ylabel("val loss gap to dense (after recovery)")
-    ax.set_title(f"Loss gap per conversion (mean; {spread_note(s.n for s in stats)})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), fontsize=8)
-    return save_figure(fig, Path(plots_dir) / "loss_gap.png")
+    fig, (ax,) = plots.panels(1, 0.45 * len(entries), 4.5)
+    names, counts = list(entries), []
+    for family, colour in COLOURS.items():
+        xs = [i for i, name in enumerate(names) if entries[name]["record"]["family"] == family]
+        stats = [summarize(list(entries[names[i]]["gap"].values())) for i in xs]
+        if xs:
+            seed_errorbar(ax, xs, stats, linestyle="none", color=colour, label=family)
+        counts += [s.n for s in stats]
+    zero_line(ax)
+    ax.set_xticks(range(len(names)), names, rotation=70, ha="right", fontsize=7)
+    ax.set(ylabel="val loss gap to dense (after recovery)", title=f"Loss gap per conversion ({spread_note(counts)})")
+    ax.legend(fontsize=8)
+    return plots.save(fig, plots_dir, "loss_gap")
+
+
+MAIN = "Conversions after the same recovery budget (mean ± std over seeds)"
+LANGUAGES = "Val loss per language after recovery (mean over seeds)"
+NOTE = "- Each family stands for its best configuration at the setting (lowest mean loss gap, picked after the runs)."
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     configs = _per_config(plan, records)
-    plot = _plot(configs, plots_dir)
-    return Analysis(
-        findings=_findings(configs),
-        tables={
-            "Conversions after the same recovery budget (mean ± std over seeds)": _main_rows(configs),
-            "Val loss per language after recovery (mean over seeds)": _language_rows(configs),
-        },
-        plots=[plot] if plot else [],
-    )
+    languages = [
+        {"point": n} | {k: f"{summarize(v).mean:.4f}" for k, v in e["per_language"].items()} for n, e in configs.items()
+    ]
+    claims, plot = _claims(configs), _plot(configs, plots_dir)
+    tables = {MAIN: [_main_row(n, e) for n, e in configs.items()], LANGUAGES: languages}
+    return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 
 
 __all__ = [
-    "ConversionSpec",
-    "MethodSpec",
     "PartitionSpec",
-    "RecoverySpec",
-    "SettingSpec",
     "analyse",
     "conversion_kwargs",
     "convert",

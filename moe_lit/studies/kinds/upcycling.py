@@ -1,40 +1,40 @@
 """Study kind ``upcycling``: is growing E -> mE experts mid-run cheaper than training mE experts?
 
-Points per seed, all with the same step budget T, data stream and LR schedule:
-
-* ``fixed_E``: the E-expert model for T steps; it keeps a checkpoint at ``tau - utility_batches``;
-* ``fixed_mE``: m*E experts from scratch for T steps; it also measures the step times s_E, s_mE
-  (interleaved in one process, :mod:`moe_lit.timing`: runs minutes apart on a shared machine do
-  not see the same load);
-* ``up_<arm>``: a child of ``fixed_E`` that resumes its checkpoint (the shared prefix is never
-  retrained) and grows at step tau (:class:`~moe_lit.callbacks.expert_upcycling.ExpertUpcycling`:
-  selection, AdamW moments copied or reset, symmetry breaking by router-row noise or by
-  drop-upcycling the copies), with validation probes right before and after the swap and the
-  copies' cosine similarity to their sources over the steps after it
-  (:class:`~moe_lit.callbacks.study.CopySeparation`).
-
-Findings: the gap closure ``eta = (L_E - L_up) / (L_E - L_mE)`` per seed (mean ± std), the
-upcycled arm against fixed_E with the paired t-test over seeds (an arm forks from its own seed's
-fixed_E), and the compute saving both ways: measured
-(``C_up = tau s_E + (T - tau) s_mE`` vs ``C_fixed = T s_mE`` from the measured step times) and from
-a cost model where ``r = s_mE / s_E`` is a stated parameter (``saving = tau/T (1 - 1/r)``).
+Per seed, one step budget T, data stream and LR schedule: ``fixed_E`` (E experts; keeps a
+checkpoint at ``tau - utility_batches``), ``fixed_mE`` (m*E experts from scratch; measures the step
+times s_E, s_mE interleaved in one process, :mod:`moe_lit.timing`), and per arm ``up_<arm>``: a
+child resuming fixed_E's checkpoint (the prefix is never retrained) that grows at step tau
+(:class:`~moe_lit.callbacks.expert_upcycling.ExpertUpcycling`: selection, AdamW moments copied or
+reset, router-row noise or drop-upcycling of the copies), with validation probes around the swap
+and the copies' cosine to their sources after it (:class:`~moe_lit.callbacks.study.CopySeparation`).
+Claims, paired by seed: m*E beats E at the same steps (the gap to close); each arm beats fixed_E
+and, given ``margin``, matches fixed_mE; the compute saving is the GPU's (untestable on a CPU).
+Findings: the gap closure ``eta = (L_E - L_up) / (L_E - L_mE)`` and the compute, measured and
+from a cost model with a stated ``r = s_mE / s_E`` (``saving = tau/T (1 - 1/r)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
-from moe_lit.plotting import pyplot, save_figure, seed_band, seed_errorbar, spread_note, zero_line
+from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
+from moe_lit.stats import format_difference, format_values, paired_difference, summarize
+from moe_lit.studies import plots
+from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start, stable_dict
-from moe_lit.studies.kinds import Analysis, check_fields
-from moe_lit.studies.stats import Summary, compare_paired, format_comparison, format_summary, summarize
+from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.records import by_seed, group, minus, paired
+from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
 
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
+LOSS = "final val loss"
 OPTIMIZER_STATES = ("copy", "reset")
+GPU_SAVING = "the saving comes from the GPU step-time ratio r = s_mE / s_E (paper: about 1.9); here r = {r:.2f}"
 
 
 @dataclass
@@ -57,14 +57,9 @@ class ArmSpec:
     def __post_init__(self) -> None:
         from moe_lit.convert.expand import SELECTIONS
 
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise ConfigError(f"arms.name: must be a non-empty string without '/', got {self.name!r}")
-        if self.selection not in SELECTIONS:
-            raise ConfigError(f"arms[{self.name}].selection: got {self.selection!r}, allowed: {SELECTIONS}")
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ConfigError(
-                f"arms[{self.name}].optimizer_state: got {self.optimizer_state!r}, allowed: {OPTIMIZER_STATES}"
-            )
+        check.label(self.name, "name")
+        check.choice(self.selection, "selection", SELECTIONS)
+        check.choice(self.optimizer_state, "optimizer_state", OPTIMIZER_STATES)
 
 
 @dataclass
@@ -87,6 +82,18 @@ class UpcyclingSpec:
     """Rounds of interleaved E / mE training steps that measure s_E and s_mE."""
     cost_ratios: list[float] = field(default_factory=lambda: [1.9])
     """Stated step-time ratios r = s_mE / s_E for the cost model (the paper's GPU ratio is about 1.9)."""
+    margin: float | None = None
+    """Largest |L_up - L_fixedmE| (val loss) that counts as an upcycled arm matching fixed_mE, stated
+    before the study runs (analysis only); null: that claim is untestable."""
+
+    def __post_init__(self) -> None:
+        if self.model.moe is None or self.model.moe.balancing != "bias":
+            raise ConfigError("model.moe: the study grows an MoE with balancing: bias (the expanded model's balancing)")
+        check.integer(self.factor, "factor", 2)
+        check.distinct([a.name for a in self.arms], "arms", what="arm names")
+        check.numbers(self.cost_ratios, "cost_ratios", 0)
+        if self.margin is not None:
+            check.number(self.margin, "margin", 0)
 
     @property
     def fork_step(self) -> int:
@@ -105,95 +112,50 @@ def default_run() -> dict[str, Any]:
     return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 2}, "train": {"max_steps": 1500}}
 
 
+_parse = check.parser(UpcyclingSpec, ("model", "expand_at", "arms"))
+
+
 def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
-    check_fields(UpcyclingSpec, fields, ("model", "expand_at", "arms"))
-    arms = fields["arms"]
-    if not isinstance(arms, list) or not arms or not all(isinstance(a, dict) for a in arms):
-        raise ConfigError(f"arms: must be a non-empty list of mappings, got {arms!r}")
-    model = ModelConfig.from_dict(dict(fields["model"])).replace(seq_len=header.run.data.seq_len)
-    spec = UpcyclingSpec(**{**fields, "model": model, "arms": [ArmSpec(**a) for a in arms]})
-    _validate(spec, header)
+    spec, run, tau = _parse(fields, header), header.run, fields["expand_at"]
+    if not spec.utility_batches < tau < run.steps:
+        raise ConfigError(
+            f"expand_at: must be in (utility_batches={spec.utility_batches}, {run.steps} steps), got {tau}"
+        )
+    if tau % run.eval_every:
+        raise ConfigError(f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {tau}")
     return spec
 
 
-def _validate(spec: UpcyclingSpec, header) -> None:
-    run = header.run
-    if spec.model.moe is None or spec.model.moe.balancing != "bias":
-        raise ConfigError("model.moe: the study grows an MoE with balancing: bias (the expanded model's balancing)")
-    if not isinstance(spec.factor, int) or spec.factor < 2:
-        raise ConfigError(f"factor: must be an integer >= 2, got {spec.factor!r}")
-    if not spec.utility_batches < spec.expand_at < run.steps:
-        raise ConfigError(
-            f"expand_at: must lie between utility_batches={spec.utility_batches} and the run's {run.steps} steps "
-            f"(exclusive), got {spec.expand_at}"
-        )
-    if spec.expand_at % run.eval_every:
-        raise ConfigError(
-            f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {spec.expand_at}"
-        )
+def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
+    from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
+    from moe_lit.callbacks.study import CopySeparation, ValidationProbe
 
-    names = [a.name for a in spec.arms]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"arms: names must be unique, got {names}")
-    if not spec.cost_ratios or not all(isinstance(r, (int, float)) and r > 0 for r in spec.cost_ratios):
-        raise ConfigError(f"cost_ratios: must be positive numbers, got {spec.cost_ratios!r}")
-
-
-def _grow_callbacks(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
-    probe = "moe_lit.callbacks.study:ValidationProbe"
-    grow = {
-        "at_steps": [spec.expand_at],
-        "factor": spec.factor,
-        "selection": arm.selection,
-        "optimizer_state": arm.optimizer_state,
-        "utility_batches": spec.utility_batches,
-        "noise": arm.noise,
-        "router_noise": arm.router_noise,
-        "drop_fraction": arm.drop_fraction,
-        "seed": seed,
-    }
+    grow = {"at_steps": [spec.expand_at], "factor": spec.factor, "utility_batches": spec.utility_batches, "seed": seed}
+    arm_fields = ("selection", "optimizer_state", "noise", "router_noise", "drop_fraction")
     return (
-        Call(probe, {"step": spec.expand_at, "key": "before"}),
-        Call("moe_lit.callbacks.expert_upcycling:ExpertUpcycling", grow),
-        Call(probe, {"step": spec.expand_at, "key": "after"}),
-        Call("moe_lit.callbacks.study:CopySeparation", {"every": spec.separation_every}),
+        Call.of(ValidationProbe, step=spec.expand_at, key="before"),
+        Call.of(ExpertUpcycling, **grow, **{k: getattr(arm, k) for k in arm_fields}),
+        Call.of(ValidationProbe, step=spec.expand_at, key="after"),
+        Call.of(CopySeparation, every=spec.separation_every),
     )
 
 
 def expand(spec: UpcyclingSpec, header) -> list[Point]:
     points = []
+    # NOTE: the source model as a stable dict (defaults left out): a config gaining a field keeps the hash.
+    timing = Call.of(measure_step_times, source=stable_dict(spec.model), rounds=spec.timing_rounds)
+    grown = spec.grown_model()
     for seed in header.seeds:
-        run = header.seeded_run(seed)
-        parent = header.point_name(FIXED_E, seed)
-        common = {"seed": seed, "run": run}
+        run, parent, me = header.seeded_run(seed), header.point_name(FIXED_E, seed), header.point_name(FIXED_ME, seed)
         info = {"expand_at": spec.expand_at, "total_steps": run.steps, "factor": spec.factor}
-        timing = Call(
-            "moe_lit.studies.kinds.upcycling:measure_step_times",
-            {"source": stable_dict(spec.model), "rounds": spec.timing_rounds},  # defaults left out: a stable hash
-        )
-        points += [
-            Point(name=parent, config_name=FIXED_E, model=spec.model, info={"arm": FIXED_E, **info}, **common),
-            Point(
-                name=header.point_name(FIXED_ME, seed),
-                config_name=FIXED_ME,
-                model=spec.grown_model(),
-                info={"arm": FIXED_ME, **info},
-                measure=timing,
-                **common,
-            ),
-        ]
+        points.append(Point(parent, FIXED_E, seed, spec.model, run, {"arm": FIXED_E, **info}))
+        points.append(Point(me, FIXED_ME, seed, grown, run, {"arm": FIXED_ME, **info}, measure=timing))
+        start = Start(parent=parent, step=spec.fork_step, mode="resume")
         for arm in spec.arms:
-            name = f"up_{arm.name}"
+            name, arm_info, callbacks = f"up_{arm.name}", {**info, **dataclasses.asdict(arm)}, _grow(spec, arm, seed)
+            arm_info = {"arm": name, **arm_info}
             points.append(
-                Point(
-                    name=header.point_name(name, seed),
-                    config_name=name,
-                    model=spec.model,
-                    info={"arm": name, **info, **dataclasses.asdict(arm)},
-                    start=Start(parent=parent, step=spec.fork_step, mode="resume"),
-                    callbacks=_grow_callbacks(spec, arm, seed),
-                    **common,
-                )
+                Point(header.point_name(name, seed), name, seed, spec.model, run, arm_info, start, None, callbacks)
             )
     return points
 
@@ -208,8 +170,7 @@ def measure_step_times(point: Point, result: Any, run_dir: Path, source: dict[st
     from moe_lit.timing import interleaved_times, median
 
     torch.manual_seed(point.seed)
-    shape = (point.run.data.batch_size, point.run.data.seq_len + 1)
-    batch_BL1 = torch.randint(0, point.model.vocab_size, shape)
+    batch_BL1 = torch.randint(0, point.model.vocab_size, (point.run.data.batch_size, point.run.data.seq_len + 1))
     cases = {}
     for key, cfg in (("E", ModelConfig.from_dict(source)), ("mE", point.model)):
         model = Transformer(cfg).train()
@@ -227,61 +188,55 @@ def measure_step_times(point: Point, result: Any, run_dir: Path, source: dict[st
 
 
 # ----------------------------------------------------------------------------- analysis
-def _final(record: dict[str, Any]) -> float:
-    return record["val_loss"]
+Arms = dict[str, dict[int, dict[str, Any]]]
+"""arm -> seed -> record."""
 
 
-def _by_arm(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
-    """arm -> seed -> record (ok records only)."""
-    out: dict[str, dict[int, dict[str, Any]]] = {}
-    for record in records:
-        if record["status"] == "ok":
-            out.setdefault(record["arm"], {})[record["seed"]] = record
-    return out
+def _by_arm(records: list[dict[str, Any]]) -> Arms:
+    return {arm: {r["seed"]: r for r in rs} for arm, rs in group(records, lambda r: r.get("arm")).items()}
 
 
-def _eta(arms, arm: str) -> list[float]:
+def _eta(arms: Arms, arm: str) -> list[float]:
     """Gap closure per seed (paired: the seed's own fixed_E and fixed_mE)."""
-    values = []
-    for seed, record in arms.get(arm, {}).items():
-        e, me = arms.get(FIXED_E, {}).get(seed), arms.get(FIXED_ME, {}).get(seed)
-        if e and me and _final(e) != _final(me):
-            values.append((_final(e) - _final(record)) / (_final(e) - _final(me)))
-    return values
+    e, me = arms.get(FIXED_E, {}), arms.get(FIXED_ME, {})
+    return [
+        (e[s]["val_loss"] - r["val_loss"]) / (e[s]["val_loss"] - me[s]["val_loss"])
+        for s, r in arms.get(arm, {}).items()
+        if s in e and s in me and e[s]["val_loss"] != me[s]["val_loss"]
+    ]
 
 
-def _step_times(arms) -> tuple[float, float] | None:
-    times = [r["step_times"] for r in arms.get(FIXED_ME, {}).values() if r.get("step_times")]
-    if not times:
-        return None
-    return summarize([t["E"] for t in times]).mean, summarize([t["mE"] for t in times]).mean
-
-
-def _separation(record: dict[str, Any]) -> tuple[float, float]:
-    """(mean cosine of the copies to their sources, fraction of copies still > 0.99) at the last measurement."""
+def _last_separation(record: dict[str, Any]) -> tuple[float, float, float]:
+    """At the last measurement: mean cosine of the copies to their sources, the fraction still
+    > 0.99, and the share of routed tokens that went to copies (0.5 = as many as the sources)."""
     series = record.get("copy_separation") or []
     if not series:
-        return float("nan"), float("nan")
-    cosines = [c for layer in series[-1]["layers"].values() for c in layer["cosine"]]
-    return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines)
+        return float("nan"), float("nan"), float("nan")
+    layers = list(series[-1]["layers"].values())
+    cosines = [c for layer in layers for c in layer["cosine"]]
+    shares = [
+        sum(lay["tokens"][len(lay["tokens"]) - len(lay["cosine"]) :]) / max(1.0, sum(lay["tokens"])) for lay in layers
+    ]
+    return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
 
 
-def _paired(arms, arm: str, other: str) -> tuple[list[float], list[float]]:
-    """Final losses of ``arm`` and ``other`` for the seeds both finished, seed by seed."""
-    seeds = sorted(set(arms.get(arm, {})) & set(arms.get(other, {})))
-    return [_final(arms[arm][s]) for s in seeds], [_final(arms[other][s]) for s in seeds]
-
-
-def _copy_token_share(record: dict[str, Any]) -> float:
-    """Share of the last measured step's routed tokens that went to copies (0.5 = as many as the sources)."""
-    series = record.get("copy_separation") or []
-    if not series:
-        return float("nan")
-    shares = []
-    for layer in series[-1]["layers"].values():
-        tokens, copies = layer["tokens"], len(layer["cosine"])
-        shares.append(sum(tokens[len(tokens) - copies :]) / max(1.0, sum(tokens)))
-    return sum(shares) / len(shares)
+def _row(arms: Arms, arm: str, factor: int) -> dict[str, Any]:
+    runs = list(arms[arm].values())
+    upcycled = arm.startswith("up_")
+    versus = paired_difference(*paired(by_seed(runs, "val_loss"), by_seed(arms[FIXED_E].values(), "val_loss")))
+    jump = [r["probe_after"] - r["probe_before"] for r in runs if r.get("probe_before") is not None]
+    separation = [_last_separation(r) for r in runs] if upcycled else []
+    return {
+        "arm": arm,
+        "experts": runs[0]["num_experts"] * (factor if upcycled else 1),
+        "final val loss": format_values([r["val_loss"] for r in runs]),
+        "eta": format_values(_eta(arms, arm) if upcycled else []),
+        "minus fixed_E (paired)": format_difference(versus) if arm != FIXED_E else "",
+        "val jump at swap": format_values(jump),
+        "copy cosine (last)": format_values([s[0] for s in separation]),
+        "copies > 0.99": format_values([s[1] for s in separation], 2),
+        "copy token share": format_values([s[2] for s in separation], 2),
+    }
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
@@ -290,131 +245,83 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         return Analysis(findings=["(fixed_E and fixed_mE must finish first)"])
     some = next(iter(arms[FIXED_E].values()))
     tau, total = some["expand_at"], some["total_steps"]
-    gap = compare_paired(*_paired(arms, FIXED_E, FIXED_ME))
-    findings = [
-        f"- **The gap to close**, L_fixedE - L_fixedmE (paired by seed): {format_comparison(gap)}; eta divides "
-        "by this gap, so eta is only meaningful when the gap itself is significant."
-    ]
-    rows = []
-    for arm, by_seed in arms.items():
-        upcycled = arm.startswith("up_")
-        losses = [_final(r) for r in by_seed.values()]
-        eta = _eta(arms, arm) if upcycled else []
-        runs = list(by_seed.values()) if upcycled else []
-        jump = [r["probe_after"] - r["probe_before"] for r in runs if r.get("probe_before") is not None]
-        versus = compare_paired(*_paired(arms, arm, FIXED_E)) if arm != FIXED_E else None
-        rows.append(
-            {
-                "arm": arm,
-                "experts": runs[0]["num_experts"] * some["factor"]
-                if upcycled
-                else by_seed[next(iter(by_seed))]["num_experts"],
-                "final val loss": format_summary(summarize(losses)),
-                "eta": format_summary(summarize(eta)) if eta else "",
-                "minus fixed_E (paired)": format_comparison(versus) if versus else "",
-                "val jump at swap": format_summary(summarize(jump)) if jump else "",
-                "copy cosine (last)": format_summary(summarize([_separation(r)[0] for r in runs])) if runs else "",
-                "copies > 0.99": format_summary(summarize([_separation(r)[1] for r in runs]), 2) if runs else "",
-                "copy token share": format_summary(summarize([_copy_token_share(r) for r in runs]), 2) if runs else "",
-            }
+    ups, margin = [a for a in arms if a.startswith("up_")], plan["spec"].get("margin")
+    claims = [Claim("m*E experts beat E at the same steps (the gap to close)", LOSS, (FIXED_ME, FIXED_E), LOWER)]
+    for arm in ups:
+        claims.append(Claim(f"{arm}: growing at tau beats staying at E", LOSS, (arm, FIXED_E), LOWER))
+        claims.append(
+            Claim(f"{arm}: growing at tau matches m*E from scratch", LOSS, (arm, FIXED_ME), EQUIVALENT, margin)
         )
-        if eta:
-            findings.append(_eta_finding(arm, eta, versus))
-    findings += _compute_findings(plan, tau, total, _step_times(arms))
-    figures = {"val_loss": curves_figure(arms, tau), "copy_separation": separation_figure(arms, tau)}
-    plots = [save_figure(fig, Path(plots_dir) / f"{name}.png") for name, fig in figures.items() if fig is not None]
-    return Analysis(findings=findings, tables={"Arms (mean ± std over seeds)": rows}, plots=plots)
-
-
-def _eta_finding(arm: str, eta: list[float], versus) -> str:
-    sign = "better than" if versus.diff < 0 else "worse than"
-    return (
-        f"- **{arm}**: gap closure eta = {format_summary(summarize(eta))}; final loss {sign} fixed_E "
-        f"(paired by seed): {format_comparison(versus)}."
+    tested = [claim.on_records(records, "val_loss", by="arm") for claim in claims]
+    times = [r["step_times"] for r in arms[FIXED_ME].values() if r.get("step_times")]
+    ratio = summarize([t["mE"] for t in times]).mean / summarize([t["E"] for t in times]).mean if times else math.nan
+    saving = Claim("upcycling saves compute at equal quality", "compute", ("up", FIXED_ME), LOWER)
+    tested.append(saving.missing(GPU_SAVING.format(r=ratio)))
+    findings = [f"- **{arm}**: gap closure eta = {format_values(_eta(arms, arm))}." for arm in ups]
+    findings.append("- eta divides by the gap L_fixedE - L_fixedmE: it means something only where that gap is shown.")
+    findings += _compute_findings(plan["spec"]["cost_ratios"], tau, total, times)
+    return Analysis(
+        claims=tested,
+        findings=findings,
+        tables={"Arms (mean ± std over seeds)": [_row(arms, arm, some["factor"]) for arm in arms]},
+        plots=[plots.save(curves_figure(arms, tau), plots_dir, "val_loss")],
     )
 
 
-def _compute_findings(plan, tau: int, total: int, times: tuple[float, float] | None) -> list[str]:
+def _compute_findings(ratios: list[float], tau: int, total: int, times: list[dict[str, float]]) -> list[str]:
     lines = []
     if times:
-        s_e, s_me = times
-        c_fixed, c_up = total * s_me, tau * s_e + (total - tau) * s_me
+        s_e, s_me = summarize([t["E"] for t in times]).mean, summarize([t["mE"] for t in times]).mean
+        up = (tau * s_e + (total - tau) * s_me) / (total * s_me)
         lines.append(
             f"- **Compute, measured** (s_E={s_e:.4f} s, s_mE={s_me:.4f} s per step, r = {s_me / s_e:.2f}, "
-            f"interleaved in one process): C_up/C_fixed = {c_up / c_fixed:.3f}, "
-            f"saving {100 * (1 - c_up / c_fixed):.1f}%."
+            f"interleaved in one process): C_up/C_fixed = {up:.3f}, saving {100 * (1 - up):.1f}%."
         )
-    ratios = plan["spec"]["cost_ratios"]
-    lines.append(
-        "- **Compute, cost model** (r = s_mE/s_E stated, saving = tau/T (1 - 1/r), tau/T = "
-        f"{tau / total:.3f}): " + ", ".join(f"r={r:g}: {100 * tau / total * (1 - 1 / r):.1f}%" for r in ratios) + "."
-    )
-    return lines
+    model = ", ".join(f"r={r:g}: {100 * tau / total * (1 - 1 / r):.1f}%" for r in ratios)
+    stated = f"r = s_mE/s_E stated, saving = tau/T (1 - 1/r), tau/T = {tau / total:.3f}"
+    return [*lines, f"- **Compute, cost model** ({stated}): {model}."]
 
 
-def _curves(arms, arm: str) -> dict[int, dict[int, float]]:
+def _curves(arms: Arms, arm: str) -> dict[int, dict[int, float]]:
     """seed -> step -> val loss of one arm; an upcycled arm's curve before tau is its own seed's
     fixed_E (the prefix it resumed), and a seed whose fixed_E is missing is left out."""
     out = {}
     for seed, record in arms[arm].items():
         points = {}
         if arm.startswith("up_"):
-            parent = arms.get(FIXED_E, {}).get(seed)
-            if parent is None:
+            if seed not in arms.get(FIXED_E, {}):
                 continue
-            tau = record["expand_at"]
-            points = {p["step"]: p["val_loss"] for p in parent["curve"] if p["step"] < tau}
-        points.update({p["step"]: p["val_loss"] for p in record["curve"]})
-        out[seed] = points
+            points = {p["step"]: p["val_loss"] for p in arms[FIXED_E][seed]["curve"] if p["step"] < record["expand_at"]}
+        out[seed] = points | {p["step"]: p["val_loss"] for p in record["curve"]}
     return out
 
 
-def _per_step(curves: dict[int, dict[int, float]], since: int = 0) -> tuple[list[int], list[Summary]]:
-    """(steps >= since that every seed measured, the values over the seeds at each)."""
-    steps = sorted(s for s in set.intersection(*(set(c) for c in curves.values())) if s >= since)
-    return steps, [summarize([c[s] for c in curves.values()]) for s in steps]
-
-
-def _minus_fixed_e(arms, arm: str) -> dict[int, dict[int, float]]:
-    """seed -> step -> the arm's val loss minus its own seed's fixed_E at the same step."""
-    mine, base = _curves(arms, arm), _curves(arms, FIXED_E)
-    return {
-        seed: {step: loss - base[seed][step] for step, loss in curve.items() if step in base[seed]}
-        for seed, curve in mine.items()
-        if seed in base
-    }
-
-
-def _colour(arms, arm: str) -> str:
-    """One colour per arm across the kind's plots."""
-    return f"C{list(arms).index(arm) % 10}"
-
-
-def curves_figure(arms, tau: int):
+def curves_figure(arms: Arms, tau: int):
     """Validation curves (mean, ± std band over seeds) with the expansion step marked: the whole
-    run, the region after tau, and each arm minus fixed_E paired by seed after tau."""
-    plt = pyplot()
-    fig, (ax_all, ax_after, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.4))
-    counts = []
-    for arm in arms:
+    run, the region after tau, each arm minus fixed_E paired by seed after tau, and the mean cosine
+    of the copies to their sources (± std over seeds; 1 = identical)."""
+    fig, (ax_all, ax_after, ax_diff, ax_copy) = plots.panels(4, 5.0, 4.4)
+    base, counts = _curves(arms, FIXED_E), []
+    for i, arm in enumerate(arms):
         curves = _curves(arms, arm)
         if not curves:
             continue
         counts.append(len(curves))
-        style = {"linestyle": "--" if arm.startswith("up_") else "-", "marker": ".", "color": _colour(arms, arm)}
-        for ax, since, alpha in ((ax_all, 0, 0.2), (ax_after, tau, 0.1)):
-            steps, stats = _per_step(curves, since)
-            label = f"{arm} (n={len(curves)})" if ax is ax_all else None
-            seed_band(ax, steps, stats, alpha=alpha, label=label, **style)
-        paired = _minus_fixed_e(arms, arm) if arm != FIXED_E else {}
-        if paired:
-            seed_band(ax_diff, *_per_step(paired, tau), **style)
+        style = {"linestyle": "--" if arm.startswith("up_") else "-", "marker": ".", "color": f"C{i % 10}"}
+        seed_band(ax_all, *plots.per_step(curves), alpha=0.2, label=f"{arm} (n={len(curves)})", **style)
+        seed_band(ax_after, *plots.per_step(curves, tau), alpha=0.1, **style)
+        diffs = {s: minus(c, base[s]) for s, c in curves.items() if s in base} if arm != FIXED_E else {}
+        if diffs:
+            seed_band(ax_diff, *plots.per_step(diffs, tau), **style)
+        cosines = {s: _cosines(r) for s, r in arms[arm].items() if r.get("copy_separation")}
+        if cosines:
+            seed_errorbar(ax_copy, *plots.per_step(cosines), marker=".", capsize=2, color=style["color"])
     zero_line(ax_diff)
-    note = spread_note(counts, "band")
     for ax, title, ylabel in (
-        (ax_all, f"validation loss ({note})", "validation loss"),
+        (ax_all, f"validation loss ({spread_note(counts, 'band')})", "validation loss"),
         (ax_after, f"after the expansion (step >= {tau})", "validation loss"),
         (ax_diff, f"minus fixed_E, paired by seed (step >= {tau})", "val loss minus fixed_E (< 0: better)"),
+        (ax_copy, "do the copies separate? (1 = identical)", "mean cosine(copy, source)"),
     ):
         ax.axvline(tau, color="grey", linestyle=":", label=f"expansion (tau = {tau})" if ax is ax_all else None)
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
@@ -423,37 +330,13 @@ def curves_figure(arms, tau: int):
     return fig
 
 
-def separation_figure(arms, tau: int):
-    """Mean cosine of the copies to their sources over the steps after tau (± std over seeds);
-    None when no arm measured it."""
-    series = {
-        arm: [r.get("copy_separation") or [] for r in by_seed.values()]
-        for arm, by_seed in arms.items()
-        if arm.startswith("up_")
-    }
-    if not any(s for runs in series.values() for s in runs):
-        return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    counts = []
-    for arm, runs in series.items():
-        by_step: dict[int, list[float]] = {}
-        for run in runs:
-            for entry in run:
-                cosines = [c for layer in entry["layers"].values() for c in layer["cosine"]]
-                by_step.setdefault(entry["step"], []).append(sum(cosines) / len(cosines))
-        steps = sorted(by_step)
-        stats = [summarize(by_step[s]) for s in steps]
-        counts += [s.n for s in stats]
-        seed_errorbar(ax, steps, stats, marker=".", capsize=2, label=arm, color=_colour(arms, arm))
-    ax.set(
-        xlabel="optimizer step",
-        ylabel="mean cosine(copy, source)",
-        title=f"do the copies separate? (expansion at {tau}; 1 = identical)\n({spread_note(counts)})",
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig
+def _cosines(record: dict[str, Any]) -> dict[int, float]:
+    """step -> mean cosine of the copies to their sources (over layers and copies)."""
+    out = {}
+    for entry in record["copy_separation"]:
+        cosines = [c for layer in entry["layers"].values() for c in layer["cosine"]]
+        out[entry["step"]] = sum(cosines) / len(cosines)
+    return out
 
 
 __all__ = [
@@ -464,5 +347,4 @@ __all__ = [
     "expand",
     "measure_step_times",
     "parse",
-    "separation_figure",
 ]

@@ -5,6 +5,7 @@ import pytest
 
 from moe_lit.studies.kinds.language_expansion import analyse
 from moe_lit.studies.study import parse_study
+from moe_lit.studies.verdicts import UNTESTABLE, judge
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -82,9 +83,12 @@ def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
     assert rows["moe"]["final loss, new languages"] == "4.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["gain on new languages"] == "2.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["JS(new vs base usage), bits"] == "0.4000 ± 0.0000 (n=2)"
-    (finding,) = analysis.findings
-    assert finding.startswith("- **Interference, moe minus dense**") and finding.endswith("**reproduced**.")
-    assert "diff -0.2500 ± 0 (no seed spread, p=0): significant" in finding  # paired: the jitter cancels
+    (claim,) = analysis.claims
+    assert claim.claim.arms == ("moe", "dense") and claim.claim.direction == "lower"
+    # paired by seed the jitter cancels exactly: no noise estimate, so nothing is called significant
+    assert claim.difference.estimate == pytest.approx(-0.25) and claim.difference.test == "paired t-test"
+    (verdict,) = judge(analysis.claims)
+    assert verdict.word == UNTESTABLE and verdict.evidence.reason.startswith("no noise estimate: the 2 differences")
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@ import pytest
 from moe_lit.accounting import count_config_params
 from moe_lit.config import ConfigError
 from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES
+from moe_lit.stats import paired_difference
 from moe_lit.studies.kinds.moe_to_dense import analyse, factor_spreads, screen_values
-from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
+from moe_lit.studies.verdicts import judge
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -98,7 +99,7 @@ def test_the_shipped_study_screens_the_whole_grid_over_three_seeds():
             {"model": {**TINY["model"], "moe": {**TINY["model"]["moe"], "first_dense_layers": 1}}},
             "model.moe: every layer must be MoE",
         ),
-        ({"distillation": {"steps": 0}}, "distillation.steps: must be an integer >= 1, got 0"),
+        ({"distillation": {"steps": 0}}, "distillation.steps: must be a positive integer, got 0"),
         ({"distillation": {"temperature": 0}}, "distillation.temperature: must be > 0"),
         ({"calibration_split": "dev"}, "calibration_split: got 'dev', allowed values: train, val, test"),
         ({"suite_limit": 0}, "suite_limit: must be null or a positive integer, got 0"),
@@ -128,12 +129,14 @@ def _screen_record(score, seed, losses):
 
 
 def _records():
-    # score effect 1.0 (do_acp best), grouping effect 0.1, scaling effect 0.01, + seed noise
+    # score effect 1.0 (do_acp best), grouping effect 0.1, scaling effect 0.01, + seed noise that
+    # cancels in the paired differences, but for a little own noise of do_acp and of the baseline
     records = []
     for seed, noise in ((0, 0.0), (1, 0.02), (2, -0.01)):
         for score, base in (("do_acp", 3.0), ("frequency", 4.0), ("random", 3.5)):
+            own = 0.001 * seed**2 if score == "do_acp" else 0.0
             losses = {
-                (g, c): base + dg + dc + noise * (1 + dg)
+                (g, c): base + dg + dc + noise * (1 + dg) + own
                 for g, dg in (("single", 0.0), ("kmeans", 0.1))
                 for c, dc in (("uniform", 0.0), ("gate_mass", 0.01))
             }
@@ -151,8 +154,8 @@ def _records():
                     "arm": arm,
                     "seed": seed,
                     "total_params": 1234,
-                    "val_loss": after + noise,
-                    "val_loss_converted": before + noise,
+                    "val_loss": after + noise + (0.002 * seed**2 if name.endswith("dense") else 0.0),
+                    "val_loss_converted": before + noise + (0.002 * seed**2 if name.endswith("dense") else 0.0),
                     "val_loss_per_language": {"en": after},
                     "wall_s": 10.0,
                 }
@@ -165,25 +168,31 @@ def _records():
 def test_findings_and_tables_from_hand_made_records(tmp_path):
     records = _records()
     values = screen_values(records)
-    assert values[("do_acp", "kmeans", "gate_mass")]["loss"] == pytest.approx([3.11, 3.11 + 0.022, 3.11 - 0.011])
+    assert list(values[("do_acp", "kmeans", "gate_mass")]["loss"].values()) == pytest.approx([3.11, 3.133, 3.103])
     assert ("taylor", "single", "uniform") not in values
     spreads = factor_spreads(values)
     assert spreads["score"][0] == pytest.approx(1.0) and spreads["grouping"][0] == pytest.approx(0.1)
     assert spreads["scaling"][1] == pytest.approx(0.01)
     plan = {"spec": {"distill": ["do_acp/single/uniform"], "finetune": "do_acp/single/uniform"}}
     analysis = analyse(plan, records, tmp_path)
-    scoring, diversity, before, after, kd = analysis.findings
-    assert "score vs grouping" in scoring and scoring.endswith("**reproduced**.")
-    assert "vs the best other score (random)" in diversity and diversity.endswith("**reproduced**.")
-    # paired by seed: the seed noise cancels (differences -2.0 before and -0.2 after, exactly)
-    assert format_comparison(compare_paired([3.0, 3.02, 2.99], [5.0, 5.02, 4.99])) in before
-    assert before.endswith("**reproduced**.") and "after distillation" in after
-    assert "the teacher helps" in kd
+    score_grouping, score_scaling, diversity, before, after, accuracy, kd = judge(analysis.claims)
+    assert score_grouping.evidence.claim.arms == ("score", "grouping") and score_grouping.word == "reproduced"
+    assert score_scaling.evidence.claim.arms == ("score", "scaling") and score_scaling.word == "reproduced"
+    assert diversity.evidence.claim.arms == ("do_acp", "random") and diversity.word == "reproduced"
+    # paired by seed the seed noise cancels: what is left is the baseline's own 0.002 * seed^2
+    d = before.evidence.difference
+    expected = paired_difference([3.0, 3.02, 2.99], [5.0, 5.022, 4.998])
+    assert (d.estimate, d.p) == pytest.approx((expected.estimate, expected.p)) and before.word == "reproduced"
+    assert "after distillation" in after.evidence.claim.text and after.word == "reproduced"
+    assert accuracy.word == "untestable here" and accuracy.evidence.reason == "no suite accuracy measured"
+    assert kd.evidence.claim.arms == ("distill/do_acp/single/uniform", "finetune/do_acp/single/uniform")
+    # distilled minus fine-tuned is -0.5 in every seed: no noise estimate, never significant
+    assert kd.word == "untestable here" and "zero spread" in kd.evidence.reason
     rows = analysis.tables[
         "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)"
     ]
     assert (rows[0]["score"], rows[0]["grouping"], rows[0]["scaling"]) == ("do_acp", "single", "uniform")
-    assert rows[0]["en"] == "2.003" and len(rows) == 3 * 4
+    assert rows[0]["en"] == "2.005" and len(rows) == 3 * 4
     distilled = analysis.tables["Distilled children, same budget (mean ± std over seeds; languages: mean after)"]
     assert [r["loss"] for r in distilled] == ["KD (frozen parent)", "LM only", "KD (frozen parent)"]
     assert [p.name for p in analysis.plots] == ["screen.png", "distilled.png"]
@@ -242,5 +251,5 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     assert suite_calls == [("Transformer", 32, 2)] * 3  # distilled, fine-tuned, baseline: the trained models
     assert distilled["steps"] == 2 and records["distill/dense_to_dense"]["total_params"] == distilled["total_params"]
     summary = write_report(tmp_path / "out")["summary"].read_text()
-    assert "MoE->dense beats dense->dense" in summary and "not testable (n < 2)" in summary
+    assert "MoE->dense beats dense->dense" in summary and "no noise estimate: 1 seed" in summary
     assert (tmp_path / "out" / "plots" / "screen.png").is_file()

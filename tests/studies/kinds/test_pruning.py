@@ -7,9 +7,10 @@ import pytest
 
 from moe_lit.config import ConfigError
 from moe_lit.convert.importance import METHODS
+from moe_lit.stats import paired_difference
 from moe_lit.studies.kinds.pruning import analyse, retention_values
-from moe_lit.studies.stats import compare_paired, format_comparison
 from moe_lit.studies.study import load_study, parse_study
+from moe_lit.studies.verdicts import NOT_DETECTED, UNTESTABLE, judge
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -131,7 +132,7 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"fractions": [0.5, 1.0]}, "fractions: each must be in (0, 1), got 1.0"),
+        ({"fractions": [0.5, 1.0]}, "fractions: [1.0] not allowed, each must be in (0, 1)"),
         ({"fractions": [0.95]}, "fractions: fraction/num: removing 4 of the 4 experts"),
         (
             {"fractions": [0.75], "model": {**TINY["model"], "moe": {"num_experts": 4, "expert_size": 32, "top_k": 2}}},
@@ -141,20 +142,21 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
         ({"model": {k: v for k, v in TINY["model"].items() if k != "moe"}}, "model.moe: the parent must be an MoE"),
         ({"calibration_split": "dev"}, "calibration_split: got 'dev', allowed values: train, val, test"),
         ({"recovery_steps": 0}, "recovery_steps: must be a positive integer, got 0"),
-        ({"damping": 0.0}, "damping: must be in (0, 1], got 0.0"),
+        ({"damping": 0.0}, "damping: must be a number in (0, 1], got 0.0"),
         ({"colour": 1}, "study: unknown key(s) ['colour']"),
         ({"task_limit": 0}, "task_limit: must be null or a positive integer, got 0"),
-        ({"task_fractions": [0.3]}, "task_fractions: must be null or a list of the fractions, got [0.3]"),
+        ({"task_fractions": [0.3]}, "task_fractions: unknown [0.3], allowed values: 0.25, 0.5"),
+        ({"recovery_warmup": 3}, "recovery_warmup: must be an integer in [0, recovery_steps], got 3"),
         ({"task_margin": -0.1}, "task_margin: must be a number >= 0, got -0.1"),
         ({"tasks": "yes"}, "tasks: must be true or false, got 'yes'"),
-        ({"arms": ["pruned", "distilled"]}, "arms: must be a non-empty list of pruned, recovered, got"),
+        ({"arms": ["pruned", "distilled"]}, "arms: unknown ['distilled'], allowed values: pruned, recovered"),
         (
             {"single_language_calibration": ["de"], "single_language_methods": ["reap"], "methods": ["maestro"]},
-            "single_language_methods: must be a non-empty list of the study's methods (maestro), got ['reap']",
+            "single_language_methods: unknown ['reap'], allowed values: maestro",
         ),
         (
             {"single_language_calibration": ["de"], "fractions": [0.25]},
-            "single_language_calibration: its arms prune 0.5 of the experts, so fractions must include 0.5",
+            "single_language_calibration: its arms prune 0.5, so fractions must include it",
         ),
         ({"single_language_calibration": "de"}, "single_language_calibration: must be a list of distinct language"),
     ],
@@ -163,6 +165,13 @@ def test_spec_errors_name_the_field(change, message):
     with pytest.raises(ConfigError) as info:
         parse_study({**TINY, **change})
     assert message in str(info.value)
+
+
+def _same(d, expected) -> bool:
+    """The same test of the same numbers (to rounding)."""
+    return (d.test, d.estimate, d.p, d.ci_low, d.ci_high) == pytest.approx(
+        (expected.test, expected.estimate, expected.p, expected.ci_low, expected.ci_high)
+    )
 
 
 PARENT = {"en": 2.0, "de": 4.0}
@@ -237,17 +246,18 @@ def test_retention_tables_and_verdicts_from_hand_made_records(tmp_path):
     assert maestro["variance across languages"] == "0.005000 ± 0.007071 (n=2)"
     assert rows[("50%", "pruned", "frequency")]["retention (mean over languages)"] == "0.4750 ± 0.0354 (n=2)"
     assert rows[("25%", "pruned", "router_weighted")]["variance across languages"] == "0.062500 ± 0.000000 (n=2)"
-    mean_pruned, var_pruned, mean_recovered, var_recovered = analysis.findings
-    assert "maestro vs the best baseline (frequency)" in mean_pruned  # random (retention 1.0) is not a baseline
+    mean_pruned, var_pruned, mean_recovered, var_recovered = judge(analysis.claims)
+    assert mean_pruned.evidence.claim.arms == ("maestro", "frequency")  # random (retention 1.0) is not a baseline
     # paired by seed (both methods prune the same parent): differences 0.4 and 0.35
-    assert format_comparison(compare_paired([0.9, 0.8], [0.5, 0.45])) in mean_pruned
-    assert "diff 0.3750 ± 0.0250 (paired t=15.00, p=0.042): significant" in mean_pruned
-    assert mean_pruned.endswith("**reproduced**.")
-    assert format_comparison(compare_paired([0.01, 0.0], [0.0, 0.0025]), digits=6) in var_pruned
-    assert var_pruned.endswith("**not reproduced**.")  # maestro's variance is the higher one
-    assert "diff 0.1500 ± 0.1500 (paired t=1.00, p=0.5): within noise" in mean_recovered
-    assert mean_recovered.endswith("**not reproduced**.")
-    assert var_recovered.endswith("**not reproduced**.")  # equal variances (0 and 0)
+    d = mean_pruned.evidence.difference
+    assert _same(d, paired_difference([0.9, 0.8], [0.5, 0.45])) and d.p == pytest.approx(0.0424, abs=1e-4)
+    assert mean_pruned.evidence.claim.paper == pytest.approx(0.1061) and mean_pruned.fields["paper"] == "+0.1061"
+    # significant alone; Holm over the three tested claims of the study (the smallest p, times 3) is not
+    assert mean_pruned.p_holm == pytest.approx(3 * d.p) and mean_pruned.word == NOT_DETECTED
+    assert _same(var_pruned.evidence.difference, paired_difference([0.01, 0.0], [0.0, 0.0025]))
+    assert var_pruned.word == NOT_DETECTED  # maestro's variance is the higher one, within the noise
+    assert mean_recovered.evidence.difference.estimate == pytest.approx(0.15) and mean_recovered.word == NOT_DETECTED
+    assert var_recovered.word == UNTESTABLE  # equal variances (0 and 0) in both seeds: no noise estimate
     (memory,) = analysis.tables["Memory saved (parameters and persistent buffers)"]
     assert memory == {
         "removed": "50%",
@@ -261,7 +271,8 @@ def test_retention_tables_and_verdicts_from_hand_made_records(tmp_path):
 
 def test_without_maestro_at_half_the_claims_are_not_tested(tmp_path):
     records = [r for r in _records() if r.get("method") != "maestro"]
-    assert all("not tested" in finding for finding in analyse({}, records, tmp_path).findings)
+    claims = analyse({}, records, tmp_path).claims
+    assert claims and all(c.reason.startswith("needs maestro and another non-random method") for c in claims)
 
 
 @pytest.mark.slow
@@ -317,11 +328,11 @@ def test_tiny_study_end_to_end(tmp_path, monkeypatch):
     assert records["maestro/50%/pruned/calibration-de"]["calibration"] == "de"
     written = write_report(tmp_path / "out")
     summary = written["summary"].read_text()
-    assert "| 50% | pruned | maestro |" in summary and "maestro vs the best baseline (naee)" in summary
-    assert "Task retention (accuracy above chance) at 50% removed, pruned, maestro vs" in summary
-    assert "maestro calibrated on de only vs mix" in summary
+    assert "| 50% | pruned | maestro |" in summary and "| retention: maestro - naee |" in summary
+    assert "| 50% removed, pruned: MAESTRO retains more | task retention: maestro - " in summary
+    assert "maestro calibrated on de alone: de retains more" in summary
     assert "| 0.6250 (n=1) |" in summary  # task retention (0.75 - 0.5) / (0.9 - 0.5)
-    assert "not testable (n < 2)" in summary  # one seed
+    assert "**untestable here**: no noise estimate: 1 seed" in summary  # one seed
     assert "params_saved" in written["runs_csv"].read_text().splitlines()[0]
     assert (tmp_path / "out" / "plots" / "retention.png").is_file()
 
@@ -370,17 +381,26 @@ def test_task_retention_is_above_chance_and_calibration_arms_compare_to_the_mix_
     assert rows["maestro"]["task retention (mean over tasks)"] == "0.7750 ± 0.0354 (n=2)"
     assert rows["maestro"]["variance across tasks"] == "0.031250 ± 0.044194 (n=2)"
     assert rows["maestro"]["task variance across languages"] == "0.000000 ± 0.000000 (n=2)"
-    task_findings = [f for f in analysis.findings if f.startswith("- **Task retention")]
-    assert len(task_findings) == 1 and "maestro vs the best baseline (naee)" in task_findings[0]
-    assert format_comparison(compare_paired([0.75, 0.8], [0.5, 0.6])) in task_findings[0]
-    variance = [f for f in analysis.findings if "Variance of task retention (accuracy above chance) across tasks" in f]
-    assert format_comparison(compare_paired([0.0625, 0.0], [0.0, 0.0]), digits=6) in variance[0]
-    # naee on de only vs the mix, paired by seed: de's own retention and the others' (here en)
-    (val_loss, tasks) = [f for f in analysis.findings if "calibrated on de only vs mix" in f]
-    assert f"on de {format_comparison(compare_paired([1.0, 0.95], [0.9, 0.8]))}" in val_loss
-    assert f"on the other languages (mean) {format_comparison(compare_paired([0.7, 0.5], [0.9, 0.8]))}" in val_loss
-    assert f"on de {format_comparison(compare_paired([1.0, 0.9], [0.5, 0.6]))}" in tasks
-    assert f"(mean) {format_comparison(compare_paired([0.25, 0.3], [0.5, 0.6]))}" in tasks
+    claims = {(c.claim.text, c.claim.metric): c for c in analysis.claims}
+    task = claims[("50% removed, pruned: MAESTRO retains more", "task retention")]
+    assert task.claim.arms == ("maestro", "naee")
+    assert _same(task.difference, paired_difference([0.75, 0.8], [0.5, 0.6]))
+    variance = claims[("pruned: MAESTRO varies less across tasks", "variance of task retention")]
+    assert _same(variance.difference, paired_difference([0.0625, 0.0], [0.0, 0.0]))
+    # naee on de only vs the mix, paired by seed: de's own retention (higher) and the others' (here en; lower)
+    text = "naee calibrated on de alone"
+    own, others = (
+        claims[(f"{text}: de retains more", "val-loss retention")],
+        claims[(f"{text}: the others retain less", "val-loss retention (others)")],
+    )
+    assert own.claim.arms == ("naee@de", "naee@mix") and own.claim.direction == "higher"
+    assert _same(own.difference, paired_difference([1.0, 0.95], [0.9, 0.8]))
+    assert _same(others.difference, paired_difference([0.7, 0.5], [0.9, 0.8])) and others.claim.direction == "lower"
+    assert _same(
+        claims[(f"{text}: de retains more", "task retention")].difference, paired_difference([1.0, 0.9], [0.5, 0.6])
+    )
+    task_others = claims[(f"{text}: the others retain less", "task retention (others)")]
+    assert _same(task_others.difference, paired_difference([0.25, 0.3], [0.5, 0.6]))
     per_language = analysis.tables["Task retention per language at 50% removed (mean over seeds)"]
     assert {"arm": "pruned", "method": "naee", "calibration": "de", "de": "0.9500", "en": "0.2750"} in per_language
     assert [p.name for p in analysis.plots] == ["retention.png", "task_retention.png"]
@@ -393,6 +413,6 @@ def test_task_margin_leaves_out_tasks_the_reference_does_not_solve(tmp_path):
             record["suite"] = {**record["suite"], "tasks": {**record["suite"]["tasks"], "moe_lit_next_de": 0.26}}
     values = retention_values(records, task_margin=0.02)
     maestro = values[(0.5, "pruned", "maestro", "mix")]
-    assert maestro["tasks_left_out"] == [1, 1]
+    assert maestro["tasks_left_out"] == {0: 1, 1: 1}
     # seed 1: next_de left out; the other three at 0.8
     assert maestro["task_mean"][1] == pytest.approx(0.8)

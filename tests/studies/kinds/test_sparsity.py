@@ -4,7 +4,9 @@ hash follows the files), errors naming the field, and a tiny real study (pretrai
 import math
 import os
 
+import numpy as np
 import pytest
+from statsmodels.stats.weightstats import ttost_paired
 
 from moe_lit.config import ConfigError
 from moe_lit.studies.engine import Start, path_fingerprint
@@ -57,7 +59,7 @@ def test_each_seed_pretrains_every_model_and_measures_each_rule_and_granularity(
     with_suite = {p.name: p for p in parse_study({**TINY, "suite": {"limit": 7}}).points}
     assert with_suite["moe/gate_up/expert/s1"].measure.kwargs["suite_limit"] == 7
     assert with_suite["moe/pretrain/s1"].hash == parent.hash
-    with pytest.raises(ConfigError, match="suite.limit: must be an integer >= 1 or null"):
+    with pytest.raises(ConfigError, match="suite.limit: must be null or a positive integer, got -1"):
         parse_study({**TINY, "suite": {"limit": -1}})
 
 
@@ -131,7 +133,8 @@ def tiny_data(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path, tiny_data):
     from moe_lit.inference.sparsity import mean_loss, token_batches
-    from moe_lit.studies.kinds.sparsity import language_tokens, model_tokenizer
+    from moe_lit.studies.kinds.sparsity import language_tokens
+    from moe_lit.studies.measures import model_tokenizer
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
 
@@ -256,11 +259,17 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
         layer["highest target within 1%"] == "0.900 ± 0.000 (n=2)"
         and expert["FFN-layer speedup"] == "3.00 ± 0.00 (n=2)"
     )
-    claim_layer, speed_layer, claim_expert, speed_expert, granularity = analysis.findings
-    assert "moe, gate/layer: 90% of the neurons skipped" in claim_layer and claim_layer.endswith("(budget 1%).")
-    assert "**reproduced**" in claim_layer and "**not reproduced**" in claim_expert
-    assert "layer **not reproduced**" in speed_layer and "layer **reproduced**" in speed_expert
-    assert "per-expert vs per-layer" in granularity and "diff 0.0190" in granularity
+    claim_layer, speed_layer, claim_expert, speed_expert, granularity = analysis.claims
+    # no loss at 90%: the per-seed relative increase (0.5%, 0.7%) tested for equivalence within the
+    # study's 1% margin (TOST, statsmodels), against 0
+    assert claim_layer.claim.text == "moe, gate/layer: 90% of the neurons skipped without loss"
+    assert claim_layer.claim.bounds == (-0.01, 0.01) and claim_layer.difference.test == "one-sample t-test"
+    tost = ttost_paired(np.array([0.005, 0.007]), np.zeros(2), -0.01, 0.01)[0]
+    assert claim_layer.equivalence.p == pytest.approx(tost, rel=1e-4) and claim_layer.decides == "equivalence"
+    assert claim_expert.difference.estimate == pytest.approx(0.025) and claim_expert.decides == "beyond margin"
+    assert speed_layer.reason.startswith("the paper's speedups are GPU kernels on top of vLLM")
+    assert "measured: FFN layer 2.00x, decode 1.10x" in speed_layer.reason and "FFN layer 3.00x" in speed_expert.reason
+    assert granularity.claim.arms == ("expert", "layer") and granularity.difference.estimate == pytest.approx(0.019)
     (sparsest, *_rest) = analysis.tables["Sparsest and densest routed experts at target 0.9 (layer thresholds)"]
     assert (sparsest["rank"], sparsest["expert"], sparsest["inactive (mean over languages)"]) == (
         "sparsest",
@@ -270,4 +279,4 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
     assert [p.name for p in analysis.plots] == ["loss_vs_sparsity.png"] and analysis.plots[0].stat().st_size > 0
     (suite,) = analysis.tables["Local-suite accuracy, dense vs sparse at target 0.9 (mean ± std over seeds)"]
     assert (suite["granularity"], suite["items per task"], suite["dense acc"]) == ("layer", 50, "0.7100 ± 0.0141 (n=2)")
-    assert "diff -0.0550" in suite["sparse - dense (paired by seed)"]
+    assert suite["sparse - dense (paired by seed)"].startswith("-0.0550 [")

@@ -6,6 +6,7 @@ import pytest
 from moe_lit.config import ConfigError
 from moe_lit.studies.kinds.upcycling import analyse
 from moe_lit.studies.study import parse_study, run_study
+from moe_lit.studies.verdicts import NO_MARGIN
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -49,8 +50,9 @@ def test_arms_fork_from_their_seeds_fixed_E_checkpoint():
     "change, message",
     [
         ({"expand_at": 5}, "expand_at: must be a multiple of run.train.val_every=2"),
-        ({"expand_at": 2}, "expand_at: must lie between utility_batches=2 and the run's 6 steps"),
-        ({"arms": [{"name": "x", "selection": "best"}]}, "arms[x].selection: got 'best'"),
+        ({"expand_at": 2}, "expand_at: must be in (utility_batches=2, 6 steps), got 2"),
+        ({"arms": [{"name": "x", "selection": "best"}]}, "arms[0].selection: got 'best'"),
+        ({"margin": 0}, "margin: must be a number > 0, got 0"),
         ({"factor": 1}, "factor: must be an integer >= 2"),
         ({"expand_a": 4}, "unknown key(s) ['expand_a']"),
     ],
@@ -96,7 +98,20 @@ def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
     assert f"r=1.9: {100 * 0.4 * (1 - 1 / 1.9):.1f}%" in model
     row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
     assert row["experts"] == 4 and row["val jump at swap"] == "0.2500 ± 0.0000 (n=2)"
-    assert (tmp_path / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (
+        row["minus fixed_E (paired)"].startswith("-0.2500 [") and "paired t-test, p=" in row["minus fixed_E (paired)"]
+    )
+    gap, beats, matches, saving = analysis.claims  # paired by seed: each arm against its own seed's runs
+    assert gap.claim.arms == ("fixed_mE", "fixed_E") and gap.difference.estimate == pytest.approx(-0.55)
+    assert beats.claim.arms == ("up_a", "fixed_E") and beats.difference.test == "paired t-test"
+    assert matches.reason == NO_MARGIN  # no margin stated in the study file: untestable
+    with_margin = analyse({"spec": {"cost_ratios": [1.9], "margin": 0.5}}, records, tmp_path).claims[2]
+    # with a margin stated the claim is tested, here without a noise estimate (up_a - fixed_mE is 0.3 in both seeds)
+    assert with_margin.claim.bounds == (-0.5, 0.5) and with_margin.reason.startswith("no noise estimate")
+    assert (
+        saving.reason.startswith("the saving comes from the GPU step-time ratio") and "here r = 2.00" in saving.reason
+    )
+    assert [p.name for p in analysis.plots] == ["val_loss.png"] and analysis.plots[0].read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow
@@ -139,7 +154,7 @@ def test_curves_plot_marks_tau_and_pairs_each_arm_with_its_seeds_fixed_e():
         _record("up_a", 1, 2.95, curve=curve((4, 3.2), (10, 2.95))),
     ]
     fig = curves_figure(_by_arm(records), tau=4)
-    ax_all, ax_after, ax_diff = fig.axes
+    ax_all, ax_after, ax_diff, ax_copy = fig.axes
     for ax in fig.axes:  # the expansion step is marked in every panel
         assert [4, 4] in [list(line.get_xdata()) for line in ax.lines]
     assert "band: ± std over 2 seeds" in ax_all.get_title()
@@ -149,4 +164,5 @@ def test_curves_plot_marks_tau_and_pairs_each_arm_with_its_seeds_fixed_e():
     (paired,) = [line for line in ax_diff.lines if line.get_linestyle() == "--"]  # up_a minus fixed_E, per seed
     assert list(paired.get_xdata()) == [4, 10] and list(paired.get_ydata()) == pytest.approx([0.0, -0.075])
     assert len(ax_diff.collections) == 1  # its ± std band (the seeds differ by 0.1 and 0.05 at step 10)
+    assert not ax_copy.containers  # no arm measured its copies here
     pyplot().close(fig)

@@ -1,0 +1,71 @@
+"""Figures the study kinds share: a mean per category ± its seed std, side by side per series.
+
+Every kind compares arms or methods as categories on the x axis: :func:`categories` draws one
+error bar per category for each series (a fraction, a grouping, before / after), offset so that
+they do not overprint, names the ticks and the spread (:func:`moe_lit.plotting.spread_note`), and
+draws the reference line it is given (the zero of a difference, the 1 of a retention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from moe_lit.plotting import pyplot, save_figure, seed_errorbar, spread_note, zero_line
+from moe_lit.stats import Summary, summarize
+
+
+def categories(
+    ax,
+    names: Sequence[str],
+    series: Mapping[str | None, Sequence[Summary]],
+    ylabel: str = "",
+    title: str = "",
+    zero: bool = False,
+    reference: tuple[float, str] | None = None,
+    rotation: int = 0,
+    **style,
+) -> list[int]:
+    """Each series' summaries (one per name) as error bars at the names' ticks; ``zero``: a zero
+    line (a difference), ``reference``: (y, label) of a reference line. Returns the n of every
+    summary drawn (for :func:`~moe_lit.plotting.spread_note`); the title gets the spread note."""
+    counts: list[int] = []
+    width = 0.6 / max(1, len(series))
+    for i, (label, stats) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
+        seed_errorbar(ax, xs, list(stats), linestyle="none", label=label, **style)
+        counts += [s.n for s in stats if s.n]
+    if zero:
+        zero_line(ax)
+    if reference is not None:
+        ax.axhline(reference[0], color="grey", linewidth=0.8, label=reference[1])
+    ax.set_xticks(range(len(names)), list(names), rotation=rotation, ha="right" if rotation else "center", fontsize=8)
+    ax.set_xlim(-0.6, max(1, len(names)) - 0.4)
+    ax.set_ylabel(ylabel, fontsize=9)
+    ax.set_title(f"{title} ({spread_note(counts)})" if title else spread_note(counts), fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    if any(label is not None for label in series) or reference is not None:
+        ax.legend(fontsize=7)
+    return counts
+
+
+def per_step(curves: Mapping[int, Mapping[int, float]], since: int = 0) -> tuple[list[int], list[Summary]]:
+    """Curves of several seeds (seed -> step -> value): the steps >= ``since`` every seed measured,
+    and the values over the seeds at each."""
+    steps = sorted(s for s in set.intersection(*(set(c) for c in curves.values())) if s >= since)
+    return steps, [summarize([c[s] for c in curves.values()]) for s in steps]
+
+
+def panels(count: int, width: float = 5.0, height: float = 4.0, sharey: bool = False):
+    """(figure, list of ``count`` axes side by side)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, count, figsize=(max(6.0, width * count), height), sharey=sharey, squeeze=False)
+    return fig, list(axes[0])
+
+
+def save(fig, plots_dir: Path, name: str) -> Path:
+    """``plots_dir/<name>.png``, written atomically; the figure is closed."""
+    return save_figure(fig, Path(plots_dir) / f"{name}.png")
+
+
+__all__ = ["categories", "panels", "per_step", "save"]

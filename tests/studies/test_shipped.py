@@ -1,0 +1,63 @@
+"""The shipped studies under results/: re-rendering their reports changes no record and no hash,
+and every summary judges its claims with the four verdicts only."""
+
+import json
+import re
+
+import pytest
+
+from moe_lit.studies.engine import Call
+from moe_lit.studies.study import load_study
+from moe_lit.studies.verdicts import VERDICTS
+from tests.helpers.paths import REPO, STUDIES
+
+RESULTS = REPO / "results"
+SHIPPED = sorted(d.name for d in RESULTS.iterdir() if (d / "study.json").is_file())
+# NOTE: sparsity-smollm2 starts from an imported model on disk (hashed with its files), not in the checkout.
+FROM_CONFIG = [name for name in SHIPPED if (STUDIES / f"{name}.yaml").is_file() and name != "sparsity-smollm2"]
+
+
+@pytest.mark.parametrize("name", FROM_CONFIG)
+def test_the_study_file_still_expands_to_the_shipped_points(name):
+    plan = json.loads((RESULTS / name / "study.json").read_text())
+    study = load_study(STUDIES / f"{name}.yaml")
+    assert [p.hash for p in study.points] == [p["hash"] for p in plan["points"]]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_record_is_the_plans_and_holds_its_hash(name):
+    plan = json.loads((RESULTS / name / "study.json").read_text())
+    hashes = {p["hash"] for p in plan["points"]}
+    records = sorted((RESULTS / name / "runs").glob("*.json"))
+    assert records and {r.stem for r in records} <= hashes
+    assert all(json.loads(r.read_text())["hash"] == r.stem for r in records)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_claim_of_a_summary_has_its_numbers_and_one_of_the_four_verdicts(name):
+    summary = (RESULTS / name / "summary.md").read_text()
+    claims = json.loads((RESULTS / name / "report.json").read_text())["claims"]
+    assert claims and "Claims (verdicts: reproduced, contradicted, not detected, untestable here)" in summary
+    header = "| claim | a - b | estimate [95% CI] | test | p | Holm p | MDE (power 0.8) | paper | verdict |"
+    assert header in summary
+    rows = [line for line in summary.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:] if line]
+    assert len(rows) == len(claims)
+    for row, claim in zip(rows, claims, strict=True):
+        assert claim["verdict"] in VERDICTS and f"| **{claim['verdict']}**" in row
+        assert (claim["reason"] is not None) == (claim["verdict"] == "untestable here")
+
+
+def test_no_old_verdict_words_in_results_readme_or_docs():
+    files = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *RESULTS.glob("*/summary.md")]
+    offending = [str(f.relative_to(REPO)) for f in files if re.search(r"not reproduced", f.read_text(), re.I)]
+    assert offending == []
+
+
+def test_call_of_names_a_function_by_the_path_its_hash_covers():
+    from moe_lit.studies.kinds.pruning import prune_by_importance
+    from moe_lit.studies.measures import local_suite
+
+    assert Call.of(prune_by_importance, fraction=0.5).path == "moe_lit.studies.kinds.pruning:prune_by_importance"
+    assert Call.of(local_suite, limit=5) == Call("moe_lit.studies.measures:local_suite", {"limit": 5})
+    with pytest.raises(Exception, match="not a module-level function"):
+        Call.of(lambda: None)
