@@ -107,7 +107,10 @@ def help_paragraphs(help_dir: Path, progress: bool = False) -> Iterator[Paragrap
     from tqdm.auto import tqdm
 
     pages = sorted(help_dir.rglob("*.html"))
-    for page in tqdm(pages, desc=f"extract {help_dir.name}", unit="page", disable=not progress, leave=False):
+    # NOTE: disable=None: bars on a terminal only; in a log a nested bar writes cursor-up escapes.
+    for page in tqdm(
+        pages, desc=f"extract {help_dir.name}", unit="page", disable=None if progress else True, leave=False
+    ):
         yield from page_paragraphs(page, page.relative_to(help_dir).as_posix())
 
 

@@ -71,7 +71,7 @@ class PrepareConfig:
     """Rebuild even when ``out`` was prepared with the same settings; replace an ``out`` that holds
     anything else (refused without it). An ``out`` holding the source or the tokenizer is always refused."""
     progress: bool = True
-    """Show progress bars and messages."""
+    """Show progress messages, and progress bars when stderr is a terminal."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out) if self.out is not None else default_data_dir()
@@ -145,7 +145,8 @@ def _debian_corpus(cfg: PrepareConfig, languages: list[str]) -> dict[str, list[P
     if cached and cfg.progress:
         print(f"reusing cached packages {' '.join(cached)} from {cfg.cache_dir / 'debian'}", flush=True)
     raw: dict[str, list[Paragraph]] = {}
-    for lang in tqdm(fetch, desc="download+extract", unit="package", disable=not cfg.progress):
+    # NOTE: disable=None: bars on a terminal only (a log would get the nested bars' cursor-up escapes).
+    for lang in tqdm(fetch, desc="download+extract", unit="package", disable=None if cfg.progress else True):
         raw[lang] = debian.cached_paragraphs(lang, cfg.cache_dir, cfg.progress)
     fallback = {par.id: par.text for par in raw[debian.REFERENCE_LANGUAGE]}
     return {
@@ -264,7 +265,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, object]:
         _write_texts(tmp, splits)
         tokenizer.save(str(tokenizer_file(tmp)))
         jobs = [(split, lang) for split in SPLITS for lang in languages]
-        for split, lang in tqdm(jobs, desc="optimize", unit="dataset", disable=not cfg.progress):
+        for split, lang in tqdm(jobs, desc="optimize", unit="dataset", disable=None if cfg.progress else True):
             tokens[split][lang] = write_tokens(tokenizer, splits[split][lang], tokens_dir(tmp, split, lang))
         meta = {
             "format": FORMAT_VERSION,

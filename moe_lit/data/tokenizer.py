@@ -6,6 +6,7 @@ is ``EOS``, written after each paragraph, so a token stream is ``para EOS para E
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, 
         vocab_size=vocab_size,
         special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
+        # NOTE: on a terminal only: elsewhere its bars print nothing but blank lines on stdout.
+        show_progress=progress and sys.stderr.isatty(),
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer

@@ -13,7 +13,8 @@ line and exit 2; ``--divergence.policy skip`` skips such steps instead), a Throu
 MoEProgressBar, one line: step / max_steps, ETA, loss, lr, tokens/s, load imbalance, ...; else
 StepLines, plain lines for logs; unless ``trainer.enable_progress_bar`` is false), a ``Preemption``
 handler (SIGTERM, SIGINT or SIGUSR1: ``last.ckpt`` at the next step boundary, one line with the
-command that resumes, exit 128 + signal), a model summary with the analytic FLOPs per token
+command that resumes, exit 128 + signal), a ``ThreadShare`` (a CPU run's threads: the cores other
+processes leave free), a model summary with the analytic FLOPs per token
 (MoEModelSummary; unless ``trainer.enable_model_summary`` is false) and a CSV logger in the run directory
 (``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
 
@@ -67,6 +68,7 @@ from moe_lit._compat import require_tested
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.preemption import Preemption, exit_status
+from moe_lit.callbacks.threads import ThreadShare
 from moe_lit.checkpoint import checkpoint_config, load_config, load_model, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
@@ -415,6 +417,7 @@ def _trainer_defaults(subcommand: str) -> dict[str, Any]:
             MoEModelSummary(),
             throughput_monitor(),
             Preemption(label=f"moe-lit {subcommand}"),
+            ThreadShare(),
         ],
     }
 

@@ -31,6 +31,7 @@ from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.preemption import Preemption
 from moe_lit.callbacks.study import ValidationCurve
+from moe_lit.callbacks.threads import ThreadShare
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_text
@@ -236,7 +237,8 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
         every_n_train_steps=run.train.checkpoint_every or eval_every,
     )
     log_every = max(1, min(50, eval_every // 4))
-    callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), *extra_callbacks]
+    callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), ThreadShare()]
+    callbacks.extend(extra_callbacks)
     callbacks.append(DivergenceGuard())
     if run.train.compile:
         # NOTE: after the extra callbacks: a model swap at a batch start is compiled in that batch.

@@ -254,3 +254,13 @@ def test_fit_into_a_log_prints_step_lines_and_no_escape_codes(prepared, tmp_path
     assert all(" loss " in f" {line} " and "eta " in line for line in steps)
     assert "\x1b" not in proc.stdout + proc.stderr
     assert "GPU available" not in proc.stdout + proc.stderr and "rank_zero_warn(" not in proc.stderr
+
+
+def test_data_prepare_into_a_log_writes_no_escape_codes_and_no_blank_lines(tmp_path):
+    from tests.helpers.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=20)
+    argv = ["data", "prepare", "--source", str(corpus), "--out", str(tmp_path / "data"), "--vocab-size", "300"]
+    proc = subprocess.run([sys.executable, "-m", "moe_lit.cli", *argv], capture_output=True, text=True, check=True)
+    assert "\x1b" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
+    assert "" not in proc.stdout.splitlines()[:3], proc.stdout  # the tokenizer's bars printed blank lines

@@ -194,3 +194,31 @@ def test_the_resume_command_keeps_the_arguments_but_force_and_ckpt_path(tmp_path
     assert command_line(["/venv/bin/moe-lit", "study", "run", "a b.yaml"]) == "moe-lit study run 'a b.yaml'"
     message = existing_run_message(tmp_path, tmp_path / "none.ckpt", 5)
     assert message.endswith("is not empty and holds no checkpoint to resume; pass --force to replace it, or --out DIR")
+
+
+def test_a_handler_already_on_sigusr1_stays_and_the_slurm_study_config_sends_it(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from moe_lit.studies.study import load_study
+    from tests.helpers.paths import STUDIES
+
+    def requeue(signum, frame):  # stands for Lightning's SLURM requeue handler
+        pass
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    signal.signal(signal.SIGUSR1, requeue)
+    try:
+        Preemption().on_train_start(SimpleNamespace(), None)
+        assert (
+            signal.getsignal(signal.SIGUSR1) is requeue
+            and signal.getsignal(signal.SIGTERM) is not previous[signal.SIGTERM]
+        )
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    executor = load_study(STUDIES / "dense_vs_sparse_gpu.yaml", None).header.executor
+    sbatch = _make_sbatch_string(command="x", folder=str(tmp_path), **{"additional_parameters": executor.additional})
+    assert SLURMEnvironment().requeue_signal == signal.SIGUSR1 and "#SBATCH --signal=USR1@120" in sbatch.splitlines()
