@@ -222,3 +222,24 @@ def test_a_handler_already_on_sigusr1_stays_and_the_slurm_study_config_sends_it(
     executor = load_study(STUDIES / "dense_vs_sparse_gpu.yaml", None).header.executor
     sbatch = _make_sbatch_string(command="x", folder=str(tmp_path), **{"additional_parameters": executor.additional})
     assert SLURMEnvironment().requeue_signal == signal.SIGUSR1 and "#SBATCH --signal=USR1@120" in sbatch.splitlines()
+
+
+def test_demo_resume_needs_an_earlier_demo_with_the_same_settings(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from moe_lit.commands.demo import check_work_dir, resume_command
+    from moe_lit.errors import MoeLitError
+
+    args = Namespace(work_dir=tmp_path / "work", data=None, resume=True, force=False)
+    with pytest.raises(MoeLitError, match="work holds no demo to continue; run without --resume"):
+        check_work_dir(args, {"tokens": 100})
+    args.resume = False
+    check_work_dir(args, {"tokens": 100})  # a fresh demo notes its settings
+    with pytest.raises(MoeLitError, match="holds an earlier demo; pass --resume to continue it"):
+        check_work_dir(args, {"tokens": 100})
+    args.resume = True
+    check_work_dir(args, {"tokens": 100})
+    with pytest.raises(MoeLitError, match=r"ran with other settings \(tokens\)"):
+        check_work_dir(args, {"tokens": 200})
+    monkeypatch.setattr(sys, "argv", ["/checkout/moe_lit/cli.py", "demo", "--force"])  # make demo
+    assert resume_command() == "moe-lit demo --force --resume"
