@@ -56,11 +56,12 @@ import signal
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jsonargparse import ActionYesNo
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -76,6 +77,7 @@ from moe_lit.io import check_output
 from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.resume import existing_run_message, fit_resume_command, resume_checkpoint
 from moe_lit.lit.runner import throughput_monitor
 
@@ -117,6 +119,9 @@ class MoELightningCLI(LightningCLI):
             help="fit: continue the run in --out from its checkpoints/last.ckpt (e.g. after an interrupt)",
         )
         parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
+        parser.add_argument(
+            "--train.precision", type=Literal["auto", "32-true", "bf16-mixed"] | None, default=None, help=PRECISION_HELP
+        )
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -216,6 +221,20 @@ class MoELightningCLI(LightningCLI):
         print(markdown_table(evaluation_table(results[0], stage, languages)))
 
     @override
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        # NOTE: here, not at parsing: the probe of train.precision auto trains the built model
+        # (its vocabulary comes from the data). Every process of a run decides alike (no probe there).
+        section = self._section()
+        data = section["data"]
+        requested = (section.get("train") or {}).get("precision")
+        choice = choose_precision(requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len)
+        if choice is not None:
+            kwargs["precision"] = section["trainer"]["precision"] = choice.precision
+            if rank_zero_only.rank == 0:
+                print(choice.line(), flush=True)
+        return super().instantiate_trainer(**kwargs)
+
+    @override
     def instantiate_classes(self) -> None:
         # NOTE: only building the objects is wrapped: an error while training is never a config error.
         try:
@@ -276,6 +295,10 @@ TRAIN_FIELDS = {
 }
 """The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
 TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
+PRECISION_HELP = (
+    "auto: bf16-mixed on a CPU with native bf16 where a probe of the model's step measures it faster, "
+    "else fp32 | 32-true | bf16-mixed: sets trainer.precision (moe_lit.lit.precision)"
+)
 
 
 def apply_train_section(section: Any) -> None:

@@ -38,6 +38,7 @@ from moe_lit.io import atomic_write_text
 from moe_lit.lit.console import progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.run_config import RunConfig
 
 ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
@@ -153,8 +154,13 @@ def train_run(
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
     earlier = _earlier_metrics(out_dir, resume_from)
+    trainer_kwargs = _trainer_kwargs(out_dir, run, [curve, *callbacks])
+    precision = choose_precision(run.train.precision, trainer_kwargs, module.model, data.batch_size, data.seq_len)
+    if precision is not None:
+        trainer_kwargs["precision"] = precision.precision
+        print(precision.line(), flush=True)
     with quiet_lightning():  # the Trainer too: its constructor prints the litlogger notice
-        trainer = pl.Trainer(**_trainer_kwargs(out_dir, run, [curve, *callbacks]))
+        trainer = pl.Trainer(**trainer_kwargs)
         if run.steps > 0:
             try:
                 trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
