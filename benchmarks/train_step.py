@@ -39,10 +39,10 @@ from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.lit.optim import ADAMW_KERNELS
 from moe_lit.lit.precision import native_bf16_flags
+from moe_lit.lit.throughput import training_step
 from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts.torch_backend import STRATEGIES
 from moe_lit.model.transformer import Transformer
-from moe_lit.throughput import training_step
 
 VOCAB, D_MODEL, LAYERS, HEADS, SEQ, BATCH = 8192, 256, 4, 4, 256, 8
 SHAPES = ((16, 2, 256), (64, 8, 64))
@@ -99,7 +99,7 @@ def step_fn(model: nn.Module, hf: bool, optimizer_kind: str = "fused", bf16: boo
     """One training step on a fixed random batch; the same loss and AdamW for every model, the
     forward under CPU bf16 autocast when ``bf16`` (fp32 weights and optimizer, as bf16-mixed).
 
-    Ours is ``moe_lit.throughput.training_step``: its cross-entropy as training computes it
+    Ours is ``moe_lit.lit.throughput.training_step``: its cross-entropy as training computes it
     (``model(idx, targets)``: the chunked head + loss unless ``loss_chunk_tokens`` is 0); OLMoE's
     logits go through ``F.cross_entropy``.
     """

@@ -7,7 +7,7 @@
    ``results.md`` (params total/active, tokens, final validation loss overall and per language,
    tokens/s of the training run, and training-step tokens/s eager vs compiled: each trained model's
    step on one training batch, an eager and a ``torch.compile``'d copy timed interleaved,
-   :func:`moe_lit.throughput.eager_vs_compiled`), ``val_loss.png`` (validation loss vs training
+   :func:`moe_lit.lit.throughput.eager_vs_compiled`), ``val_loss.png`` (validation loss vs training
    tokens of both models) and the trained models exported to ``models/<name>/`` (config,
    safetensors, tokenizer: what ``make eval`` reads; git-ignored, being large).
 
@@ -189,7 +189,7 @@ def prepare_default_data(data_dir: Path | None) -> Path:
 def step_throughput(results: dict[str, RunResult], data_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
     """Each trained model's training step on the first training batch, eager vs compiled."""
     from moe_lit.lit.datamodule import MoEDataModule
-    from moe_lit.throughput import eager_vs_compiled
+    from moe_lit.lit.throughput import eager_vs_compiled
 
     print(f"demo: timing each model's training step, eager vs compiled ({args.step_rounds} rounds)", flush=True)
     loader = MoEDataModule(str(data_dir), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moe_lit.lit.throughput import training_step
 from moe_lit.model.transformer import Transformer
 from moe_lit.timing import interleaved_times, paired_ratio
 
@@ -68,11 +69,9 @@ def native_bf16_flags(cpuinfo: Path | None = None) -> list[str]:
 
 def probe_speedup(model: Transformer, batch_size: int, seq_len: int) -> float:
     """Median over :data:`PROBE_ROUNDS` interleaved rounds (after one warm-up) of the fp32 over the
-    bf16-autocast time of ``model``'s training step (``moe_lit.throughput.training_step``) on a
+    bf16-autocast time of ``model``'s training step (``moe_lit.lit.throughput.training_step``) on a
     random batch of ``batch_size`` x ``seq_len`` tokens (:data:`PROBE_MAX_TOKENS` at most). Each
     precision trains its own copy: ``model`` and its routers' statistics stay untouched."""
-    from moe_lit.throughput import training_step
-
     batch_size = max(1, min(batch_size, PROBE_MAX_TOKENS // seq_len))
     gen = torch.Generator().manual_seed(0)
     batch_BL1 = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), generator=gen)

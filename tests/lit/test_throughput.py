@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from moe_lit.lit.throughput import eager_vs_compiled, training_step
 from moe_lit.model import Transformer
-from moe_lit.throughput import eager_vs_compiled, training_step
 from tests.helpers.models import tiny
 
 
