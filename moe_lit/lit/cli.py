@@ -30,7 +30,8 @@ N, ``validate-step<N>`` / ``test-step<N>`` for an evaluation of one: a name that
 the inputs, so a resume or validate never opens a new ``version_N`` and a rerun of the same
 command replaces its own log. A fresh ``fit`` refuses a non-empty DIR, saying which flag probably
 fits: ``--resume`` continues it from ``DIR/checkpoints/last.ckpt`` (the same command plus
-``--resume``, e.g. after an interrupt), ``--force`` replaces it.
+``--resume``, e.g. after an interrupt), ``--force`` replaces it. A requeued SLURM job
+(``SLURM_RESTART_COUNT`` > 0) continues its run from ``last.ckpt`` as if given ``--resume``.
 
 ``--ckpt_path`` takes a Lightning ``.ckpt`` (loaded with ``weights_only=True``; resume with
 ``moe-lit fit --config ... --ckpt_path DIR/checkpoints/last.ckpt``) or an exported directory
@@ -78,7 +79,7 @@ from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar,
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
-from moe_lit.lit.resume import existing_run_message, fit_resume_command, resume_checkpoint
+from moe_lit.lit.resume import existing_run_message, fit_resume_command, requeued_run, resume_checkpoint
 from moe_lit.lit.runner import throughput_monitor
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
@@ -149,9 +150,11 @@ class MoELightningCLI(LightningCLI):
             )
         if "weights_only" in section:
             section["weights_only"] = True
+        last = last_checkpoint(section, run_dir_of(section, self.config["subcommand"]))
         if section.get("resume"):
-            last = last_checkpoint(section, run_dir_of(section, self.config["subcommand"]))
             section["ckpt_path"] = str(resume_checkpoint(last, section.get("ckpt_path"), section["force"]))
+        elif self.config["subcommand"] == "fit" and not section.get("ckpt_path") and requeued_run(last):
+            section["ckpt_path"], section["force"] = str(last), False
         ckpt_path = section.get("ckpt_path")
         self.exported: Path | None = None
         self.start_step: int | None = None

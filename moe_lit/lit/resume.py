@@ -4,13 +4,15 @@
 finds it. :func:`existing_run_message` is the refusal that says which of the two flags the user
 probably wants, read from the run's ``checkpoints/last.ckpt``: a run that stopped before its last
 step (an interrupt, a crash) is continued with ``--resume``; a finished one, or one without a
-checkpoint, is replaced with ``--force`` (or kept, with another ``--out``).
+checkpoint, is replaced with ``--force`` (or kept, with another ``--out``); a requeued SLURM job
+continues its run without either (:func:`requeued_run`).
 :func:`fit_resume_command` is the command an interrupted fit prints: the same arguments with
 ``--resume``.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +66,14 @@ def resume_checkpoint(last: Path, ckpt_path: object, force: bool) -> Path:
     return last
 
 
+def requeued_run(last: Path) -> bool:
+    """Whether this is a SLURM job run again after a requeue (``SLURM_RESTART_COUNT`` > 0) whose
+    run has a ``last`` checkpoint: the same command then continues it, as Lightning's HPC resume
+    would (a requeued job cannot add ``--resume``; its ``--force`` would throw the run away)."""
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "")
+    return restarts.isdigit() and int(restarts) > 0 and last.is_file()
+
+
 def _without(argv: Sequence[str], flags: Sequence[str], value_options: Sequence[str]) -> list[str]:
     """``argv`` without the boolean ``flags`` (``--f``, ``--f=x``, ``--no_f``, ``--f true``) and the
     ``value_options`` with their values."""
@@ -104,4 +114,4 @@ def fit_resume_command(argv: Sequence[str], run_dir: Path) -> str:
     return shlex.join(["moe-lit", *args, RESUME_FLAG])
 
 
-__all__ = ["checkpoint_step", "existing_run_message", "fit_resume_command", "resume_checkpoint"]
+__all__ = ["checkpoint_step", "existing_run_message", "fit_resume_command", "requeued_run", "resume_checkpoint"]

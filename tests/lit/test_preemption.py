@@ -183,6 +183,11 @@ def test_rerunning_fit_into_its_run_directory_says_which_flag_fits(prepared, tmp
     assert "--resume continues the run, --force replaces it" in capsys.readouterr().err
     assert _fit(prepared, "--trainer.max_steps", "3", "--resume", "--out", "elsewhere") == 2
     assert "--resume: elsewhere/checkpoints/last.ckpt does not exist" in capsys.readouterr().err
+    # a requeued SLURM job runs its command again as it was: it continues the run, even with --force
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert _fit(prepared, "--trainer.max_steps", "4", "--force") == 0
+    assert read_lightning_checkpoint(tmp_path / "runs/tiny-moe/checkpoints/last.ckpt")["global_step"] == 4
+    assert (tmp_path / "runs/tiny-moe/logs/fit-step3").is_dir()
 
 
 def test_the_resume_command_keeps_the_arguments_but_force_and_ckpt_path(tmp_path):
