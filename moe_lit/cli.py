@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -146,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MoeLitError as exc:
         print(f"{command_name(command, rest)}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        # NOTE: a Ctrl-C outside training (inside it, moe_lit.callbacks.preemption saves a
+        # checkpoint first and exits itself): one line and the shell's status for SIGINT.
+        print(f"{command_name(command, rest)}: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -248,3 +248,14 @@ def test_demo_resume_needs_an_earlier_demo_with_the_same_settings(tmp_path, monk
         check_work_dir(args, {"tokens": 200})
     monkeypatch.setattr(sys, "argv", ["/checkout/moe_lit/cli.py", "demo", "--force"])  # make demo
     assert resume_command() == "moe-lit demo --force --resume"
+
+
+def test_a_ctrl_c_outside_training_is_one_line_and_exit_130(monkeypatch, capsys):
+    import moe_lit.commands.demo as demo
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run", interrupted)
+    assert main(["demo"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["moe-lit demo: interrupted"]
