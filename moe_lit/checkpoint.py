@@ -98,11 +98,9 @@ def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
             f"checkpoint {path}: a config holds no weights; pass a .ckpt or an exported directory "
             f"(train one with moe-lit fit --config {path})"
         )
-    from moe_lit.lit.optim import OptimConfig
-
     try:
         # NOTE: the allow-list is scoped to this call (a context manager), never added globally.
-        with torch.serialization.safe_globals([*SAFE_GLOBALS, OptimConfig]):
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise MoeLitError(f"checkpoint {path}: refused, {_refusal(str(exc))}") from exc

@@ -2,7 +2,7 @@
 
 Shape legend: B batch rows, L tokens of one forward step, V vocabulary.
 
-:func:`stream` prefills every prompt once (left padded, see ``kv_cache.py``) and then feeds one
+:func:`stream` prefills every prompt once (left padded, see ``moe_lit/model/kv_cache.py``) and then feeds one
 token per row and step. The context window is ``window`` tokens (default the model's
 ``seq_len``): longer prompts keep their last ``window`` tokens, and once the longest row fills
 the window every further step recomputes each row's last ``window`` tokens from scratch, exactly
@@ -11,7 +11,7 @@ or ``max_new_tokens``); the batch ends when every row has.
 
 With ``compile=True`` the model's transformer blocks are compiled in place
 (:func:`moe_lit.model.compile.compile_blocks`, as ``train.compile`` does) and the decode steps run
-them on a *static* cache (``kv_cache.py``): one shape for every step, so one compiled decode graph
+them on a *static* cache (``moe_lit/model/kv_cache.py``): one shape for every step, so one compiled decode graph
 per batch size (after a second cache length, dynamo's automatic dynamic shapes make the slot
 dimension symbolic: one more graph, then none); the first decode step on a cache checks dynamo's
 guards, the later ones skip them (``_stance``). Prefills run eager (their length is the
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from moe_lit.errors import MoeLitError
-from moe_lit.inference.kv_cache import KVCache
 from moe_lit.model.compile import compile_blocks
+from moe_lit.model.kv_cache import KVCache
 
 StopRule = Callable[[list[int]], bool]
 """Called with a row's generated tokens after each new one; True ends the row (the token is kept)."""

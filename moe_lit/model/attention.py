@@ -14,7 +14,7 @@ from torch import nn
 from moe_lit.config import ModelConfig
 
 if TYPE_CHECKING:
-    from moe_lit.inference.kv_cache import LayerKVCache
+    from moe_lit.model.kv_cache import LayerKVCache
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +92,7 @@ class CausalSelfAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
     def _attend_cached(self, q, k, v, kv_cache: LayerKVCache) -> torch.Tensor:
-        """This step's queries against the cached keys/values plus its own (see ``inference/kv_cache.py``)."""
+        """This step's queries against the cached keys/values plus its own (see ``model/kv_cache.py``)."""
         batch, _, length, _ = q.shape
         step = kv_cache.step
         q = apply_rope_at(q, self.rope_cos, self.rope_sin, step.positions_BL)

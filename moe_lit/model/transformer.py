@@ -21,7 +21,7 @@ from moe_lit.model.moe import MoELayer
 from moe_lit.model.router import RoutingStats, finish_routing_step
 
 if TYPE_CHECKING:
-    from moe_lit.inference.kv_cache import KVCache, LayerKVCache
+    from moe_lit.model.kv_cache import KVCache, LayerKVCache
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Transformer(nn.Module):
     ) -> LMOutput:
         """Logits, or with ``targets_BL`` the mean cross-entropy through the chunked head (no logits).
 
-        With ``kv_cache`` (``moe_lit.inference.kv_cache``) ``idx_BL`` holds the next tokens of every
+        With ``kv_cache`` (``moe_lit.model.kv_cache``) ``idx_BL`` holds the next tokens of every
         row: they attend to the cached ones, are cached in turn, and the cache advances.
         """
         x_BLD = self.tok_embeddings(idx_BL)
