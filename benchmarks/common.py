@@ -23,6 +23,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def set_threads(threads: int) -> None:
     """Pin intra-op and inter-op parallelism (the goals are stated for 2 threads)."""
+    # NOTE: OMP_NUM_THREADS also keeps moe_lit.callbacks.threads.ThreadShare from changing the count
+    # of a benchmark's training runs, here and in the processes it starts.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     # NOTE: interop threads can only be set once per process, before any parallel work.
     try:

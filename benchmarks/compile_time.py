@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import report
+from benchmarks.common import report, set_threads
 from moe_lit.resources import CONFIGS_DIR
 
 RESULT_PREFIX = "compile_time_result: "
@@ -36,14 +36,13 @@ RESULT_PREFIX = "compile_time_result: "
 
 def child(args: argparse.Namespace) -> None:
     """One run in this process; prints its measurements as one JSON line."""
-    import torch
     from torch._dynamo.utils import counters
 
     from moe_lit.commands.demo import load_module_config, prepare_default_data
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
     from moe_lit.lit.runner import train_run
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model_cfg, optim = load_module_config(args.model)
     data_dir = prepare_default_data(None)
     run = RunConfig(
