@@ -21,8 +21,9 @@ forward *is* the converted MoE's forward: a token gets the neurons of its k expe
 (the ``unit_weights`` gating of :mod:`moe_lit.convert.partition`), and with k = E the student is
 the dense model. The backward reaches A through P and the router through all E scores.
 
-Training (``fit_dot_moe``) is :class:`~moe_lit.lit.distill.DistillModule` with the dense model
-as frozen teacher: ``kl_weight * KL + ce_weight * LM loss + aux_weight * (load balancing + z-loss)``,
+Training (:func:`~moe_lit.lit.distill.fit_dot_moe`, in the Lightning layer) is
+:class:`~moe_lit.lit.distill.DistillModule` with the dense model as frozen teacher:
+``kl_weight * KL + ce_weight * LM loss + aux_weight * (load balancing + z-loss)``,
 whose coefficients are ``moe.aux_loss_coef`` / ``moe.z_loss_coef`` of the target config.
 ``DotMoEConfig.train_dense`` says what learns: false (default) — only the affinities and the
 routers; every dense weight (FFNs, attention, embeddings) stays the teacher's, so the export is a
@@ -284,45 +285,6 @@ class SinkhornAnnealing(Callback):
         pl_module.log("dot_moe/temperature", tau, batch_size=batch.shape[0])
 
 
-def fit_dot_moe(
-    dense: Transformer,
-    student: Transformer,
-    batches: list[torch.Tensor],
-    cfg: DotMoEConfig = DotMoEConfig(),  # noqa: B008 - never mutated
-    optim=None,
-    distill=None,
-) -> Transformer:
-    """Train ``student`` in place on ``batches`` (one optimizer step each) with ``dense`` as teacher.
-
-    ``optim`` / ``distill`` default to ``OptimConfig(lr=1e-2, warmup_steps=0, schedule='constant')``
-    and ``DistillConfig()``. Returns the student (in eval mode).
-    """
-    import lightning.pytorch as pl
-
-    from moe_lit.lit.distill import DistillConfig, DistillModule
-    from moe_lit.lit.optim import OptimConfig
-
-    if not batches:
-        raise MoeLitError("fit_dot_moe: no training batches")
-    optim = optim or OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
-    module = DistillModule.from_models(student, dense, optim, distill or DistillConfig())
-    trainer = pl.Trainer(
-        accelerator="cpu" if next(dense.parameters()).device.type == "cpu" else "auto",
-        max_steps=len(batches),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[SinkhornAnnealing(cfg)],
-    )
-    # NOTE: Lightning keeps the modules' train/eval mode as it finds them.
-    student.train()
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))  # type: ignore[arg-type]  # torch types the dataset as Dataset; any sequence works
-    return student.eval()
-
-
 __all__ = [
     "AFFINITY_INITS",
     "DotMoEConfig",
@@ -331,7 +293,6 @@ __all__ = [
     "dot_layers",
     "dot_moe_student",
     "export_dot_moe",
-    "fit_dot_moe",
     "hard_assignment",
     "sinkhorn",
 ]

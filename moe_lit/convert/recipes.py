@@ -129,7 +129,8 @@ def _pruning(dense, num_experts, top_k, batches, calibration_tokens):
 
 
 def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed):
-    from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe, fit_dot_moe
+    from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe
+    from moe_lit.lit.distill import fit_dot_moe
     from moe_lit.lit.optim import OptimConfig
 
     if batches is None:

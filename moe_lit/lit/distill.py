@@ -13,7 +13,7 @@ weights are left out of the module's checkpoints (the constructor or ``set_teach
 again on resume). Validation, test, the optimizer and the schedule are the student's, unchanged
 from MoELitModule. The student is any network with our ``Transformer`` interface (``config``,
 ``forward(idx) -> LMOutput``): ``DistillModule.from_models`` takes it as a module, so students of
-another class (DOT-MoE's) train here too.
+another class (DOT-MoE's) train here too: :func:`fit_dot_moe` is that training, on a list of batches.
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
 from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.convert.dot_moe import DotMoEConfig, SinkhornAnnealing
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.model import Transformer
 
 TEACHER_PREFIX = "teacher."
 
@@ -167,4 +170,40 @@ class DistillModule(MoELitModule):
             state.update({TEACHER_PREFIX + k: v for k, v in self.teacher.state_dict().items()})
 
 
-__all__ = ["DistillConfig", "DistillModule", "distill_losses"]
+def fit_dot_moe(
+    dense: Transformer,
+    student: Transformer,
+    batches: list[torch.Tensor],
+    cfg: DotMoEConfig = DotMoEConfig(),  # noqa: B008 - never mutated
+    optim: OptimConfig | None = None,
+    distill: DistillConfig | None = None,
+) -> Transformer:
+    """Train ``student`` in place on ``batches`` (one optimizer step each) with ``dense`` as teacher.
+
+    ``student`` is a DOT-MoE student (:func:`~moe_lit.convert.dot_moe.dot_moe_student`), its Sinkhorn
+    temperature annealed by :class:`~moe_lit.convert.dot_moe.SinkhornAnnealing`. ``optim`` /
+    ``distill`` default to ``OptimConfig(lr=1e-2, warmup_steps=0, schedule='constant')`` and
+    ``DistillConfig()``. Returns the student (in eval mode).
+    """
+    if not batches:
+        raise MoeLitError("fit_dot_moe: no training batches")
+    optim = optim or OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
+    module = DistillModule.from_models(student, dense, optim, distill or DistillConfig())
+    trainer = pl.Trainer(
+        accelerator="cpu" if next(dense.parameters()).device.type == "cpu" else "auto",
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[SinkhornAnnealing(cfg)],
+    )
+    # NOTE: Lightning keeps the modules' train/eval mode as it finds them.
+    student.train()
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))  # type: ignore[arg-type]  # torch types the dataset as Dataset; any sequence works
+    return student.eval()
+
+
+__all__ = ["DistillConfig", "DistillModule", "distill_losses", "fit_dot_moe"]

@@ -7,11 +7,11 @@ from moe_lit.convert.dot_moe import (
     DotMoELayer,
     dot_moe_student,
     export_dot_moe,
-    fit_dot_moe,
     hard_assignment,
     sinkhorn,
 )
 from moe_lit.errors import MoeLitError
+from moe_lit.lit.distill import fit_dot_moe
 from moe_lit.model import Transformer
 from tests.helpers.models import tiny
 
