@@ -33,11 +33,13 @@ lock: $(STAMP)
 	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)/bin/pip-compile --quiet $(if $(UPGRADE),--upgrade) \
 	  $(LOCK_FLAGS) --output-file $(LOCK) pyproject.toml
 
-# `make lint`: what CI and the pre-commit hooks check (ruff rules and format, mypy on the typed modules).
+# `make lint`: what CI and the pre-commit hooks check (ruff rules and format, mypy on the typed
+# modules, the layer order of docs/architecture.md as an import-linter contract in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
