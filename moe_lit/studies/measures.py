@@ -1,6 +1,8 @@
-"""Measurements every study kind shares: a model's tokenizer (its own, else the data's:
-:func:`moe_lit.convert.recipes.data_tokenizer`), validation batches, the start weights'
-validation, local-suite accuracy, and a child point that measures a finished one.
+"""Measurements the study kinds share: a model's tokenizer (its own, else the data's:
+:func:`moe_lit.convert.recipes.data_tokenizer`), validation batches, the parallel text of a split
+per language, the start weights' validation, local-suite accuracy, a child point that measures a
+finished one; and the measurements of models a kind's points name (sparsity profile, training
+step times, routing divergence, the MoE -> dense screen), each a plain function of a checkpoint.
 
 A point's measurement (``Point.measure = Call.of(fn, **kwargs)``) is called after its run as
 ``fn(point, result, run_dir, **kwargs)`` and returns fields for the point's record. To measure
@@ -11,10 +13,12 @@ measurement); the parent's record and hash stay as they were.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_lit.config import ModelConfig
 from moe_lit.convert import recipes
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
@@ -127,8 +131,239 @@ def measure_child(parent: Point, measure: Call, suffix: str = "suite") -> Point:
     )
 
 
+# ----------------------------------------------------------------------------- measurements of models
+SPARSITY_BATCH = 8
+"""Evaluation windows per forward of the sparsity measurement."""
+
+
+def language_tokens(
+    data_dir, split: str, languages: list[str] | None, tokenizer, tokens: int, seed: int | None = None
+) -> dict[str, list[int]]:
+    """Per language, the first ``tokens`` tokens of the parallel ``split`` text (whole documents,
+    paragraphs each followed by EOS); ``seed`` shuffles the document order (the same in every language)."""
+    from moe_lit.analysis.routing import tokenize_documents
+    from moe_lit.evaluation.harness import resolve_eot_id
+    from moe_lit.evaluation.tasks import documents, read_parallel
+
+    parallel = read_parallel(Path(data_dir), split, languages)
+    if seed is not None:
+        order = list(documents(next(iter(parallel.values()))).values())
+        random.Random(seed).shuffle(order)
+        positions = [p for doc in order for p in doc]
+        parallel = {lang: [paras[p] for p in positions] for lang, paras in parallel.items()}
+    # NOTE: documents are taken while the first language is under its budget; twice the budget
+    # leaves every other language (tokenized to more or fewer tokens) enough to cut at ``tokens``.
+    docs = tokenize_documents(parallel, tokenizer, resolve_eot_id(tokenizer), 2 * tokens)
+    return {lang: [t for ids in by_doc.values() for t in ids][:tokens] for lang, by_doc in docs.items()}
+
+
+def sparsity_profile(
+    checkpoint: str | Path,
+    *,
+    data_dir: str,
+    targets: list[float],
+    rule: str,
+    granularity: str,
+    calibration_split: str,
+    calibration_tokens: int,
+    eval_split: str,
+    eval_tokens: int,
+    max_increase: float,
+    statistics_target: float,
+    timing_tokens: int,
+    timing_rounds: int,
+    decode_tokens: int,
+    clock: str,
+    seed: int,
+    languages: list[str] | None = None,
+    suite_limit: int | None = None,
+    suite_batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Intra-expert activation sparsity of the model at ``checkpoint`` (the ``sparsity`` kind's
+    measurement): thresholds calibrated on ``calibration_tokens`` of the ``calibration_split`` text
+    (every language's share, documents in a ``seed``-ed order), the val loss per language and
+    target on ``eval_tokens`` of ``eval_split`` against the dense model
+    (:func:`~moe_lit.inference.sparsity.sample_loss_curve`), the highest target within
+    ``max_increase`` and there the FFN-layer and decode speedups (dense and sparse timed
+    interleaved), the inactive fraction per (language, layer, expert) at ``statistics_target``;
+    with ``suite_batch_size``, the local-suite accuracy of the dense and the sparse model there."""
+    import torch
+
+    from moe_lit.checkpoint import load_model
+    from moe_lit.inference.sparsity import collect_scores, highest_target_within, sample_loss_curve, token_batches
+
+    torch.manual_seed(seed)
+    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir)
+    evaluation = language_tokens(data_dir, eval_split, languages, tokenizer, eval_tokens)
+    calibration = language_tokens(
+        data_dir, calibration_split, languages, tokenizer, max(1, calibration_tokens // len(evaluation)), seed
+    )
+    window = model.config.seq_len
+    calibration_batches = [b for ids in calibration.values() for b in token_batches(ids, window, SPARSITY_BATCH)]
+    eval_batches = {lang: token_batches(ids, window + 1, SPARSITY_BATCH) for lang, ids in evaluation.items()}
+    sample = collect_scores(model, calibration_batches, rule, calibration_tokens, seed=seed)
+    curve, statistics = sample_loss_curve(model, sample, eval_batches, targets, granularity)
+    best = highest_target_within(curve, max_increase)
+    weights = {lang: sum(b[:, 1:].numel() for b in batches) for lang, batches in eval_batches.items()}
+    suite = {}
+    if suite_batch_size is not None:
+        options = {"limit": suite_limit, "batch_size": suite_batch_size, "languages": languages}
+        suite = {"suite": _suite_at(model, sample, statistics_target, granularity, tokenizer, data_dir, options)}
+    timings = _timings(
+        model, sample, best, granularity, eval_batches, timing_tokens, timing_rounds, decode_tokens, clock
+    )
+    return {
+        **suite,
+        "curve": [{k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()} for row in curve],
+        "eval_tokens_per_language": weights,
+        "calibration_tokens_used": sum(b.numel() for b in calibration_batches),
+        "dense_loss": token_weighted(curve, targets[0], weights, "dense_loss"),
+        "best_target": best,
+        "best_inactive": None if best is None else token_weighted(curve, best, weights, "inactive"),
+        **timings,
+        "statistics_target": statistics_target,
+        "statistics": [{**r, "inactive": round(r["inactive"], 5)} for r in statistics[statistics_target]],
+    }
+
+
+def _suite_at(model, sample, target, granularity, tokenizer, data_dir, options) -> dict[str, Any]:
+    """Local-suite scores of ``model`` dense and sparsified at ``target`` (thresholds from ``sample``)."""
+    from moe_lit.inference.sparsity import sparsify, thresholds_at
+
+    sparse = sparsify(model, thresholds_at(sample, target, granularity))
+    dense, sparse_scores = (suite(m, data_dir, tokenizer, **options) for m in (model, sparse))
+    return {"target": target, "dense": dense, "sparse": sparse_scores}
+
+
+def token_weighted(curve: list[dict[str, Any]], target: float, weights: dict[str, int], key: str) -> float:
+    """The mean of ``key`` over the languages of a sparsity curve at ``target``, weighted by tokens."""
+    rows = [r for r in curve if r["target"] == target]
+    return sum(r[key] * weights[r["language"]] for r in rows) / sum(weights[r["language"]] for r in rows)
+
+
+def _timings(model, sample, best, granularity, eval_batches, timing_tokens, rounds, decode_tokens, clock):
+    """FFN-layer and end-to-end decode speedup (dense time / sparse time) at ``best`` (None when no
+    target above 0 is within the loss budget)."""
+    import torch
+
+    from moe_lit.inference import generate
+    from moe_lit.inference.sparsity import sparsify, thresholds_at
+    from moe_lit.timing import interleaved_times, paired_ratio
+
+    if best is None or best == 0:
+        return {"layer_speedup": None, "decode_speedup": None}
+    sparse = sparsify(model, thresholds_at(sample, best, granularity))
+    first, block, captured = next(iter(eval_batches.values()))[0][:1], len(model.blocks) // 2, {}
+    handle = model.blocks[block].ffn.register_forward_pre_hook(lambda _module, args: captured.update(x=args[0]))
+    with torch.inference_mode():
+        model(first[:, :timing_tokens])
+    handle.remove()
+
+    def call(layer):
+        def run():
+            with torch.inference_mode():
+                layer(captured["x"])
+
+        return run
+
+    layers = {"dense": call(model.blocks[block].ffn), "sparse": call(sparse.blocks[block].ffn)}
+    layer_times = interleaved_times(layers, rounds, 3, clock)
+    prompt = first[0, :16].tolist()
+    cases = {k: (lambda m=m: generate(m, [prompt], decode_tokens)) for k, m in (("dense", model), ("sparse", sparse))}
+    decode_times = interleaved_times(cases, max(2, rounds // 10), 1, clock)
+    speedups = {
+        "layer_speedup": paired_ratio(layer_times, "dense", "sparse"),
+        "decode_speedup": paired_ratio(decode_times, "dense", "sparse"),
+    }
+    return speedups | {"timing_block": block, "timing_clock": clock}
+
+
+def step_times(source: ModelConfig, grown: ModelConfig, batch_size: int, lr: float, seed: int, rounds: int) -> dict:
+    """Median seconds of one training step (forward, backward, AdamW, bias update) of two models
+    (``E``: ``source``, ``mE``: ``grown``), interleaved in this process on the same batch."""
+    import torch
+
+    from moe_lit.convert.common import next_token_loss
+    from moe_lit.model import Transformer
+    from moe_lit.timing import interleaved_times, median
+
+    torch.manual_seed(seed)
+    batch_BL1 = torch.randint(0, grown.vocab_size, (batch_size, grown.seq_len + 1))
+    cases = {}
+    for key, cfg in (("E", source), ("mE", grown)):
+        model = Transformer(cfg).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        def step(model=model, optimizer=optimizer) -> None:
+            next_token_loss(model, batch_BL1).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.update_router_biases()
+
+        cases[key] = step
+    times = interleaved_times(cases, rounds=rounds, warmup=2)
+    return {"step_times": {key: median(values) for key, values in times.items()}}
+
+
+def routing_divergence(checkpoint: str | Path, run, new_languages: list[str]) -> dict[str, Any]:
+    """JS divergence (bits, mean over MoE layers) of each new language's expert usage from the mean
+    usage of the other languages, on the run's validation batches."""
+    import torch
+
+    from moe_lit.analysis.routing import js_divergence, usage_by_language
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.routing_trace import routing_trace
+
+    model = load_model(checkpoint).eval()
+    batches = validation_batches(run)
+    languages = list(batches)
+    with torch.no_grad(), routing_trace(model) as recorder:
+        for lang, loader in batches.items():
+            for batch_BL1 in loader:
+                recorder.set_labels(language=lang)
+                model(batch_BL1[:, :-1])
+    usage_GME = usage_by_language(recorder.trace(), languages)
+    base_ME = usage_GME[[i for i, lang in enumerate(languages) if lang not in new_languages]].mean(dim=0)
+    js = {lang: float(js_divergence(usage_GME[languages.index(lang)], base_ME).mean()) for lang in new_languages}
+    return {"routing_js_new_vs_base": js}
+
+
+def conversion_screen(
+    checkpoint: str | Path,
+    run,
+    configs: list,
+    data_dir: str,
+    calibration_tokens: int,
+    languages=None,
+    split: str = "test",
+) -> dict[str, Any]:
+    """The MoE at ``checkpoint`` converted to a dense model by every :class:`MoeToDenseConfig` of
+    ``configs`` (:func:`moe_lit.convert.moe_to_dense.screen`, scores shared), each one's validation
+    loss (overall and per language) on the run's validation batches before any training."""
+    import time
+
+    from moe_lit.checkpoint import load_model
+    from moe_lit.convert.moe_to_dense import screen
+
+    start = time.perf_counter()
+    model = load_model(checkpoint).eval()
+    trace = recipes.calibration_text(model, data_dir, calibration_tokens, languages, split, record_inputs=True)
+    rows = screen(model, trace, configs, validation_batches(run))
+    keys = {"grouping": "grouping", "scaling": "scaling", "params": "params", "loss": "val_loss"}
+    keys["loss_per_label"] = "val_loss_per_language"
+    screened = [{new: row[old] for old, new in keys.items()} for row in rows]
+    return {"screen": screened, "screen_wall_s": round(time.perf_counter() - start, 3)}
+
+
 __all__ = [
+    "SPARSITY_BATCH",
     "SuiteSpec",
+    "conversion_screen",
+    "language_tokens",
+    "routing_divergence",
+    "sparsity_profile",
+    "step_times",
+    "token_weighted",
     "local_suite",
     "measure_child",
     "model_tokenizer",

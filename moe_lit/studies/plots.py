@@ -3,7 +3,9 @@
 Every kind compares arms or methods as categories on the x axis: :func:`categories` draws one
 error bar per category for each series (a fraction, a grouping, before / after), offset so that
 they do not overprint, names the ticks and the spread (:func:`moe_lit.plotting.spread_note`), and
-draws the reference line it is given (the zero of a difference, the 1 of a retention).
+draws the reference line it is given (the zero of a difference, the 1 of a retention);
+:func:`differences` draws paired differences to a reference around zero with its noise band,
+:func:`lines` series over a numeric axis, :func:`per_step` summarises curves over seeds.
 """
 
 from __future__ import annotations
@@ -49,6 +51,37 @@ def categories(
     return counts
 
 
+def differences(ax, labels: Sequence[str], stats: Sequence[Summary], noise: float | None = None, scale=None) -> None:
+    """Paired differences to a reference (one summary per label) around the zero line, with the
+    reference's seed std as the grey noise band when known, ``scale`` ((y, label): the study's main
+    effect, a scale where one seed gives no band) as a dashed line, and every mean written beside it."""
+    seed_errorbar(ax, range(len(stats)), list(stats), linestyle="none", color="tab:blue")
+    zero_line(ax, noise, "seed std of the reference")
+    if scale is not None:
+        ax.axhline(scale[0], color="tab:green", linestyle="--", linewidth=1, label=scale[1])
+    for i, s in enumerate(stats):
+        ax.annotate(f"{s.mean:+.4f}", (i, s.mean), textcoords="offset points", xytext=(6, 0), fontsize=7, va="center")
+    ax.set_xticks(range(len(labels)), list(labels), fontsize=7)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    if noise or scale is not None:
+        ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def lines(
+    ax, series: Mapping[str, tuple[Sequence[float], Sequence[Summary]]], xlabel: str, ylabel: str, title: str, **style
+):
+    """Each series (label -> (xs, summaries)) as a line of means ± seed std, with the axis labels,
+    the title and the spread note under it, a grid and the legend."""
+    counts: list[int] = []
+    for label, (xs, stats) in series.items():
+        seed_errorbar(ax, list(xs), list(stats), label=label, **style)
+        counts += [s.n for s in stats]
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{title}\n({spread_note(counts)})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def per_step(curves: Mapping[int, Mapping[int, float]], since: int = 0) -> tuple[list[int], list[Summary]]:
     """Curves of several seeds (seed -> step -> value): the steps >= ``since`` every seed measured,
     and the values over the seeds at each."""
@@ -68,4 +101,4 @@ def save(fig, plots_dir: Path, name: str) -> Path:
     return save_figure(fig, Path(plots_dir) / f"{name}.png")
 
 
-__all__ = ["categories", "panels", "per_step", "save"]
+__all__ = ["categories", "differences", "lines", "panels", "per_step", "save"]

@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool, _require_choice
+from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool
 
 T = TypeVar("T")
 SPLITS = ("train", "val", "test")
@@ -69,8 +69,10 @@ def boolean(value: Any, name: str) -> None:
     _require_bool(value, name)
 
 
-def choice(value: Any, name: str, allowed: Iterable[str]) -> None:
-    _require_choice(value, name, tuple(allowed))
+def choice(value: Any, name: str, allowed: Iterable[Any]) -> None:
+    """One of ``allowed``."""
+    allowed = tuple(allowed)
+    _require(value in allowed, name, f"got {value!r}, allowed values: {', '.join(map(str, allowed))}")
 
 
 def label(value: Any, name: str) -> None:
@@ -112,6 +114,22 @@ def numbers(values: Any, name: str, low: float) -> None:
     """A non-empty list of numbers > ``low``."""
     ok = isinstance(values, list) and bool(values) and all(is_number(v) and v > low for v in values)
     _require(ok, name, f"must be a non-empty list of numbers > {low:g}, got {values!r}")
+
+
+def ints(values: Any, name: str, low: int, empty: bool = False) -> None:
+    """A list of distinct integers >= ``low`` (non-empty unless ``empty``)."""
+    distinct(values, name, each=lambda v: is_int(v) and v >= low, what="integers", must=f">= {low}", empty=empty)
+
+
+def fractions(values: Any, name: str, zero: bool = False, empty: bool = False) -> None:
+    """A list of distinct numbers in (0, 1) (``zero``: in [0, 1)), non-empty unless ``empty``."""
+    inside = (lambda v: is_number(v) and 0 <= v < 1) if zero else (lambda v: is_number(v) and 0 < v < 1)
+    distinct(values, name, each=inside, what="numbers", must=f"in {'[' if zero else '('}0, 1)", empty=empty)
+
+
+def positives(values: Any, name: str, empty: bool = False) -> None:
+    """A list of distinct numbers > 0 (non-empty unless ``empty``)."""
+    distinct(values, name, each=lambda v: is_number(v) and v > 0, what="numbers", must="> 0", empty=empty)
 
 
 def languages(value: Any, name: str) -> None:
@@ -193,11 +211,14 @@ __all__ = [
     "int_in",
     "is_int",
     "is_number",
+    "fractions",
     "integer",
+    "ints",
     "label",
     "languages",
     "number",
     "numbers",
     "parser",
     "positive_int",
+    "positives",
 ]

@@ -14,14 +14,9 @@ from tests.helpers.paths import REPO
 pytestmark = pytest.mark.slow  # plots are drawn again too
 
 STUDIES = sorted(path.parent.name for path in (REPO / "results").glob("*/study.json"))
-PENDING = pytest.mark.xfail(
-    reason="the study reports gain the claims table (moe_lit.studies.verdicts); the shipped summaries are "
-    "re-rendered with it when that work lands: then drop this mark",
-    strict=False,
-)
 
 
-@pytest.mark.parametrize("study", [pytest.param(name, marks=PENDING) for name in STUDIES])
+@pytest.mark.parametrize("study", STUDIES)
 def test_a_shipped_summary_equals_its_rerendered_self(study, tmp_path, capsys):
     shipped = REPO / "results" / study
     out = tmp_path / "results" / study

@@ -26,6 +26,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.measures import routing_divergence
 from moe_lit.studies.records import minus, select
 from moe_lit.studies.verdicts import LOWER, Claim
 
@@ -108,27 +109,8 @@ def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
 
 
 def measure_routing(point: Point, result: Any, run_dir: Path, new_languages: list[str]) -> dict[str, Any]:
-    """JS divergence (bits, mean over MoE layers) of each new language's expert usage from the
-    mean usage of the base languages, on the run's validation tokens."""
-    import torch
-
-    from moe_lit.analysis.routing import js_divergence, usage_by_language
-    from moe_lit.checkpoint import load_model
-    from moe_lit.evaluation.routing_trace import routing_trace
-    from moe_lit.studies.measures import validation_batches
-
-    model = load_model(result.checkpoint).eval()
-    batches = validation_batches(point.run)
-    languages = list(batches)
-    with torch.no_grad(), routing_trace(model) as recorder:
-        for lang, loader in batches.items():
-            for batch_BL1 in loader:
-                recorder.set_labels(language=lang)
-                model(batch_BL1[:, :-1])
-    usage_GME = usage_by_language(recorder.trace(), languages)
-    base_ME = usage_GME[[i for i, lang in enumerate(languages) if lang not in new_languages]].mean(dim=0)
-    js = {lang: float(js_divergence(usage_GME[languages.index(lang)], base_ME).mean()) for lang in new_languages}
-    return {"routing_js_new_vs_base": js}
+    """The new languages' routing divergence (:func:`moe_lit.studies.measures.routing_divergence`)."""
+    return routing_divergence(result.checkpoint, point.run, new_languages)
 
 
 def _loss(record: dict[str, Any], languages: list[str]) -> float:

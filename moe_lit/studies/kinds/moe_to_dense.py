@@ -39,7 +39,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.measures import start_validation, suite_fields, validation_batches
+from moe_lit.studies.measures import conversion_screen, start_validation, suite_fields
 from moe_lit.studies.records import select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
@@ -183,75 +183,42 @@ CONVERSION = ("score", "keep", "groups", "grouping", "scaling")
 
 
 def expand(spec: MoeToDenseSpec, header) -> list[Point]:
-    calibration = {"data_dir": str(header.run.data.resolved_dir()), "calibration_tokens": spec.calibration_tokens}
+    data_dir, dist, final = str(header.run.data.resolved_dir()), spec.distillation, spec.final_model
+    calibration = {"data_dir": data_dir, "calibration_tokens": spec.calibration_tokens}
     calibration |= {"languages": spec.calibration_languages, "split": spec.calibration_split}
-    dist, final = spec.distillation, spec.final_model
-    module = Call.of(teacher_module, temperature=dist.temperature, kl_weight=dist.kl_weight, ce_weight=dist.ce_weight)
-    measure = Call.of(
-        measure_distilled, data_dir=calibration["data_dir"], suite=spec.suite, suite_limit=spec.suite_limit
-    )
+    weights = {"temperature": dist.temperature, "kl_weight": dist.kl_weight, "ce_weight": dist.ce_weight}
+    module = Call.of(teacher_module, **weights)
+    measure = Call.of(measure_distilled, data_dir=data_dir, suite=spec.suite, suite_limit=spec.suite_limit)
     screening = {**calibration, "keep": spec.keep, "groups": spec.groups, "groupings": spec.groupings}
-    points = []
+    arms = [("distill", label, module) for label in spec.distill]
+    arms += [("finetune", spec.finetune, None)] if spec.finetune is not None else []
+    points: list[Point] = []
     for seed in header.seeds:
+
+        def add(name: str, *args: Any, seed: int = seed, **kwargs: Any) -> None:
+            points.append(Point(header.point_name(name, seed), name, seed, *args, **kwargs))
+
         pretrain = header.seeded_run(seed)
         train, optim = {"max_steps": dist.steps, "val_every": dist.steps}, {"lr": dist.lr, "warmup_steps": dist.warmup}
         distill_run, screen_run = pretrain.replace(train=train, optim=optim), pretrain.replace(train={"max_steps": 0})
-        moe_parent, dense_parent = header.point_name("moe/pretrain", seed), header.point_name("dense/pretrain", seed)
-        points.append(Point(moe_parent, "moe/pretrain", seed, spec.model, pretrain, {"arm": "moe_parent"}))
+        from_moe = Start(parent=header.point_name("moe/pretrain", seed), mode="init")
+        from_dense = Start(parent=header.point_name("dense/pretrain", seed), mode="init")
+        add("moe/pretrain", spec.model, pretrain, {"arm": "moe_parent"})
         if spec.baseline:
-            points.append(
-                Point(dense_parent, "dense/pretrain", seed, spec.dense_parent, pretrain, {"arm": "dense_parent"})
-            )
-        from_moe = Start(parent=moe_parent, mode="init")
+            add("dense/pretrain", spec.dense_parent, pretrain, {"arm": "dense_parent"})
         for score in spec.scores:
-            kwargs = {**screening, "score": score, "scalings": spec.scalings, "seed": seed}
-            info, name, screen = {"arm": "screen", "score": score}, f"screen/{score}", Call.of(measure_screen, **kwargs)
-            points.append(
-                Point(header.point_name(name, seed), name, seed, spec.model, screen_run, info, from_moe, measure=screen)
-            )
-        arms = [("distill", label, module) for label in spec.distill]
-        arms += [("finetune", spec.finetune, None)] if spec.finetune is not None else []
+            screen = Call.of(measure_screen, **screening, score=score, scalings=spec.scalings, seed=seed)
+            add(f"screen/{score}", spec.model, screen_run, {"arm": "screen", "score": score}, from_moe, measure=screen)
         for arm, label, arm_module in arms:
-            cfg, name = spec.conversion(label), f"{arm}/{label}"
+            cfg = spec.conversion(label)
             info = {"arm": arm, "method": "moe_to_dense", "conversion": label}
             info |= {k: getattr(cfg, k) for k in ("score", "grouping", "scaling", "keep")}
             transform = Call.of(convert, **calibration, **{k: getattr(cfg, k) for k in CONVERSION}, seed=seed)
-            points.append(
-                Point(
-                    header.point_name(name, seed),
-                    name,
-                    seed,
-                    final,
-                    distill_run,
-                    info,
-                    from_moe,
-                    transform,
-                    (),
-                    measure,
-                    arm_module,
-                )
-            )
+            add(f"{arm}/{label}", final, distill_run, info, from_moe, transform, measure=measure, module=arm_module)
         if spec.baseline:
-            name, info = f"distill/{BASELINE}", {"arm": "distill", "method": BASELINE, "conversion": BASELINE}
-            start, transform = (
-                Start(parent=dense_parent, mode="init"),
-                Call.of(prune_baseline, **calibration, width=spec.width),
-            )
-            points.append(
-                Point(
-                    header.point_name(name, seed),
-                    name,
-                    seed,
-                    final,
-                    distill_run,
-                    info,
-                    start,
-                    transform,
-                    (),
-                    measure,
-                    module,
-                )
-            )
+            info = {"arm": "distill", "method": BASELINE, "conversion": BASELINE}
+            transform = Call.of(prune_baseline, **calibration, width=spec.width)
+            add(f"distill/{BASELINE}", final, distill_run, info, from_dense, transform, measure=measure, module=module)
     pruned = spec.dense_parent.replace(d_ff=spec.width)
     if pruned != final or count_config_params(pruned) != count_config_params(final):
         raise ConfigError("model: the pruned baseline and the converted model would not match in parameters")
@@ -301,41 +268,18 @@ def measure_screen(
     groups: int,
     groupings: list[str],
     scalings: list[str],
-    data_dir: str,
-    calibration_tokens: int,
     seed: int,
-    languages: list[str] | None = None,
-    split: str = "test",
+    **calibration: Any,
 ) -> dict[str, Any]:
-    """The screen of one score: the MoE (the point's 0-step checkpoint: its parent's weights)
-    converted with every grouping x scaling, each dense model's validation loss (mean over the
-    validation batches, overall and per language) before any training."""
-    import time
-
-    from moe_lit.checkpoint import load_model
-    from moe_lit.convert.moe_to_dense import screen
-
-    start = time.perf_counter()
-    model = load_model(result.checkpoint).eval()
+    """The screen of one score: the MoE (the point's 0-step checkpoint) converted with every grouping x
+    scaling of it, each dense model validated (:func:`moe_lit.studies.measures.conversion_screen`)."""
     configs = [
         MoeToDenseConfig(
             score=score, keep=groups if g == "single" else keep, groups=groups, grouping=g, scaling=c, seed=seed
         )
         for g, c in itertools.product(groupings, scalings)
     ]
-    trace = recipes.calibration_text(model, data_dir, calibration_tokens, languages, split, record_inputs=True)
-    rows = screen(model, trace, configs, validation_batches(point.run))
-    keys = {
-        "grouping": "grouping",
-        "scaling": "scaling",
-        "params": "params",
-        "loss": "val_loss",
-        "loss_per_label": "val_loss_per_language",
-    }
-    return {
-        "screen": [{new: row[old] for old, new in keys.items()} for row in rows],
-        "screen_wall_s": round(time.perf_counter() - start, 3),
-    }
+    return conversion_screen(result.checkpoint, point.run, configs, **calibration)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -376,18 +320,11 @@ def factor_spreads(values: Screen) -> dict[str, dict[int, float]]:
 
 
 def _screen_claims(values: Screen) -> list:
-    claims = []
-    spreads = factor_spreads(values)
+    claims, spreads, by_score = [], factor_spreads(values), marginal(values, "score")
     if all(len({k[i] for k in values}) > 1 for i in FACTORS.values()):
         for other in ("grouping", "scaling"):
-            claim = Claim(
-                f"scoring matters more than {other} (spread of marginal screen loss)",
-                "spread",
-                ("score", other),
-                HIGHER,
-            )
-            claims.append(claim.on(spreads["score"], spreads[other]))
-    by_score = marginal(values, "score")
+            text = f"scoring matters more than {other} (spread of marginal screen loss)"
+            claims.append(Claim(text, "spread", ("score", other), HIGHER).on(spreads["score"], spreads[other]))
     others = {s: v for s, v in by_score.items() if s != DIVERSITY_SCORE}
     if DIVERSITY_SCORE in by_score and others:
         best = min(others, key=lambda s: summarize(list(others[s].values())).mean)
@@ -415,35 +352,26 @@ def distilled_values(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
+BEATS = "MoE->dense beats dense->dense"
+
+
 def _distill_claims(plan: dict[str, Any], distilled) -> list:
     spec, claims = plan.get("spec", {}), []
-    first = f"distill/{spec['distill'][0]}" if spec.get("distill") else None
-    baseline = distilled.get(f"distill/{BASELINE}")
+    first, baseline = f"distill/{(spec.get('distill') or [''])[0]}", distilled.get(f"distill/{BASELINE}")
     if first in distilled and baseline is not None:
         arms = (first, f"distill/{BASELINE}")
         for when in ("before", "after"):
-            claim = Claim(
-                f"MoE->dense beats dense->dense at matched parameters, {when} distillation", "val loss", arms, LOWER
-            )
+            claim = Claim(f"{BEATS} at matched parameters, {when} distillation", "val loss", arms, LOWER)
             claims.append(claim.on(distilled[first][when], baseline[when]))
         suite = {s: v for s, v in distilled[first]["suite"].items() if not math.isnan(v)}
         claim = Claim(
-            "MoE->dense beats dense->dense after distillation (paper: +6.3 points)",
-            "suite acc above chance",
-            arms,
-            HIGHER,
-            paper=PAPER_GAIN,
+            f"{BEATS} after distillation (paper: +6.3 points)", "suite acc above chance", arms, HIGHER, paper=PAPER_GAIN
         )
         claims.append(claim.on(suite, baseline["suite"]) if suite else claim.missing("no suite accuracy measured"))
-    finetune = spec.get("finetune")
-    if finetune and f"distill/{finetune}" in distilled and f"finetune/{finetune}" in distilled:
-        claim = Claim(
-            f"distillation beats the plain LM loss ({finetune})",
-            "val loss",
-            (f"distill/{finetune}", f"finetune/{finetune}"),
-            LOWER,
-        )
-        claims.append(claim.on(distilled[f"distill/{finetune}"]["after"], distilled[f"finetune/{finetune}"]["after"]))
+    tuned = [f"{arm}/{spec.get('finetune')}" for arm in ("distill", "finetune")]
+    if spec.get("finetune") and all(name in distilled for name in tuned):
+        claim = Claim(f"distillation beats the plain LM loss ({spec['finetune']})", "val loss", tuple(tuned), LOWER)
+        claims.append(claim.on(distilled[tuned[0]]["after"], distilled[tuned[1]]["after"]))
     return claims
 
 
@@ -451,56 +379,42 @@ def _languages(per_language: dict[str, list[float]]) -> dict[str, str]:
     return {lang: f"{summarize(v).mean:.3f}" for lang, v in per_language.items()}
 
 
+TABLES = (
+    "Parents after pretraining (mean ± std over seeds)",
+    "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)",
+    "Screen: marginal means per factor level (over the other factors; mean ± std over seeds)",
+    "Distilled children, same budget (mean ± std over seeds; languages: mean after)",
+)
+
+
+def _distilled_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    r = entry["record"]
+    row = {"point": name, "loss": "KD (frozen parent)" if r["arm"] == "distill" else "LM only"}
+    row |= {"params": f"{r['total_params']:,}", "val loss before": format_values(list(entry["before"].values()))}
+    row["val loss after"] = format_values(list(entry["after"].values()))
+    row["suite acc - chance"] = format_values([v for v in entry["suite"].values() if not math.isnan(v)])
+    return row | {"wall s": f"{summarize(list(entry['wall_s'].values())).mean:.0f}"} | _languages(entry["per_language"])
+
+
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     values, distilled = screen_values(records), distilled_values(records)
-    parents = [
-        {"parent": name, "val loss": format_values([r["val_loss"] for r in select(records, arm=arm)])}
-        for name, arm in (("MoE", "moe_parent"), ("dense (E*F wide)", "dense_parent"))
-        if select(records, arm=arm)
-    ]
-    ranked = sorted(values.items(), key=lambda kv: summarize(list(kv[1]["loss"].values())).mean)
-    screen_rows = [
-        {
-            "score": k[0],
-            "grouping": k[1],
-            "scaling": k[2],
-            "params": f"{e['params']:,}",
-            "val loss": format_values(list(e["loss"].values())),
-        }
-        | _languages(e["per_language"])
-        for k, e in ranked
-    ]
+    parents = [("MoE", select(records, arm="moe_parent")), ("dense (E*F wide)", select(records, arm="dense_parent"))]
+    parents = [{"parent": name, "val loss": format_values([r["val_loss"] for r in rs])} for name, rs in parents if rs]
+    screen_rows = []
+    for (score, grouping, scaling), e in sorted(
+        values.items(), key=lambda kv: summarize(list(kv[1]["loss"].values())).mean
+    ):
+        row = {"score": score, "grouping": grouping, "scaling": scaling, "params": f"{e['params']:,}"}
+        screen_rows.append(row | {"val loss": format_values(list(e["loss"].values()))} | _languages(e["per_language"]))
     marginal_rows = [
         {"factor": factor, "level": level, "mean screen val loss": format_values(list(by_seed.values()))}
         for factor in FACTORS
         for level, by_seed in sorted(marginal(values, factor).items())
     ]
-    distilled_rows = []
-    for name, e in distilled.items():
-        r = e["record"]
-        row = {
-            "point": name,
-            "loss": "KD (frozen parent)" if r["arm"] == "distill" else "LM only",
-            "params": f"{r['total_params']:,}",
-        }
-        row |= {
-            "val loss before": format_values(list(e["before"].values())),
-            "val loss after": format_values(list(e["after"].values())),
-        }
-        row["suite acc - chance"] = format_values([v for v in e["suite"].values() if not math.isnan(v)])
-        distilled_rows.append(
-            row | {"wall s": f"{summarize(list(e['wall_s'].values())).mean:.0f}"} | _languages(e["per_language"])
-        )
-    plots_written = [p for p in (plot_screen(values, plots_dir), plot_distilled(distilled, plots_dir)) if p]
-    tables = {
-        "Parents after pretraining (mean ± std over seeds)": parents,
-        "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)": screen_rows,
-        "Screen: marginal means per factor level (over the other factors; mean ± std over seeds)": marginal_rows,
-        "Distilled children, same budget (mean ± std over seeds; languages: mean after)": distilled_rows,
-    }
-    return Analysis(
-        claims=_screen_claims(values) + _distill_claims(plan, distilled), tables=tables, plots=plots_written
-    )
+    rows = [parents, screen_rows, marginal_rows, [_distilled_row(n, e) for n, e in distilled.items()]]
+    written = [p for p in (plot_screen(values, plots_dir), plot_distilled(distilled, plots_dir)) if p]
+    claims = _screen_claims(values) + _distill_claims(plan, distilled)
+    return Analysis(claims=claims, tables=dict(zip(TABLES, rows, strict=True)), plots=written)
 
 
 def plot_screen(values: Screen, plots_dir: Path) -> Path | None:

@@ -17,6 +17,7 @@ calibrated alone retains itself better and the other languages worse than the mi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,73 +162,56 @@ def calibration_label(languages: list[str] | None) -> str:
 
 def expand(spec: PruningSpec, header) -> list[Point]:
     reference_measure = Call.of(measure_tasks, limit=spec.task_limit) if spec.tasks else None
-    mix = calibration_label(spec.calibration_languages)
-    points = []
+    mix, data_dir, points = calibration_label(spec.calibration_languages), str(header.run.data.resolved_dir()), []
+    pruning = {
+        "data_dir": data_dir,
+        "calibration_tokens": spec.calibration_tokens,
+        "languages": spec.calibration_languages,
+    }
+    pruning |= {"split": spec.calibration_split, "damping": spec.damping, "naee_cap": spec.naee_cap}
+    single = {"calibration_tokens": spec.single_language_tokens or spec.calibration_tokens}
+    tasks = {"tasks": True, "task_limit": spec.task_limit} if spec.tasks else {}
     for seed in header.seeds:
-        pretrain = header.seeded_run(seed)
-        lr = {"lr": spec.recovery_lr} if spec.recovery_lr else {}
+
+        def add(name: str, run, info, start=None, transform=None, measure=reference_measure, seed=seed) -> None:
+            point_name = header.point_name(name, seed)
+            points.append(Point(point_name, name, seed, spec.model, run, info, start, transform, measure=measure))
+
+        pretrain, lr = header.seeded_run(seed), {"lr": spec.recovery_lr} if spec.recovery_lr else {}
         train = {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}
         runs = {"pruned": pretrain.replace(train={"max_steps": 0})}
         runs["recovered"] = pretrain.replace(train=train, optim={"warmup_steps": spec.recovery_warmup, **lr})
-        name, info = header.point_name("original", seed), {"arm": "original"}
-        parent = Point(name, "original", seed, spec.model, pretrain, info, measure=reference_measure)
-        start, name = Start(parent=parent.name, mode="init"), header.point_name("original/recovered", seed)
-        run, info = runs["recovered"], {"arm": "control"}
-        control = Point(name, "original/recovered", seed, spec.model, run, info, start, measure=reference_measure)
-        references = {"pruned": parent.name, "recovered": control.name}
-        points += [parent, *([control] if "recovered" in spec.arms else [])]
-        for fraction in spec.fractions:
-            for method in spec.methods:
-                kwargs = _transform_kwargs(spec, header, method, fraction, seed)
-                for arm in (a for a in ARMS if a in spec.arms):
-                    info = {"arm": arm, "method": method, "fraction": fraction, "calibration": mix}
-                    info["reference"] = references[arm]
-                    points.append(
-                        _child(spec, header, parent, f"{method}/{_label(fraction)}/{arm}", runs[arm], info, kwargs)
-                    )
-        for language in spec.single_language_calibration:
-            for method in spec.single_language_methods:
-                kwargs = _transform_kwargs(spec, header, method, CLAIM_FRACTION, seed)
-                kwargs |= {
-                    "languages": [language],
-                    "calibration_tokens": spec.single_language_tokens or spec.calibration_tokens,
-                }
-                info = {"arm": "pruned", "method": method, "fraction": CLAIM_FRACTION, "calibration": language}
-                name = f"{method}/{_label(CLAIM_FRACTION)}/pruned/calibration-{language}"
-                points.append(
-                    _child(spec, header, parent, name, runs["pruned"], {**info, "reference": parent.name}, kwargs)
-                )
+        references = {
+            "pruned": header.point_name("original", seed),
+            "recovered": header.point_name("original/recovered", seed),
+        }
+        start = Start(parent=references["pruned"], mode="init")
+        add("original", pretrain, {"arm": "original"})
+        if "recovered" in spec.arms:
+            add("original/recovered", runs["recovered"], {"arm": "control"}, start)
+        arms = [(f, m, a, mix, {}) for f in spec.fractions for m in spec.methods for a in ARMS if a in spec.arms]
+        languages = spec.single_language_calibration
+        arms += [
+            (CLAIM_FRACTION, m, "pruned", lang, {**single, "languages": [lang]})
+            for lang in languages
+            for m in spec.single_language_methods
+        ]
+        for fraction, method, arm, calibration, changes in arms:
+            name = f"{method}/{_label(fraction)}/{arm}" + (f"/calibration-{calibration}" if calibration != mix else "")
+            info = {
+                "arm": arm,
+                "method": method,
+                "fraction": fraction,
+                "calibration": calibration,
+                "reference": references[arm],
+            }
+            # NOTE: the suite only where the spec asks for tasks at the fraction (not the single-language arms)
+            scored = calibration == mix and (spec.task_fractions is None or fraction in spec.task_fractions)
+            transform = Call.of(
+                prune_by_importance, **{"method": method, "fraction": fraction, **pruning, "seed": seed, **changes}
+            )
+            add(name, runs[arm], info, start, transform, Call.of(measure_memory, **(tasks if scored else {})))
     return points
-
-
-def _child(spec: PruningSpec, header, parent: Point, config_name: str, run, info: dict[str, Any], kwargs) -> Point:
-    """A pruned child of ``parent``: its transform prunes with ``kwargs``; it measures the memory saved,
-    and the local-suite accuracy where the spec asks for tasks at its fraction (not in the
-    single-language arms, which compare val loss per language)."""
-    tasks = (
-        spec.tasks
-        and info["calibration"] == calibration_label(spec.calibration_languages)
-        and (spec.task_fractions is None or info["fraction"] in spec.task_fractions)
-    )
-    measure = Call.of(measure_memory, **({"tasks": True, "task_limit": spec.task_limit} if tasks else {}))
-    start, transform = Start(parent=parent.name, mode="init"), Call.of(prune_by_importance, **kwargs)
-    return Point(
-        header.point_name(config_name, parent.seed),
-        config_name,
-        parent.seed,
-        spec.model,
-        run,
-        info,
-        start,
-        transform,
-        measure=measure,
-    )
-
-
-def _transform_kwargs(spec: PruningSpec, header, method: str, fraction: float, seed: int) -> dict[str, Any]:
-    kwargs = {"method": method, "fraction": fraction, "data_dir": str(header.run.data.resolved_dir())}
-    kwargs |= {"calibration_tokens": spec.calibration_tokens, "languages": spec.calibration_languages}
-    return kwargs | {"split": spec.calibration_split, "damping": spec.damping, "naee_cap": spec.naee_cap, "seed": seed}
 
 
 def prune_by_importance(model, **kwargs: Any):
@@ -255,11 +239,8 @@ def measure_memory(
     original = Transformer(point.model.replace(vocab_size=pruned.config.vocab_size))
     # NOTE: flat fields (not one nested dict), so that runs.csv keeps them as columns.
     kept = [pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids]
-    return {
-        **memory_saved(original, pruned),
-        "kept_experts": kept,
-        **(measure_tasks(point, result, run_dir, task_limit) if tasks else {}),
-    }
+    suite = measure_tasks(point, result, run_dir, task_limit) if tasks else {}
+    return {**memory_saved(original, pruned), "kept_experts": kept, **suite}
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -312,35 +293,21 @@ def _has(group: dict[str, dict[int, Any]], key: str) -> bool:
 def _maestro_claims(values, arm: str, calibration: str, measure: str) -> list:
     """MAESTRO vs the best other method at 50% removed (the highest mean retention, random
     excluded: a baseline picked after the runs, which favours the baseline), paired by seed."""
-    mean_key, variances = MEASURES[measure]
-    at = {
-        m: v
-        for (f, a, m, c), v in values.items()
-        if (f, a, c) == (CLAIM_FRACTION, arm, calibration) and _has(v, mean_key)
-    }
+    (mean_key, variances), at = MEASURES[measure], {}
+    for (f, a, m, c), v in values.items():
+        if (f, a, c) == (CLAIM_FRACTION, arm, calibration) and _has(v, mean_key):
+            at[m] = v
     baselines = {m: v for m, v in at.items() if m not in ("maestro", "random")}
-    what = "retention" if measure == "val loss" else "task retention"
+    what, removed = "retention" if measure == "val loss" else "task retention", _label(CLAIM_FRACTION)
     if "maestro" not in at or not baselines:
-        why = f"needs maestro and another non-random method at {_label(CLAIM_FRACTION)} removed"
-        return [
-            Claim(f"{arm}: MAESTRO retains more than the best baseline", what, ("maestro", "best"), HIGHER).missing(why)
-        ]
+        why = f"needs maestro and another non-random method at {removed} removed"
+        return [Claim(f"{arm}: MAESTRO retains more", what, ("maestro", "best"), HIGHER).missing(why)]
     best = max(baselines, key=lambda m: _finite_mean(baselines[m][mean_key]))
-    claims = [
-        Claim(
-            f"{_label(CLAIM_FRACTION)} removed, {arm}: MAESTRO retains more",
-            what,
-            ("maestro", best),
-            HIGHER,
-            paper=PAPER_GAIN,
-        )
-    ]
-    claims[0] = claims[0].on(at["maestro"][mean_key], baselines[best][mean_key])
+    mean = Claim(f"{removed} removed, {arm}: MAESTRO retains more", what, ("maestro", best), HIGHER, paper=PAPER_GAIN)
+    claims = [mean.on(at["maestro"][mean_key], baselines[best][mean_key])]
     for across, key in variances.items():
-        claim = Claim(
-            f"{arm}: MAESTRO varies less across {across}", f"variance of {what}", ("maestro", best), LOWER, digits=6
-        )
-        claims.append(claim.on(at["maestro"][key], baselines[best][key]))
+        claim = Claim(f"{arm}: MAESTRO varies less across {across}", f"variance of {what}", ("maestro", best), LOWER)
+        claims.append(dataclasses.replace(claim, digits=6).on(at["maestro"][key], baselines[best][key]))
     return claims
 
 
@@ -353,29 +320,23 @@ def _calibration_claims(values, main: str) -> list:
     """Each single-language calibration against the main one, same method, paired by seed: the
     calibration language's own retention (higher) and the mean of the other languages' (lower)."""
     claims = []
-    for (fraction, arm, method, calibration), group in values.items():
+    for (fraction, arm, method, language), group in values.items():
         mix = values.get((fraction, arm, method, main))
-        if calibration == main or mix is None:
-            continue
-        for measure, key in (("val-loss", "languages"), ("task", "task_languages")):
-            if not any(group[key].values()):
-                continue
-
-            def side(by_seed, of, key=key) -> dict[int, float]:
-                return {s: of(per_language) for s, per_language in by_seed[key].items()}
-
-            def own(r, lang=calibration):
-                return r.get(lang, math.nan)
-
-            def rest(r, lang=calibration):
-                return _mean_except(r, lang)
-
-            arms, text = (f"{method}@{calibration}", f"{method}@{main}"), f"{method} calibrated on {calibration} alone"
-            claims.append(Claim(f"{text}: {calibration} retains more", f"{measure} retention", arms, HIGHER))
-            claims[-1] = claims[-1].on(side(group, own), side(mix, own))
-            claims.append(Claim(f"{text}: the others retain less", f"{measure} retention (others)", arms, LOWER))
-            claims[-1] = claims[-1].on(side(group, rest), side(mix, rest))
+        for measure, key in (("val-loss", "languages"), ("task", "task_languages")) if language != main and mix else ():
+            if any(group[key].values()):
+                arms, text = (f"{method}@{language}", f"{method}@{main}"), f"{method} calibrated on {language} alone"
+                own, rest = ({s: f(r, language) for s, r in g[key].items()} for g, f in ((group, _own), (mix, _own)))
+                claims.append(
+                    Claim(f"{text}: {language} retains more", f"{measure} retention", arms, HIGHER).on(own, rest)
+                )
+                own, rest = ({s: _mean_except(r, language) for s, r in g[key].items()} for g in (group, mix))
+                claim = Claim(f"{text}: the others retain less", f"{measure} retention (others)", arms, LOWER)
+                claims.append(claim.on(own, rest))
     return claims
+
+
+def _own(per_language: dict[str, float], language: str) -> float:
+    return per_language.get(language, math.nan)
 
 
 def _mean_except(per_language: dict[str, float], language: str) -> float:
@@ -413,18 +374,18 @@ def _language_rows(values, key: str) -> list[dict[str, Any]]:
 
 
 def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by_fraction = {}
+    by_fraction: dict[float, dict[str, Any]] = {}
     for record in (r for r in select(records) if "params_saved" in r):
         by_fraction.setdefault(record["fraction"], record)
-    return [
-        {"removed": _label(f), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
-        | {
+    rows = []
+    for fraction, r in sorted(by_fraction.items()):
+        row = {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
+        row |= {
             "parameters": f"{r['params_before']:,} -> {r['params_after']:,}",
             "saved": f"{r['params_saved_fraction']:.1%}",
         }
-        | {"bytes": f"{r['bytes_before']:,} -> {r['bytes_after']:,}"}
-        for f, r in sorted(by_fraction.items())
-    ]
+        rows.append(row | {"bytes": f"{r['bytes_before']:,} -> {r['bytes_after']:,}"})
+    return rows
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
@@ -445,9 +406,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     tables[f"Val-loss retention per language at {at} removed (mean over seeds)"] = _language_rows(values, "languages")
     if tasks:
         plots_written.append(plot_retention(main_values, plots_dir, "task_mean"))
-        tables[f"Task retention per language at {at} removed (mean over seeds)"] = _language_rows(
-            values, "task_languages"
-        )
+        task_languages = _language_rows(values, "task_languages")
+        tables[f"Task retention per language at {at} removed (mean over seeds)"] = task_languages
     tables["Memory saved (parameters and persistent buffers)"] = _memory_rows(records)
     return Analysis(claims=claims if values else [], tables=tables, plots=plots_written)
 
@@ -459,10 +419,11 @@ def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     fig, axes = plots.panels(len(arms), 5.0, 4.0, sharey=True)
     counts = []
     for ax, arm in zip(axes, arms, strict=True):
-        stats = {
-            f: [summarize(list(values.get((f, arm, m), {key: {}})[key].values())) for m in methods] for f in fractions
-        }
-        series = {f"{_label(f)} removed": s for f, s in stats.items()}
+        series = {}
+        for f in fractions:
+            series[f"{_label(f)} removed"] = [
+                summarize(list(values.get((f, arm, m), {key: {}})[key].values())) for m in methods
+            ]
         title = f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})"
         counts += plots.categories(ax, methods, series, title=title, reference=(1.0, "1 = nothing lost"), rotation=30)
     what = "original / pruned val loss" if key == "mean" else "above chance: pruned / original"
@@ -472,15 +433,4 @@ def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     return plots.save(fig, plots_dir, "retention" if key == "mean" else "task_retention")
 
 
-__all__ = [
-    "PruningSpec",
-    "analyse",
-    "calibration_label",
-    "expand",
-    "measure_memory",
-    "measure_tasks",
-    "parse",
-    "plot_retention",
-    "prune_by_importance",
-    "retention_values",
-]
+__all__ = ["PruningSpec", "analyse", "calibration_label", "expand", "measure_memory", "measure_tasks", "parse"]

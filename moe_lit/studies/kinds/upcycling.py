@@ -28,6 +28,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start, stable_dict
 from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.measures import step_times
 from moe_lit.studies.records import by_seed, group, minus, paired
 from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
 
@@ -161,30 +162,9 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
 
 
 def measure_step_times(point: Point, result: Any, run_dir: Path, source: dict[str, Any], rounds: int) -> dict:
-    """Median seconds of one training step (forward, backward, AdamW, bias update) of the source
-    (E) and the grown (mE) model, interleaved in this process on the same batch."""
-    import torch
-
-    from moe_lit.convert.common import next_token_loss
-    from moe_lit.model import Transformer
-    from moe_lit.timing import interleaved_times, median
-
-    torch.manual_seed(point.seed)
-    batch_BL1 = torch.randint(0, point.model.vocab_size, (point.run.data.batch_size, point.run.data.seq_len + 1))
-    cases = {}
-    for key, cfg in (("E", ModelConfig.from_dict(source)), ("mE", point.model)):
-        model = Transformer(cfg).train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=point.run.optim.lr)
-
-        def step(model=model, optimizer=optimizer) -> None:
-            next_token_loss(model, batch_BL1).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            model.update_router_biases()
-
-        cases[key] = step
-    times = interleaved_times(cases, rounds=rounds, warmup=2)
-    return {"step_times": {key: median(values) for key, values in times.items()}}
+    """The step times of the source (E) and the grown (mE) model (:func:`moe_lit.studies.measures.step_times`)."""
+    run = point.run
+    return step_times(ModelConfig.from_dict(source), point.model, run.data.batch_size, run.optim.lr, point.seed, rounds)
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -106,9 +106,9 @@ def test_a_start_names_a_parent_or_a_path_and_the_path_must_exist(tmp_path):
     [
         ({"targets": [0.5, 1.0]}, "targets: [1.0] not allowed, each must be in [0, 1)"),
         ({"targets": [0.5, 0.5]}, "targets: must be a non-empty list of distinct values"),
-        ({"rules": ["gate", "relu"]}, "rules: ['relu'] not allowed, each must be one of gate, gate_up"),
-        ({"granularities": ["neuron"]}, "granularities: ['neuron'] not allowed"),
-        ({"statistics_target": 0.7}, "statistics_target: must be one of targets"),
+        ({"rules": ["gate", "relu"]}, "rules: unknown ['relu'], allowed values: gate, gate_up"),
+        ({"granularities": ["neuron"]}, "granularities: unknown ['neuron'], allowed values: layer, expert"),
+        ({"statistics_target": 0.7}, "statistics_target: got 0.7, allowed values: 0.0, 0.5, 0.9"),
         ({"eval_split": "dev"}, "eval_split: got 'dev', allowed values: train, val, test"),
         ({"eval_tokens": 0}, "eval_tokens: must be a positive integer, got 0"),
         ({"clock": "sundial"}, "clock: got 'sundial', allowed values: wall, cpu"),
@@ -133,8 +133,7 @@ def tiny_data(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path, tiny_data):
     from moe_lit.inference.sparsity import mean_loss, token_batches
-    from moe_lit.studies.kinds.sparsity import language_tokens
-    from moe_lit.studies.measures import model_tokenizer
+    from moe_lit.studies.measures import language_tokens, model_tokenizer
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
 
