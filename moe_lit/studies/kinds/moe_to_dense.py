@@ -445,17 +445,4 @@ def plot_distilled(distilled, plots_dir: Path) -> Path | None:
     return plots.save(fig, plots_dir, "distilled")
 
 
-__all__ = [
-    "MoeToDenseSpec",
-    "analyse",
-    "convert",
-    "distilled_values",
-    "expand",
-    "factor_spreads",
-    "measure_distilled",
-    "measure_screen",
-    "parse",
-    "prune_baseline",
-    "screen_values",
-    "teacher_module",
-]
+__all__ = ["MoeToDenseSpec", "analyse", "convert", "expand", "measure_distilled", "measure_screen", "parse"]

@@ -1,16 +1,12 @@
 """Study kind ``partition``: how much of a pretrained dense model survives its cut into an MoE?
 
-Per seed a dense model pretrains (the study's ``run``); from its final weights one child per
-conversion, each trained the same ``recovery`` budget: every ``methods`` entry (random | kmeans |
-coactivation with a router centroid | trained | random, and dot_moe, which learns its routers) at
-every ``settings`` entry (E experts, top-k), by :func:`moe_lit.convert.recipes.partition_dense`;
-``pruning``: structured pruning to the same active FFN width d_ff * k / E; ``dense/recovered``:
-the dense model itself (the reference). A conversion reads its calibration / DOT-MoE tokens from
-the start of the training stream (``conversion tokens``, whole batches) and is validated before
-recovery (:func:`measure_converted`). Loss gap = converted - dense/recovered val loss of the same
-seed; retention = (ln V - L_converted) / (ln V - L_dense), the share of the dense model's loss
-reduction below the uniform prediction that is kept. Claims per setting, on the gaps, paired by
-seed: DOT-MoE > clustering > random, DOT-MoE > pruning.
+Per seed a dense model pretrains; from its weights one child per conversion, each trained the same
+``recovery`` budget: every ``methods`` entry (random | kmeans | coactivation with a centroid |
+trained | random router; dot_moe learns its routers) at every ``settings`` entry (E, top-k)
+(:func:`moe_lit.convert.recipes.partition_dense`), structured ``pruning`` to the same active FFN
+width d_ff * k / E, and ``dense/recovered`` (the reference). Loss gap = converted - dense/recovered
+val loss of the same seed; retention = (ln V - L) / (ln V - L_dense). Claims per setting, on the
+gaps, paired by seed: DOT-MoE > clustering > random, DOT-MoE > pruning.
 """
 
 from __future__ import annotations
@@ -366,13 +362,4 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 
 
-__all__ = [
-    "PartitionSpec",
-    "analyse",
-    "conversion_kwargs",
-    "convert",
-    "expand",
-    "measure_converted",
-    "parse",
-    "retention",
-]
+__all__ = ["PartitionSpec", "analyse", "convert", "expand", "measure_converted", "parse", "retention"]

@@ -319,12 +319,4 @@ def _cosines(record: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-__all__ = [
-    "ArmSpec",
-    "UpcyclingSpec",
-    "analyse",
-    "curves_figure",
-    "expand",
-    "measure_step_times",
-    "parse",
-]
+__all__ = ["UpcyclingSpec", "analyse", "curves_figure", "expand", "measure_step_times", "parse"]
