@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.generate [--new-tokens 256] [--prompt-tokens 32] [--batch 1 8]
         [--rounds 3] [--threads 2] [--sparsity 0.8] [--compile] [--preset smollm2-135m] [--models dense]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--profile]
 
 One process times, INTERLEAVED, greedy decoding of ``--new-tokens`` tokens after a random prompt:
 
@@ -22,6 +22,8 @@ speed does not depend on them). Every batch's rounds also time a read of a 1 GiB
 ``sum``): the **bandwidth floor** of a decode step is the weight bytes it must read (every
 parameter a token touches, the input embedding table aside, in ``--dtype``) over that read rate,
 and ``floor_fraction`` is each case's tokens/s over the floor's (batch * read rate / bytes).
+``--profile`` adds one ``torch.profiler`` generation of every case after the rounds, its op time
+by ``benchmarks.profile_step``'s categories (ms per decoded token).
 
 An MoE model of equal attention dims (``--experts``, ``--top-k``, expert size d_ff / top_k) runs
 the moe_lit cases too (transformers has no model with our exact MoE block here). Reported:
@@ -38,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
+from benchmarks.profile_step import categorize, profile_step_once
 from moe_lit.accounting import count_model_params
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.inference import generate
@@ -121,8 +124,21 @@ def bandwidth_probe() -> tuple[Callable[[], object], int]:
     return buffer.sum, buffer.numel() * buffer.element_size()
 
 
+def decode_profile(fn: Callable[[], object], tokens: int) -> dict[str, float]:
+    """ms per token of one profiled call of ``fn`` (a generation of ``tokens`` tokens), by category."""
+    by_op, wall = profile_step_once(fn)
+    seconds = categorize(by_op, wall)
+    return {"wall": 1e3 * wall / tokens, **{name: 1e3 * value / tokens for name, value in seconds.items()}}
+
+
 def bench(
-    models: dict[str, Callable[[torch.Tensor, int], torch.Tensor]], prompt_BL, new_tokens, rounds, clock, weight_bytes
+    models: dict[str, Callable[[torch.Tensor, int], torch.Tensor]],
+    prompt_BL,
+    new_tokens,
+    rounds,
+    clock,
+    weight_bytes,
+    profile=False,
 ):
     cases: dict[str, Callable[[], object]] = {
         name: (lambda fn=fn: fn(prompt_BL, new_tokens)) for name, fn in models.items()
@@ -155,6 +171,10 @@ def bench(
         result["compiled_speedup_over_kv_cache"] = paired_ratio(times, "kv_cache", "kv_cache_compiled")
     if "hf_generate" in times:
         result["kv_cache_over_hf_time"] = paired_ratio(times, "kv_cache", "hf_generate")
+    if profile:
+        result["profile_ms_per_token"] = {
+            name: decode_profile(lambda fn=fn: fn(prompt_BL, new_tokens), tokens) for name, fn in models.items()
+        }
     return result
 
 
@@ -179,6 +199,7 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, help="also time KV-cache decode at this target sparsity")
     parser.add_argument("--compile", action="store_true", help="also time compiled KV-cache decode")
     parser.add_argument("--no-recompute", action="store_true", help="skip the full-window recompute case")
+    parser.add_argument("--profile", action="store_true", help="also profile one generation of every case")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall")
@@ -233,7 +254,7 @@ def main() -> None:
                 models["kv_cache_sparse"] = lambda p, n, m=sparse: kv_greedy(m, p, n)
             weight_bytes = read_bytes_per_step(model)
             results[f"{name}_batch{batch}"] = bench(
-                models, prompt_BL, args.new_tokens, args.rounds, args.clock, weight_bytes
+                models, prompt_BL, args.new_tokens, args.rounds, args.clock, weight_bytes, args.profile
             )
     setup = {key: value for key, value in vars(args).items() if key != "no_save"}
     report("generate", {"setup": setup, "results": results}, save=not args.no_save)
