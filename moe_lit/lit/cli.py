@@ -230,6 +230,8 @@ class MoELightningCLI(LightningCLI):
         section = self._section()
         data = section["data"]
         requested = (section.get("train") or {}).get("precision")
+        if requested == "auto" and self.config["subcommand"] != "fit":
+            requested = None  # NOTE: auto is a training choice; validate and test keep the trainer's
         choice = choose_precision(requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len)
         if choice is not None:
             kwargs["precision"] = section["trainer"]["precision"] = choice.precision

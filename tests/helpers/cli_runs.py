@@ -24,6 +24,11 @@ TINY = [
     "false",
     "--trainer.log_every_n_steps",
     "1",
+    # NOTE: the experiment's train.precision auto probes the machine; the tests keep the trainer
+    # file's own precision, so that a run means the same on every CPU (tests/lit/test_precision.py
+    # covers auto).
+    "--train.precision",
+    "null",
 ]
 
 
