@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from torch.utils.data import DataLoader, Subset
 from moe_lit.data.layout import SPLITS, default_data_dir, import_litdata, read_meta, tokenizer_file, tokens_dir
 from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.errors import MoeLitError
+
+if TYPE_CHECKING:
+    from moe_lit.lit.run_config import DataConfig
 
 TRAIN_LOADER_KEY = "train_loader"
 ConfigRelativePath = path_type("")
@@ -98,6 +101,20 @@ class MoEDataModule(LightningDataModule):
         """Probability of each trained language (weight > 0) in the training stream."""
         self._train_loader = None
         self._train_state: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, data: DataConfig, seed: int) -> MoEDataModule:
+        """The data module of a run's ``data`` section (``RunConfig.data``) and seed."""
+        return cls(
+            data.resolved_dir(),
+            seq_len=data.seq_len,
+            batch_size=data.batch_size,
+            num_workers=data.num_workers,
+            language_weights=data.language_weights,
+            languages=data.languages,
+            val_batches=data.val_batches,
+            seed=seed,
+        )
 
     def _check_block_fits(self) -> None:
         for split in SPLITS:

@@ -138,16 +138,7 @@ def train_run(
     seed = run.train.seed
     pl.seed_everything(seed, verbose=False)
     data = run.data
-    datamodule = MoEDataModule(
-        data.resolved_dir(),
-        seq_len=data.seq_len,
-        batch_size=data.batch_size,
-        num_workers=data.num_workers,
-        language_weights=data.language_weights,
-        languages=data.languages,
-        val_batches=data.val_batches,
-        seed=seed,
-    )
+    datamodule = MoEDataModule.from_config(data, seed)
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
     curve = ValidationCurve()
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build

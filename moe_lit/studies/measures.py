@@ -83,15 +83,7 @@ def validation_batches(run) -> dict[str, list]:
     """``{language: [(B, L+1) batches]}``: the validation batches train_run validates ``run`` on."""
     from moe_lit.lit.datamodule import MoEDataModule
 
-    data = run.data
-    datamodule = MoEDataModule(
-        data.resolved_dir(),
-        seq_len=data.seq_len,
-        batch_size=data.batch_size,
-        languages=data.languages,
-        val_batches=data.val_batches,
-        seed=run.train.seed,
-    )
+    datamodule = MoEDataModule.from_config(run.data, run.train.seed)
     return {lang: list(loader) for lang, loader in zip(datamodule.languages, datamodule.val_dataloader(), strict=True)}
 
 
