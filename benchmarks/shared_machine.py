@@ -5,7 +5,9 @@
 Each case is a fresh ``moe-lit fit --config configs/experiments/tiny-moe.yaml --train.max_steps 60``
 (the demo's MoE, seq 128, batch 16; progress bar, summary and validation off) timed from start to
 exit, alone and beside a competitor started two seconds before it: a process looping 512 x 512
-matmuls on 2 threads (its iterations/s are reported too: the fit must not win by starving it).
+matmuls on 2 threads (its iterations/s are reported too: the fit must not win by starving it). Each runs in its own
+session, as from two terminals or two jobs (with the kernel's autogroups, each session gets an
+equal share of the CPUs, whatever its number of threads).
 Two thread rules:
 
 * ``pinned``: ``OMP_NUM_THREADS`` set to the cores (torch's default count, the rule left out);
@@ -72,7 +74,9 @@ def fit(data: str | None, steps: int, env: dict[str, str], out: Path) -> float:
     argv += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--force"]
     argv += ["--data.data_dir", data] if data else []
     start = time.perf_counter()
-    subprocess.run(argv, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        argv, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     return time.perf_counter() - start
 
 
@@ -80,7 +84,9 @@ def case(rule: str, beside: bool, args: argparse.Namespace, data: str | None, wo
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | RULES[rule]
     competitor = None
     if beside:
-        competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR], stdout=subprocess.PIPE, text=True)
+        competitor = subprocess.Popen(
+            [sys.executable, "-c", COMPETITOR], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         time.sleep(2.0)
     try:
         wall = fit(data, args.steps, env, work / f"{rule}-{'beside' if beside else 'alone'}")
@@ -114,6 +120,8 @@ def main() -> None:
                 runs[f"{rule}/{'beside' if beside else 'alone'}"].append(case(rule, beside, args, data, Path(tmp)))
     load["load_avg_after"] = os.getloadavg()
     slowdown = {rule: round(median(ratios(runs, rule)), 2) for rule in RULES}
+    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    load["autogroup"] = autogroup.read_text().strip() == "1" if autogroup.exists() else None
     result = {"steps": args.steps, "data": args.data or "demo", "runs": runs, "slowdown_beside": slowdown, **load}
     report("shared_machine", result, save=not args.no_save)
 
