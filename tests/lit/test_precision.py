@@ -9,7 +9,6 @@ from moe_lit.lit import precision
 from moe_lit.lit.precision import PrecisionChoice, choose_precision, native_bf16_flags, probe_speedup
 from moe_lit.lit.run_config import TrainConfig
 from moe_lit.model import Transformer
-from tests.helpers.cli_runs import fit
 from tests.helpers.models import tiny
 
 CPU = {"accelerator": "cpu", "devices": 1}
@@ -72,13 +71,3 @@ def test_probe_leaves_the_model_untouched(model):
 def test_a_precision_outside_the_choices_is_one_line():
     with pytest.raises(Exception, match=r"precision: got 'fp16', allowed values: auto, 32-true, bf16-mixed, null"):
         TrainConfig(max_steps=1, precision="fp16")
-
-
-@pytest.mark.slow
-def test_fit_with_a_forced_precision_says_so_and_trains_in_it(prepared, tmp_path, capsys):
-    assert fit(prepared, "--train.precision", "bf16-mixed", "--train.max_steps", "2", "--out", str(tmp_path / "r")) == 0
-    out = capsys.readouterr().out
-    assert "precision: bf16-mixed (train.precision)" in out
-    assert (tmp_path / "r" / "checkpoints" / "last.ckpt").is_file()
-    assert fit(prepared, "--train.precision", "fp16", "--out", str(tmp_path / "bad")) == 2
-    assert "train.precision" in capsys.readouterr().err
