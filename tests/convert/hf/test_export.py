@@ -264,7 +264,10 @@ def test_an_expert_size_off_the_kernels_multiple_is_padded_exactly(name, expert_
         assert (back(idx).logits_BLV - reference(idx).logits_BLV).abs().max().item() < 1e-5
         if dtype == "float32":
             assert (hf(idx).logits - ours(idx).logits_BLV).abs().max().item() < 1e-4
-    assert torch.equal(generated, greedy(reference, prompt, 8)) if dtype == "float32" else generated.shape[1] > 6
+    if dtype == "float32":
+        assert torch.equal(generated, greedy(reference, prompt, 8))
+    else:  # bfloat16 arithmetic may part from ours; it runs on the default path
+        assert generated.shape[1] > prompt.shape[1]
 
 
 def test_a_d_model_off_the_kernels_multiple_names_the_eager_experts(tmp_path):
