@@ -232,7 +232,7 @@ def _fit_sizes(argv: list[str]) -> list[str]:
 
     yamls = [packaged_config(w) for flag, w in zip(argv, argv[1:], strict=False) if flag in ("--config", "--model")]
     experts = TINY_EXPERTS if any(load_config(path).is_moe for path in yamls) else []
-    resume = "--ckpt_path" in argv
+    resume = "--ckpt_path" in argv or "--resume" in argv
     budget = ["--train.max_tokens", str(2 * 16 * 4)] if "--train.max_tokens" in argv else []
     budget = budget or ["--trainer.max_steps", "3" if resume else "2"]
     return [*TINY_MODEL, *experts, *TINY_DATA, *QUIET_TRAINER, *budget, *([] if resume else ["--force"])]

@@ -7,7 +7,7 @@ the time limit), a Ctrl-C (SIGINT) and a user's ``kill -USR1`` all stop a run th
 1. the handler only notes the signal: the optimizer step in flight finishes (a second SIGINT stops
    at once, without a checkpoint);
 2. at the end of that step (``on_train_batch_end`` of a batch that stepped; or the end of a
-   validation inside fit, or of training), the ranks agree that one of them was signalled and all
+   validation inside fit, again when the step's validation follows its save, or of training), the ranks agree that one of them was signalled and all
    save one full checkpoint (weights, optimizer, schedule, data position, step counter, callback
    states) to the run's ``last.ckpt``, written beside it and renamed into place;
 3. rank 0 prints one line on stderr: the signal, the step, the checkpoint and the command that
@@ -150,8 +150,13 @@ class Preemption(pl.Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self._save_if_signalled(trainer)
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        if self._saved is not None:
+            # NOTE: saved at this step's batch end, before its validation: the resumed run does not
+            # validate that step again, so the checkpoint is written again with the results in it.
+            self._saved = self._save(trainer)
+        self._save_if_signalled(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -179,6 +180,17 @@ def write_tokens(tokenizer, paragraphs: list[Paragraph], out_dir: Path) -> int:
         encode_paragraphs(tokenizer, [par.text for par in paragraphs[start : start + PARAGRAPHS_PER_ITEM]])
         for start in range(0, len(paragraphs), PARAGRAPHS_PER_ITEM)
     ]
+    # NOTE: litdata's optimize installs a SIGINT handler that exits 0 and never restores it: ours
+    # goes back, so a Ctrl-C later in this process (a study, a test session) still interrupts.
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        _optimize(litdata, items, out_dir)
+    finally:
+        signal.signal(signal.SIGINT, sigint)
+    return int(sum(item.size for item in items))
+
+
+def _optimize(litdata, items: list[np.ndarray], out_dir: Path) -> None:
     # NOTE: "fork" because litdata's default "spawn" re-imports torch in the worker on every call;
     # the worker only serializes the arrays tokenized here.
     litdata.optimize(
@@ -192,7 +204,6 @@ def write_tokens(tokenizer, paragraphs: list[Paragraph], out_dir: Path) -> int:
         reorder_files=False,
         verbose=False,
     )
-    return int(sum(item.size for item in items))
 
 
 def _write_texts(root: Path, splits: dict[str, dict[str, list[Paragraph]]]) -> None:

@@ -1,4 +1,5 @@
 import json
+import signal
 
 import pytest
 
@@ -71,6 +72,12 @@ def test_second_run_reuses_and_force_rebuilds(prepared, corpus_dir, capsys):
     changed = prepare(PrepareConfig(**{**cfg, "force": True, "progress": False}))
     assert changed["tokens"] == before["tokens"]
     assert "reusing" not in capsys.readouterr().out
+
+
+def test_preparing_leaves_the_sigint_handler_as_it_was(corpus_dir, tmp_path):
+    before = signal.getsignal(signal.SIGINT)  # litdata's optimize would leave one that exits 0
+    prepare(PrepareConfig(source=str(corpus_dir), out=tmp_path / "out", vocab_size=VOCAB, progress=False))
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_failure_leaves_nothing_that_looks_prepared(corpus_dir, tmp_path, monkeypatch):

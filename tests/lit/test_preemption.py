@@ -71,6 +71,28 @@ def test_a_signal_saves_at_the_end_of_the_step_prints_one_line_and_exits_128_plu
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+class CountsValidations(pl.Callback):
+    """Counts the validations of a fit in its checkpointed state."""
+
+    def __init__(self) -> None:
+        self.validations = 0
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.validations += not trainer.sanity_checking
+
+    def state_dict(self) -> dict[str, int]:
+        return {"validations": self.validations}
+
+
+def test_a_step_validated_after_its_save_is_saved_again_with_the_validation(tmp_path):
+    # the resumed run does not validate the checkpoint's step again: its results must be in it
+    counter = CountsValidations()
+    trainer = _trainer(tmp_path, counter, SignalAt(2, signal.SIGTERM), limit_val_batches=1, val_check_interval=1)
+    checkpoint = read_lightning_checkpoint(_fit_interrupted(trainer).checkpoint)
+    assert checkpoint["global_step"] == 3 and counter.validations == 3
+    assert checkpoint["callbacks"]["CountsValidations"] == {"validations": 3}
+
+
 def test_with_gradient_accumulation_the_checkpoint_waits_for_the_optimizer_step(tmp_path):
     # the signal comes at the first of the two micro-batches of step 2: the checkpoint is after step 2
     interrupted = _fit_interrupted(_trainer(tmp_path, SignalAt(1, signal.SIGTERM), accumulate_grad_batches=2))
