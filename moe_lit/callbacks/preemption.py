@@ -7,9 +7,10 @@ the time limit), a Ctrl-C (SIGINT) and a user's ``kill -USR1`` all stop a run th
 1. the handler only notes the signal: the optimizer step in flight finishes (a second SIGINT stops
    at once, without a checkpoint);
 2. at the end of that step (``on_train_batch_end`` of a batch that stepped; or the end of a
-   validation inside fit, again when the step's validation follows its save, or of training), the ranks agree that one of them was signalled and all
-   save one full checkpoint (weights, optimizer, schedule, data position, step counter, callback
-   states) to the run's ``last.ckpt``, written beside it and renamed into place;
+   validation inside fit, again when the step's validation follows its save; or the end of
+   training), the ranks agree that one of them was signalled and all save one full checkpoint
+   (weights, optimizer, schedule, data position, step counter, callback states) to the run's
+   ``last.ckpt``, written beside it and renamed into place;
 3. rank 0 prints one line on stderr: the signal, the step, the checkpoint and the command that
    resumes;
 4. at the next batch start (after Lightning has logged the step's metrics), or at the end of

@@ -325,7 +325,8 @@ def total_params_lines(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
     dense, lines = {r["budget"]: r for r in grid if r["num_experts"] == 1}, defaultdict(list)
     for r in (r for r in grid if r["num_experts"] > 1):
         lines[(r["budget"], r["top_k"])].append(r)
-    return {k: ([dense[k[0]]] if k[0] in dense else []) + sorted(v, key=lambda r: r["total_params"]) for k, v in lines.items()}
+    by_total = {k: sorted(v, key=lambda r: r["total_params"]) for k, v in lines.items()}
+    return {k: ([dense[k[0]]] if k[0] in dense else []) + v for k, v in by_total.items()}
 
 
 def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
