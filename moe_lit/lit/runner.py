@@ -46,7 +46,7 @@ ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
 METRICS_FILE = "metrics.csv"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
-MEAN_IMBALANCE = "routing/mean/load_imbalance"
+ROUTING_MEAN = "routing/mean/{}"
 
 
 @dataclass
@@ -72,6 +72,9 @@ class RunResult:
     load_imbalance: float
     """max/mean tokens per expert, mean over MoE layers and over the logged steps of the second half
     of training (1.0 for a dense model: its FFN is one always-used expert)."""
+    dropped_fraction: float
+    """Assignments dropped by the capacity limit over routed assignments, averaged as
+    ``load_imbalance`` is (0.0 when dropless and for a dense model)."""
     wall_s: float
     """Seconds of the whole run (training + validation)."""
     checkpoint: str
@@ -259,14 +262,18 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     return kwargs
 
 
-def _load_imbalance(module: MoELitModule, rows: Sequence[dict[str, float]], steps: int) -> float:
-    """Mean logged ``routing/mean/load_imbalance`` of the second half of training; the last step's
-    routing statistics when nothing was logged there; 1.0 for a dense model."""
+def _late_routing_mean(
+    module: MoELitModule, rows: Sequence[dict[str, float]], steps: int, name: str, dense: float
+) -> float:
+    """Mean logged ``routing/mean/<name>`` (a ``RouterStats`` property) of the second half of
+    training; the last step's routing statistics when nothing was logged there; ``dense`` for a
+    dense model."""
     layers = module.model.moe_layers()
     if not layers:
-        return 1.0
-    late = [row[MEAN_IMBALANCE] for row in rows if MEAN_IMBALANCE in row and row.get("step", 0) >= steps / 2]
-    late = late or [sum(stats.load_imbalance for stats in module.model.routing_stats().values()) / len(layers)]
+        return dense
+    key = ROUTING_MEAN.format(name)
+    late = [row[key] for row in rows if key in row and row.get("step", 0) >= steps / 2]
+    late = late or [sum(getattr(stats, name) for stats in module.model.routing_stats().values()) / len(layers)]
     return sum(late) / len(late)
 
 
@@ -294,7 +301,8 @@ def _result(
         val_loss=final.get("val/loss", math.nan),
         val_loss_per_language={lang: final.get(f"val/loss_{lang}", math.nan) for lang in languages},
         tokens_per_s=last_value(rows, "train/lengths") / last_value(rows, "train/time"),
-        load_imbalance=_load_imbalance(module, rows, steps),
+        load_imbalance=_late_routing_mean(module, rows, steps, "load_imbalance", dense=1.0),
+        dropped_fraction=_late_routing_mean(module, rows, steps, "dropped_fraction", dense=0.0),
         wall_s=round(wall_s, 3),
         checkpoint=str(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT),
         metrics_csv=str(metrics_csv),

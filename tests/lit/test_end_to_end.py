@@ -1,5 +1,6 @@
 """prepare -> fit a few steps -> checkpoint -> resume (same losses) -> validate through the CLI."""
 
+import dataclasses
 import math
 
 import pytest
@@ -155,3 +156,15 @@ def test_zero_step_run_validates_the_initial_weights_unchanged(prepared, tmp_pat
     assert all((trained[k] == evaluated[k]).all() for k in trained)
     with pytest.raises(Exception, match="0-step run only validates"):
         train_run(tiny(), run, tmp_path / "resumed", resume_from=first.checkpoint)
+
+
+def test_the_record_holds_the_dropped_fraction_of_a_capacity_limited_run(prepared, tmp_path):
+    # capacity factor 0.5 keeps at most half of each expert's fair share: some assignments drop
+    run = _run_config(prepared)
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, max_tokens=2 * SEQ_LEN * BATCH, val_every=2))
+    limited, dropless, dense = (
+        train_run(model, run, tmp_path / name)
+        for name, model in [("limited", tiny(capacity_factor=0.5)), ("dropless", tiny()), ("dense", tiny(dense=True))]
+    )
+    assert 0.0 < limited.dropped_fraction < 1.0
+    assert dropless.dropped_fraction == dense.dropped_fraction == 0.0
