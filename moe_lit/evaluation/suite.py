@@ -10,6 +10,7 @@ chance accuracy of each task, the mean per language, and the mean accuracy above
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ def suite_scores(
     device: str = "cpu",
     languages: Sequence[str] | None = None,
     tasks: Sequence[str] = ACCURACY_TASKS,
+    outcomes: bool = False,
 ) -> dict[str, Any]:
     """Accuracy of ``model`` on the local suite built from ``data_dir``'s test split.
 
@@ -47,10 +49,13 @@ def suite_scores(
         device: torch device to score on.
         languages: languages to build; None = every language of the data dir.
         tasks: local-suite task names or tags with an ``acc`` metric.
+        outcomes: also return every scored item's accuracy (0 or 1), in lm-eval's item order.
 
     Returns:
-        ``{"tasks": {task: acc}, "chance": {task: chance acc}, "languages": {lang: mean acc},
-        "mean_acc", "mean_above_chance", "limit"}``; above chance = ``acc - chance`` averaged over tasks.
+        ``{"tasks": {task: acc}, "chance": {task: chance acc}, "items": {task: items scored},
+        "stderr": {task: item-level standard error of acc}, "languages": {lang: mean acc},
+        "mean_acc", "mean_above_chance", "limit"}`` (with ``outcomes``: ``"outcomes": {task:
+        [0 | 1, ...]}``); above chance = ``acc - chance`` averaged over tasks.
     """
     from moe_lit.evaluation.harness import MoeLitLM, evaluate
     from moe_lit.evaluation.tasks import SuiteConfig, resolve_tasks
@@ -61,14 +66,14 @@ def suite_scores(
     with tempfile.TemporaryDirectory(prefix="moe_lit_suite_") as work:
         names, manager = resolve_tasks(list(tasks), Path(work), data_dir=Path(data_dir), suite=suite)
         lm = MoeLitLM(model=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
-        results = evaluate(lm, names, manager, limit=limit, bootstrap_iters=0)
+        results = evaluate(lm, names, manager, limit=limit, bootstrap_iters=0, log_samples=outcomes)
         return _scores(results, Path(work) / "data", limit)
 
 
 def _scores(results: dict[str, Any], items_dir: Path, limit: int | None) -> dict[str, Any]:
     """The numbers of :func:`suite_scores` from an lm-eval results dict of local-suite tasks whose
     items :func:`~moe_lit.evaluation.tasks.render_suite` wrote into ``items_dir``."""
-    accuracy, chance, by_language = {}, {}, {}
+    accuracy, chance, items, stderr, outcomes, by_language = {}, {}, {}, {}, {}, {}
     for task, metrics in sorted(results["results"].items()):
         if "acc,none" not in metrics:
             continue  # a group's aggregate row, or a task without accuracy
@@ -76,17 +81,34 @@ def _scores(results: dict[str, Any], items_dir: Path, limit: int | None) -> dict
         metadata = config.get("metadata", {})
         accuracy[task] = float(metrics["acc,none"])
         chance[task] = _chance(items_dir / f"{task.removeprefix(SUITE_PREFIX)}.jsonl", limit)
+        items[task] = int(results["n-samples"][task]["effective"])
+        stderr[task] = item_stderr(accuracy[task], items[task])
+        if task in results.get("samples", {}):
+            outcomes[task] = [int(sample["acc"]) for sample in sorted(results["samples"][task], key=_doc_id)]
         by_language.setdefault(metadata.get("language", "?"), []).append(accuracy[task])
     if not accuracy:
         raise MoeLitError("suite: lm-eval returned no accuracy (no multiple-choice items in the test split?)")
     return {
+        **({"outcomes": outcomes} if outcomes else {}),
         "tasks": accuracy,
         "chance": chance,
+        "items": items,
+        "stderr": stderr,
         "languages": {lang: statistics.fmean(values) for lang, values in sorted(by_language.items())},
         "mean_acc": statistics.fmean(accuracy.values()),
         "mean_above_chance": statistics.fmean(accuracy[t] - chance[t] for t in accuracy),
         "limit": limit,
     }
+
+
+def item_stderr(acc: float, items: int) -> float:
+    """Standard error of an accuracy over ``items`` items scored 0 or 1 (the sample standard
+    deviation over the square root of n, as lm-eval's ``mean_stderr``; nan for fewer than 2 items)."""
+    return math.sqrt(acc * (1 - acc) / (items - 1)) if items > 1 else math.nan
+
+
+def _doc_id(sample: dict[str, Any]) -> int:
+    return int(sample["doc_id"])
 
 
 def _chance(items_file: Path, limit: int | None) -> float:
@@ -97,4 +119,4 @@ def _chance(items_file: Path, limit: int | None) -> float:
     return statistics.fmean(1 / len(item.get("choices", ("good", "bad"))) for item in items)
 
 
-__all__ = ["ACCURACY_TASKS", "suite_scores"]
+__all__ = ["ACCURACY_TASKS", "item_stderr", "suite_scores"]

@@ -1,4 +1,6 @@
 import json
+import math
+import statistics
 
 import pytest
 
@@ -24,8 +26,22 @@ def test_suite_scores_equal_the_eval_command_and_chance_is_the_items_own(
         assert chance == 0.5 if "pairs" in task else 0.25 <= chance <= 0.5
     above = [scores["tasks"][t] - scores["chance"][t] for t in scores["tasks"]]
     assert scores["mean_above_chance"] == pytest.approx(sum(above) / len(above))
-    assert scores["limit"] == 4
+    assert scores["limit"] == 4 and "outcomes" not in scores
+    assert set(scores["items"].values()) == {4} and set(scores["stderr"]) == set(scores["tasks"])
     json.dumps(scores)  # a study record can hold it
+
+
+def test_suite_outcomes_give_the_accuracy_and_its_item_level_standard_error(tiny_moe, prepared_dir, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tokenizer = prepared_dir / "tokenizer.json"
+    options = {"limit": 6, "batch_size": 8, "tasks": ["moe_lit_pairs"], "outcomes": True}
+    scores = suite_scores(tiny_moe, tokenizer, prepared_dir, **options)
+    assert set(scores["outcomes"]) == set(scores["tasks"]) and len(scores["tasks"]) == len(LANGUAGES)
+    for task, acc in scores["tasks"].items():
+        outcome = scores["outcomes"][task]
+        assert len(outcome) == scores["items"][task] == 6 and set(outcome) <= {0, 1}
+        assert statistics.fmean(outcome) == pytest.approx(acc)
+        assert scores["stderr"][task] == pytest.approx(statistics.stdev(outcome) / math.sqrt(6))
 
 
 def test_suite_scores_refuse_a_bad_limit(tiny_moe, prepared_dir):
