@@ -3,7 +3,8 @@
 A kind's claims and tables compare arms over seeds. :func:`select` picks the finished (status
 ok) records whose fields match; :func:`by_seed` maps them to ``{seed: value}``, the form
 :meth:`~moe_lit.studies.verdicts.Claim.on` pairs by seed; :func:`paired` and :func:`minus` line two
-such maps up on the seeds both finished (the differences the plots draw).
+such maps up on the seeds both finished (the differences the plots draw); :func:`collect` gathers
+``{arm: {measure: {seed: value}}}``, :func:`cells` formats them for a table, :func:`best` picks an arm.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from moe_lit.errors import MoeLitError
+from moe_lit.stats import format_values, summarize
 
 STATUS_OK = "ok"
 # NOTE: the engine's STATUS_OK; spelled here so that the analysis imports nothing of the runner.
@@ -52,6 +54,38 @@ def group(records: Iterable[Record], key: Callable[[Record], Hashable]) -> dict[
     return out
 
 
+def collect(items: Iterable[tuple[Hashable, int, Mapping[str, Any]]]) -> dict[Hashable, dict[str, dict[int, Any]]]:
+    """``{key: {measure: {seed: value}}}`` from ``(key, seed, {measure: value})`` items, keys in
+    first-seen order: the values a kind's claims and tables compare, one map per arm and measure."""
+    out: dict[Hashable, dict[str, dict[int, Any]]] = {}
+    for key, seed, values in items:
+        entry = out.setdefault(key, {})
+        for measure, value in values.items():
+            entry.setdefault(measure, {})[seed] = value
+    return out
+
+
+def cells(values: Mapping[str, Mapping[int, float]], columns: Mapping[str, str], digits: int = 4) -> dict[str, str]:
+    """Table cells: title -> mean ± std (n) over the seeds of ``values[key]`` for each ``title: key``
+    of ``columns`` (empty where not measured)."""
+    return {title: format_values(list(values.get(key, {}).values()), digits) for title, key in columns.items()}
+
+
+def language_means(per_seed: Mapping[int, Mapping[str, float]], digits: int = 4) -> dict[str, str]:
+    """Table cells ``{language: mean over the seeds}`` of ``{seed: {language: value}}`` (languages in
+    first-seen order)."""
+    languages = dict.fromkeys(lang for by in per_seed.values() for lang in by)
+    means = {lang: summarize([by[lang] for by in per_seed.values() if lang in by]).mean for lang in languages}
+    return {lang: f"{mean:.{digits}f}" for lang, mean in means.items()}
+
+
+def best(candidates: Mapping[str, Mapping[int, float]], lowest: bool = True) -> str | None:
+    """The candidate with the lowest (``lowest=False``: highest) mean over its seeds; None without one."""
+    means = {name: summarize(list(by.values())).mean for name, by in candidates.items()}
+    means = {name: mean for name, mean in means.items() if not math.isnan(mean)}
+    return (min if lowest else max)(means, key=means.__getitem__) if means else None
+
+
 def paired(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[list[float], list[float]]:
     """The values of ``a`` and ``b`` on the seeds both have, seed by seed."""
     seeds = sorted(set(a) & set(b))
@@ -63,4 +97,4 @@ def minus(a: Mapping[int, float], b: Mapping[int, float]) -> dict[int, float]:
     return {s: a[s] - b[s] for s in sorted(set(a) & set(b))}
 
 
-__all__ = ["by_seed", "group", "minus", "paired", "select", "value_of"]
+__all__ = ["best", "by_seed", "cells", "collect", "group", "language_means", "minus", "paired", "select", "value_of"]

@@ -14,6 +14,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool
@@ -137,6 +138,28 @@ def languages(value: Any, name: str) -> None:
     distinct(value, name, each=lambda v: isinstance(v, str) and bool(v), what="language codes", optional=True)
 
 
+@dataclass
+class FineTune:
+    """A short run from a point's weights on a fresh optimizer and schedule (a recovery, a distillation)."""
+
+    steps: int = 200
+    """Optimizer steps (batch and sequence: run.data), validated once at the end."""
+    lr: float = 1e-3
+    """Peak learning rate of the fresh schedule."""
+    warmup: int = 20
+    """Warmup steps of the fresh schedule."""
+
+    def __post_init__(self) -> None:
+        positive_int(self.steps, "steps")
+        int_in(self.warmup, "warmup", 0, self.steps, "steps")
+        number(self.lr, "lr", 0)
+
+    def run(self, base: Any) -> Any:
+        """The RunConfig ``base`` with this budget and schedule."""
+        train, optim = {"max_steps": self.steps, "val_every": self.steps}, {"lr": self.lr, "warmup_steps": self.warmup}
+        return base.replace(train=train, optim=optim)
+
+
 def build(cls: type[T], data: Any, name: str, **known: Any) -> T:
     """``cls`` from a mapping (null: its defaults): unknown keys refused, nested sections built by
     their field types, ModelConfig fields given ``known['seq_len']``; errors named under ``name``."""
@@ -204,6 +227,7 @@ def parser(cls: type[T], required: tuple[str, ...] = ()) -> Callable[[dict[str, 
 
 __all__ = [
     "SPLITS",
+    "FineTune",
     "boolean",
     "build",
     "choice",

@@ -88,6 +88,15 @@ class StudyHeader:
     def point_name(self, config_name: str, seed: int) -> str:
         return config_name + (f"/s{seed}" if len(self.seeds) > 1 else "")
 
+    def point(self, config_name: str, seed: int, *args: Any, **kwargs: Any) -> engine.Point:
+        """The point of ``config_name`` at ``seed``, named by :meth:`point_name`; ``args`` and
+        ``kwargs``: the rest of :class:`~moe_lit.studies.engine.Point` (model, run, info, ...)."""
+        return engine.Point(self.point_name(config_name, seed), config_name, seed, *args, **kwargs)
+
+    def start(self, config_name: str, seed: int, mode: str = "init", step: int | None = None) -> engine.Start:
+        """A start from the point ``config_name`` of ``seed`` (its final weights, or those after ``step``)."""
+        return engine.Start(parent=self.point_name(config_name, seed), step=step, mode=mode)
+
 
 def _executor(value: Any):
     from moe_lit.studies.executors import ExecutorConfig

@@ -1,15 +1,13 @@
 """Study kind ``dense_vs_sparse``: dense and MoE models matched on active (or total) parameters.
 
-A dense base model, the active-parameter budgets (each the base with a few fields changed), the
-grid (budgets x num_experts x top_k x matching mode, the dense model included) and ablations at one
-budget (granularity, shared expert, heterogeneous sizes, balancing, capacity factor vs dropless,
-matching mode). Every MoE is built by :func:`moe_lit.accounting.matched_moe_config`; two axes that
-describe the same run are one point in both groups. Claims (the seed's four), paired by seed: at
-fixed active params the most total params beat dense and the smallest MoE; the best expert size
-does not move with E, shared experts, heterogeneous sizes and balancing matter little (equivalence
-within the study's ``margin``); dropless beats token dropping. Plots: ``loss_vs_total_params``,
-``loss_vs_expert_size`` and ``ablation_<group>`` (each variant minus its reference, paired by seed,
-around a zero line with the reference's seed std as the noise band).
+Active-parameter budgets (the dense base with a few fields changed), the grid (budgets x
+num_experts x top_k x matching mode, dense included) and ablations at one budget (granularity,
+shared expert, heterogeneous sizes, balancing, capacity factor, matching mode); every MoE is
+:func:`moe_lit.accounting.matched_moe_config`, and two axes describing one run are one point.
+Claims, paired by seed: at fixed active params the most total params beat dense and the smallest
+MoE; the best expert size does not move with E, shared experts, heterogeneous sizes and balancing
+matter little (TOST within ``margin``); dropless beats token dropping. Plots: loss vs total params,
+loss vs expert size, and per ablation each variant minus its reference around zero.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
@@ -33,10 +31,9 @@ from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
 from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
 
 AXES = {"granularity": "top-k and number of experts", "shared": "shared expert size (fraction of the dense d_ff)"}
-AXES |= {"heterogeneous": "expert size profile", "balancing": "load balancing", "matching": "model"}
-AXES["capacity"] = "capacity factor (tokens beyond it are dropped)"
+AXES |= {"heterogeneous": "expert size profile", "balancing": "load balancing"}
+AXES |= {"capacity": "capacity factor (tokens beyond it are dropped)", "matching": "model"}
 """Ablation group -> x-axis label of its plot (in plot order)."""
-ORDER = ("granularity", "shared", "heterogeneous", "balancing", "capacity", "matching")
 DENSE, MATCH_MODES, SMALL = "dense", ("active", "total"), ("shared", "heterogeneous", "balancing")
 BALANCING_FIELDS = ("balancing", "aux_loss_coef", "bias_update_rate")
 # NOTE: only points with the reference MoE settings (grid, granularity) are compared along total params.
@@ -123,9 +120,7 @@ class AblationSpec:
                 raise ConfigError(
                     f"size_profiles.{name}: needs num_experts={self.num_experts} positive numbers, got {sizes}"
                 )
-            check.distinct(
-                list(set(sizes)), f"size_profiles.{name}", each=lambda v: check.is_number(v) and v > 0, must="> 0"
-            )
+            check.positives(list(set(sizes)), f"size_profiles.{name}")
         for i, variant in enumerate(self.balancing):
             if not isinstance(variant, dict) or not variant or not set(variant) <= set(BALANCING_FIELDS):
                 raise ConfigError(f"balancing[{i}]: must be a mapping of {list(BALANCING_FIELDS)}, got {variant!r}")
@@ -186,8 +181,7 @@ def parse(fields: dict[str, Any], header) -> DenseVsSparseSpec:
     return _parse(fields | ({"budgets": budgets} if budgets else {}), header)
 
 
-@dataclass(frozen=True)
-class _Run:
+class _Run(NamedTuple):
     """A point before hashing: its group, label in the group, and the model."""
 
     group: str
@@ -197,31 +191,23 @@ class _Run:
     model: ModelConfig
     match: str = "active"
 
-    def info(self) -> dict[str, Any]:
-        moe = self.model.moe
-        out = {"budget": self.budget, "groups": {self.group: self.label}, "match": self.match}
-        out |= {
-            "shared_expert_size": moe.shared_expert_size if moe else 0,
-            "heterogeneous": bool(moe and not moe.uniform),
-        }
-        return out | {
-            "balancing": moe.balancing if moe else "",
-            "capacity_factor": moe.capacity_factor if moe else None,
-        }
+
+def _info(run: _Run) -> dict[str, Any]:
+    moe, out = run.model.moe, {"budget": run.budget, "groups": {run.group: run.label}, "match": run.match}
+    shared, mixed = (moe.shared_expert_size, not moe.uniform) if moe else (0, False)
+    out |= {"shared_expert_size": shared, "heterogeneous": mixed, "balancing": moe.balancing if moe else ""}
+    return out | {"capacity_factor": moe.capacity_factor if moe else None}
 
 
 def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
     """Every run of the study, in a stable order (grid first), deduplicated by identity."""
     runs = _grid_runs(spec) + (_ablation_runs(spec, spec.ablations) if spec.ablations else [])
     points: dict[str, Point] = {}
-    for seed in header.seeds:
-        for run in runs:
-            config_name = f"{run.budget}/{run.name}"
-            name, seeded = header.point_name(config_name, seed), header.seeded_run(seed)
-            (point,) = finalize([Point(name, config_name, seed, run.model, seeded, run.info())])
-            if (known := points.setdefault(point.hash, point)) is not point:
-                known.info["groups"].setdefault(run.group, run.label)
-    return [dataclasses.replace(p, hash="") for p in points.values()]
+    for seed, run in ((seed, run) for seed in header.seeds for run in runs):
+        point = header.point(f"{run.budget}/{run.name}", seed, run.model, header.seeded_run(seed), _info(run))
+        if (known := points.setdefault(finalize([point])[0].hash, point)) is not point:
+            known.info["groups"].setdefault(run.group, run.label)
+    return list(points.values())
 
 
 def _moe_name(num_experts: int, top_k: int) -> str:
@@ -238,18 +224,12 @@ def _balancing_label(variant: dict[str, Any], defaults: dict[str, Any]) -> str:
 
 def _grid_runs(spec: DenseVsSparseSpec) -> list[_Run]:
     """Every budget x num_experts x top_k x match, the dense model included."""
-    runs, experts = [], [e for e in spec.grid.num_experts if e != DENSE]
-    for budget in spec.budgets:
-        dense = spec.dense_model(budget.name)
-        runs += [_Run("grid", budget.name, DENSE, DENSE, dense)] if DENSE in spec.grid.num_experts else []
-        for match in spec.grid.match:
-            for e, k in ((e, k) for e in experts for k in spec.grid.top_k if k < e):
-                name = _moe_name(e, k) + ("" if match == "active" else f"/{match}")
-                runs.append(
-                    _Run(
-                        "grid", budget.name, name, name, matched_moe_config(dense, e, k, match, **spec.grid.moe), match
-                    )
-                )
+    runs, experts, moe = [], [e for e in spec.grid.num_experts if e != DENSE], spec.grid.moe
+    for budget, dense in ((b.name, spec.dense_model(b.name)) for b in spec.budgets):
+        runs += [_Run("grid", budget, DENSE, DENSE, dense)] if DENSE in spec.grid.num_experts else []
+        for match, e, k in ((m, e, k) for m in spec.grid.match for e in experts for k in spec.grid.top_k if k < e):
+            name = _moe_name(e, k) + ("" if match == "active" else f"/{match}")
+            runs.append(_Run("grid", budget, name, name, matched_moe_config(dense, e, k, match, **moe), match))
     return runs
 
 
@@ -267,30 +247,20 @@ def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
         return matched_moe_config(dense, abl.num_experts, abl.top_k, match, **{**moe, **changes})
 
     ref, reference = _moe_name(abl.num_experts, abl.top_k), build()
-    # group -> (label of the reference point in the group, [(name suffix, label, model, match)])
-    axes = {
-        "shared": (
-            "none",
-            [(f"shared={f:g}", f"{f:g}", build(shared_fraction=f), "active") for f in abl.shared_fraction],
-        ),
-        "heterogeneous": (
-            "equal",
-            [(f"profile={n}", n, build(size_profile=v), "active") for n, v in abl.size_profiles.items()],
-        ),
-        "balancing": (
-            _balancing_label({}, moe),
-            [(_balancing_label(v, moe),) * 2 + (build(**v), "active") for v in abl.balancing],
-        ),
-        "capacity": (
-            "dropless",
-            [(f"cf={c:g}",) * 2 + (build(capacity_factor=c), "active") for c in abl.capacity_factor],
-        ),
-        "matching": ("active-matched", [(m, f"{m}-matched", build(match=m), m) for m in abl.match]),
+    axes = {  # group -> (the reference's label in the group, [(name suffix, label, changes)])
+        "shared": ("none", [(f"shared={f:g}", f"{f:g}", {"shared_fraction": f}) for f in abl.shared_fraction]),
+        "heterogeneous": ("equal", [(f"profile={n}", n, {"size_profile": v}) for n, v in abl.size_profiles.items()]),
+        "balancing": (_balancing_label({}, moe), [(_balancing_label(v, moe),) * 2 + (v,) for v in abl.balancing]),
+        "capacity": ("dropless", [(f"cf={c:g}",) * 2 + ({"capacity_factor": c},) for c in abl.capacity_factor]),
+        "matching": ("active-matched", [(m, f"{m}-matched", {"match": m}) for m in abl.match]),
     }
     for group, (reference_label, variants) in ((g, v) for g, v in axes.items() if v[1]):
         runs.append(_Run(group, abl.budget, ref, reference_label, reference))
         runs += [_Run(group, abl.budget, DENSE, DENSE, dense)] if group == "matching" else []
-        runs += [_Run(group, abl.budget, f"{ref}/{suffix}", label, m, match) for suffix, label, m, match in variants]
+        for suffix, label, changes in variants:
+            runs.append(
+                _Run(group, abl.budget, f"{ref}/{suffix}", label, build(**changes), changes.get("match", "active"))
+            )
     return runs
 
 
@@ -301,20 +271,16 @@ def _short(n: float) -> str:
 
 def summary_rows(rows: list[Row]) -> list[Row]:
     """The markdown table: one row per configuration."""
-    langs = sorted({k for r in rows for k in r if k.startswith(LANG_PREFIX)})
+    langs, nan = sorted({k for r in rows for k in r if k.startswith(LANG_PREFIX)}), float("nan")
     out = []
     for r in rows:
         item = {"point": r["config_name"], "groups": r["groups"], "E": r["num_experts"], "k": r["top_k"]}
         item |= {"expert F": round(r["expert_size"], 1), "total": _short(r["total_params"])}
         item |= {"active": _short(r["active_params"]), "active non-emb": _short(r["active_non_embedding"])}
-        item |= {"fwd FLOPs/tok": _short(r["flops_per_token"]), "tokens": _short(r.get("tokens", float("nan")))}
+        item |= {"fwd FLOPs/tok": _short(r["flops_per_token"]), "tokens": _short(r.get("tokens", nan))}
         item["val loss"] = r[LOSS] if r["seeds"] == 1 else f"{r[LOSS]:.4f} ± {r['loss_std']:.4f}"
-        item |= {lang.removeprefix(LANG_PREFIX): r.get(lang, float("nan")) for lang in langs}
-        item |= {
-            "tok/s": round(r.get("tokens_per_s", float("nan"))),
-            "imbalance": r.get("load_imbalance", float("nan")),
-        }
-        out.append(item)
+        item |= {lang.removeprefix(LANG_PREFIX): r.get(lang, nan) for lang in langs}
+        out.append(item | {"tok/s": round(r.get("tokens_per_s", nan)), "imbalance": r.get("load_imbalance", nan)})
     return out
 
 
@@ -342,9 +308,14 @@ def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
     return {b: by_e for b, by_e in sweeps.items() if any(len(v) > 1 for v in by_e.values())}
 
 
+def _best_sizes(by_e: dict[int, list[Row]]) -> dict[int, Row]:
+    """E -> its point of lowest loss, for each E with a granularity sweep."""
+    return {e: min(pts, key=lambda r: r[LOSS]) for e, pts in by_e.items() if len(pts) > 1}
+
+
 def ablation_bars(rows: list[Row]) -> dict[str, list[tuple[str, Row]]]:
     """group -> [(label, row)] for every ablation group present."""
-    bars = {g: [(r["_groups"][g], r) for r in rows if g in r["_groups"]] for g in ORDER}
+    bars = {g: [(r["_groups"][g], r) for r in rows if g in r["_groups"]] for g in AXES}
     return {group: members for group, members in bars.items() if members}
 
 
@@ -356,33 +327,35 @@ def _name(r: Row) -> str:
     return "dense" if r["num_experts"] == 1 else f"E{r['num_experts']}"
 
 
-def _reference(group: str, row: Row, by_name: dict[str, Row], ablation: dict[str, Any]) -> Row | None:
-    """An ablation member's reference: the reference MoE point (granularity: the same E at its top-k)."""
-    experts = row["num_experts"] if group == "granularity" else ablation["num_experts"]
-    return by_name.get(f"{ablation['budget']}/{_moe_name(experts, ablation['top_k'])}")
+def _compared(group: str, members: list[tuple[str, Row]], rows: list[Row], ablation: dict[str, Any]):
+    """(label, member, its reference) of an ablation group: the reference MoE point (granularity:
+    the same E at the reference top-k); members that are their own reference left out."""
+    by_name, out = {r["config_name"]: r for r in rows}, []
+    for label, r in members:
+        experts = r["num_experts"] if group == "granularity" else ablation["num_experts"]
+        ref = by_name.get(f"{ablation['budget']}/{_moe_name(experts, ablation['top_k'])}")
+        out += [(label, r, ref)] if ref not in (None, r) else []
+    return out
 
 
 def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: float | None = None) -> list:
     """The seed's claims tested on the configurations' losses (paired by seed)."""
-    tests = []  # (claim, a, b)
+    tests = []  # (claim, direction, margin, a, b)
     for (budget, top_k), pts in total_params_lines(rows).items():
         moes, where = [r for r in pts if r["num_experts"] > 1], f"{budget}, top-{top_k}: at fixed active params"
         pairs = [(moes[-1], pts[0], "dense")] if moes and pts[0]["num_experts"] == 1 else []
         for a, b, what in pairs + ([(moes[-1], moes[0], "the smallest MoE")] if len(moes) > 1 else []):
             tests.append((f"{where} the most total params beat {what}", LOWER, None, a, b))
     for budget, by_e in expert_size_lines(rows).items():
-        best = {e: min(pts, key=lambda r: r[LOSS]) for e, pts in by_e.items() if len(pts) > 1}
+        best = _best_sizes(by_e)
         first = next(iter(best.values()), None)
         for e, own in list(best.items())[1:]:
             if (same := next((r for r in by_e[e] if r["top_k"] == first["top_k"]), None)) not in (None, own):
                 tests.append(
                     (f"{budget}, E{e}: the best expert size does not move with E", EQUIVALENT, margin, same, own)
                 )
-    by_name = {r["config_name"]: r for r in rows}
     for group, members in ablation_bars(rows).items() if ablation else ():
-        for label, r in members:
-            if (ref := _reference(group, r, by_name, ablation)) is None or ref is r:
-                continue
+        for label, r, ref in _compared(group, members, rows, ablation):
             if group in SMALL:
                 tests.append((f"{group}: {label} matters little", EQUIVALENT, margin, r, ref))
             elif group == "capacity":
@@ -401,8 +374,8 @@ def findings(rows: list[Row]) -> list[str]:
         where = f"{budget}, top-{top_k}, active {_short(pts[0]['active_params'])}"
         lines.append(f"- **Loss vs total params at fixed active** ({where}): {path}.")
     for budget, by_e in expert_size_lines(rows).items():
-        best = {e: min(pts, key=lambda r: r[LOSS]) for e, pts in by_e.items() if len(pts) > 1}
-        detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best.items())
+        best = _best_sizes(by_e).items()
+        detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best)
         lines.append(f"- **Best expert size at fixed active** ({budget}): {detail}.")
     for group, members in ((g, m) for g, m in ablation_bars(rows).items() if g != "granularity" and len(m) > 1):
         lines.append(f"- **{group}**: " + ", ".join(f"{label} {r[LOSS]:.4f}" for label, r in members) + ".")
@@ -417,15 +390,17 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 
 
 # ----------------------------------------------------------------------------- plots
+def _line(points: list[Row], x: str) -> tuple[list[float], list]:
+    return [r[x] for r in points], [summarize(r["_losses"]) for r in points]
+
+
 def total_params_figure(rows: list[Row]):
     """Val loss vs total params (log x), one line per budget and top-k, ± seed std; None without lines."""
     if not (lines := total_params_lines(rows)):
         return None
     fig, (ax,) = plots.panels(1, 6.4, 4.2)
     series = {f"{b}: active {_short(v[-1]['active_params'])}, top-{k}": v for (b, k), v in lines.items()}
-    data = {
-        label: ([r["total_params"] for r in v], [summarize(r["_losses"]) for r in v]) for label, v in series.items()
-    }
+    data = {label: _line(v, "total_params") for label, v in series.items()}
     plots.lines(ax, data, "total parameters", "final validation loss", "Val loss vs total params at fixed active")
     for i, pts in enumerate(series.values()):  # NOTE: alternate lines label above / below: equal sizes do not overprint
         for r in pts:
@@ -442,9 +417,8 @@ def expert_size_figure(rows: list[Row]):
         return None
     fig, axes = plots.panels(len(panels), 5.2, 4.2)
     for ax, (budget, by_e) in zip(axes, panels.items(), strict=True):
-        data = {f"E={e} (top-k {', '.join(str(r['top_k']) for r in v)})": v for e, v in by_e.items()}
         data = {
-            label: ([r["expert_size"] for r in v], [summarize(r["_losses"]) for r in v]) for label, v in data.items()
+            f"E={e} (top-k {', '.join(str(r['top_k']) for r in v)})": _line(v, "expert_size") for e, v in by_e.items()
         }
         title = f"{budget}: val loss vs expert size at {_short(next(iter(by_e.values()))[0]['active_params'])} active"
         plots.lines(ax, data, "mean expert size F (top-k)", "final validation loss", title)
@@ -462,23 +436,18 @@ def ablation_figure(group: str, members: list[tuple[str, Row]], rows: list[Row],
     """Each member's val loss minus its reference's (paired by seed; the reference is the zero line,
     its seed std the grey band), labelled with active / total params; ``effect`` (dense minus the
     best grid MoE) is drawn as a scale. None without a reference."""
-    by_name = {r["config_name"]: r for r in rows}
-    points = [(lb, r, ref) for lb, r in members if (ref := _reference(group, r, by_name, ablation)) not in (None, r)]
-    if not points:
+    if not (points := _compared(group, members, rows, ablation)):
         return None
     stats = [summarize(list(minus(_losses(r), _losses(ref)).values())) for _, r, ref in points]
     noises = [s.std for s in (summarize(ref["_losses"]) for _, _, ref in points) if s.n > 1]
     labels = [f"{lb} E{r['num_experts']}" if group == "granularity" else lb for lb, r, _ in points]
-    params = [f"\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot" for _, r, _ in points]
+    labels = [
+        f"{lb}\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot"
+        for lb, (_, r, _) in zip(labels, points, strict=True)
+    ]
     fig, (ax,) = plots.panels(1, 1.1 * len(points) + 2.0, 4.2)
     scale = (-effect, f"scale: best grid MoE minus dense, {-effect:+.4f}") if effect else None
-    plots.differences(
-        ax,
-        [a + b for a, b in zip(labels, params, strict=True)],
-        stats,
-        sum(noises) / len(noises) if noises else None,
-        scale,
-    )
+    plots.differences(ax, labels, stats, sum(noises) / len(noises) if noises else None, scale)
     ref = points[0][2]
     versus = f"the same E at top-{ablation['top_k']}"
     if group != "granularity":
@@ -498,10 +467,13 @@ def write_plots(rows: list[Row], plots_dir: Path, ablation: dict[str, Any] | Non
     """The kind's PNGs under ``plots_dir``; ``ablation`` is the spec's ablations (the references)."""
     figures = {"loss_vs_total_params": total_params_figure(rows), "loss_vs_expert_size": expert_size_figure(rows)}
     if ablation:
-        bars, budgets = ablation_bars(rows), {ablation["budget"]}
-        lines = [v for (b, _), v in total_params_lines(rows).items() if b in budgets and v[0]["num_experts"] == 1]
+        lines = [
+            v for (b, _), v in total_params_lines(rows).items() if b == ablation["budget"] and v[0]["num_experts"] == 1
+        ]
         effect = lines[0][0][LOSS] - min(r[LOSS] for r in lines[0]) if lines else None
-        figures |= {f"ablation_{g}": ablation_figure(g, members, rows, ablation, effect) for g, members in bars.items()}
+        figures |= {
+            f"ablation_{g}": ablation_figure(g, m, rows, ablation, effect) for g, m in ablation_bars(rows).items()
+        }
     return [plots.save(fig, plots_dir, name) for name, fig in figures.items() if fig is not None]
 
 

@@ -1,25 +1,15 @@
 """Study kind ``moe_to_dense``: which way of turning a trained MoE into a dense model keeps most?
 
-Per seed, two parents pretrain on the same tokens (the study's ``run``, same seed: same data
-stream): the MoE (``model``, E experts of F neurons in every layer) and the dense baseline of the
-MoE's total FFN width (``d_ff = E * F``). Children start from a parent's final weights (``init``):
-
-* ``screen/<score>``: one evaluate-only point per expert score; its measurement
-  (:func:`measure_screen`) converts the MoE with every grouping x scaling of that score
-  (:func:`moe_lit.convert.moe_to_dense.screen`) and records each dense model's validation loss.
-  Every conversion has the final width W = groups * F (``single`` keeps ``groups`` experts, the
-  merging groupings keep ``keep`` experts and average them into ``groups`` groups);
-* ``distill/<score>/<grouping>/<scaling>`` (the ``distill`` list, fixed in the study file): the
-  converted model distilled from the frozen MoE parent (:class:`~moe_lit.lit.distill.DistillModule`)
-  for the ``distillation`` budget; ``finetune/<...>`` (optional): the same with the plain LM loss;
-* ``distill/dense_to_dense``: the dense parent structured-pruned to W on the same calibration
-  text and distilled from its own dense parent with the same budget.
-
-Matched: the final model config (so exactly the same parameters), the pretraining and the
-distillation tokens. Every distilled point records its validation loss before distillation and,
-with ``suite``, its local-suite accuracy after it (:func:`measure_distilled`). Claims, paired by
-seed: scoring matters more than grouping and scaling; the diversity-aware score is best; MoE->dense
-beats dense->dense (val loss before / after, accuracy after); the teacher beats the LM loss.
+Per seed two parents pretrain on the same tokens: the MoE (``model``: E experts of F neurons in
+every layer) and the dense baseline of its total FFN width E * F. From their final weights:
+``screen/<score>`` converts the MoE with every grouping x scaling of one expert score and
+validates each dense model (:func:`measure_screen`; every conversion is W = groups * F wide);
+``distill/<score>/<grouping>/<scaling>`` (the study file's ``distill`` list) distils a conversion
+from the frozen MoE for the ``distillation`` budget (``finetune/...``: the LM loss instead);
+``distill/dense_to_dense`` prunes the dense parent to W and distils it from itself. Matched: the
+final model config, the pretraining and distillation tokens. Claims, paired by seed: scoring
+matters more than grouping and scaling; the diversity-aware score is best; MoE->dense beats
+dense->dense (val loss before / after, suite accuracy after); the teacher beats the LM loss.
 """
 
 from __future__ import annotations
@@ -37,10 +27,10 @@ from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES, MoeToDense
 from moe_lit.stats import format_values, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import conversion_screen, start_validation, suite_fields
-from moe_lit.studies.records import select
+from moe_lit.studies.records import best, cells, collect, language_means, select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
 BASELINE = "dense_to_dense"
@@ -51,13 +41,11 @@ PAPER_GAIN = 0.063
 
 
 @dataclass
-class DistillationSpec:
+class DistillationSpec(check.FineTune):
     """The budget and loss of every distilled (and fine-tuned) child, identical for all of them."""
 
     steps: int = 150
     """Optimizer steps (batch and sequence: run.data), from a fresh optimizer and schedule."""
-    lr: float = 1e-3
-    """Peak learning rate of the fresh schedule."""
     warmup: int = 15
     """Warmup steps of the fresh schedule."""
     temperature: float = 1.0
@@ -70,9 +58,7 @@ class DistillationSpec:
     def __post_init__(self) -> None:
         from moe_lit.lit.distill import DistillConfig
 
-        check.positive_int(self.steps, "steps")
-        check.int_in(self.warmup, "warmup", 0, self.steps, "steps")
-        check.number(self.lr, "lr", 0)
+        super().__post_init__()
         try:
             DistillConfig(self.temperature, self.kl_weight, self.ce_weight)
         except ConfigError as exc:
@@ -186,39 +172,39 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
     data_dir, dist, final = str(header.run.data.resolved_dir()), spec.distillation, spec.final_model
     calibration = {"data_dir": data_dir, "calibration_tokens": spec.calibration_tokens}
     calibration |= {"languages": spec.calibration_languages, "split": spec.calibration_split}
-    weights = {"temperature": dist.temperature, "kl_weight": dist.kl_weight, "ce_weight": dist.ce_weight}
-    module = Call.of(teacher_module, **weights)
+    module = Call.of(teacher_module, temperature=dist.temperature, kl_weight=dist.kl_weight, ce_weight=dist.ce_weight)
     measure = Call.of(measure_distilled, data_dir=data_dir, suite=spec.suite, suite_limit=spec.suite_limit)
     screening = {**calibration, "keep": spec.keep, "groups": spec.groups, "groupings": spec.groupings}
     arms = [("distill", label, module) for label in spec.distill]
     arms += [("finetune", spec.finetune, None)] if spec.finetune is not None else []
+    baseline = {"arm": "distill", "method": BASELINE, "conversion": BASELINE}
+    parents = [("moe", spec.model, "moe_parent")] + [("dense", spec.dense_parent, "dense_parent")] * spec.baseline
     points: list[Point] = []
     for seed in header.seeds:
-
-        def add(name: str, *args: Any, seed: int = seed, **kwargs: Any) -> None:
-            points.append(Point(header.point_name(name, seed), name, seed, *args, **kwargs))
-
         pretrain = header.seeded_run(seed)
-        train, optim = {"max_steps": dist.steps, "val_every": dist.steps}, {"lr": dist.lr, "warmup_steps": dist.warmup}
-        distill_run, screen_run = pretrain.replace(train=train, optim=optim), pretrain.replace(train={"max_steps": 0})
-        from_moe = Start(parent=header.point_name("moe/pretrain", seed), mode="init")
-        from_dense = Start(parent=header.point_name("dense/pretrain", seed), mode="init")
-        add("moe/pretrain", spec.model, pretrain, {"arm": "moe_parent"})
-        if spec.baseline:
-            add("dense/pretrain", spec.dense_parent, pretrain, {"arm": "dense_parent"})
+        distill_run, screen_run = dist.run(pretrain), pretrain.replace(train={"max_steps": 0})
+        starts = {parent: header.start(f"{parent}/pretrain", seed) for parent in ("moe", "dense")}
+        points += [header.point(f"{p}/pretrain", seed, model, pretrain, {"arm": arm}) for p, model, arm in parents]
         for score in spec.scores:
             screen = Call.of(measure_screen, **screening, score=score, scalings=spec.scalings, seed=seed)
-            add(f"screen/{score}", spec.model, screen_run, {"arm": "screen", "score": score}, from_moe, measure=screen)
+            info = {"arm": "screen", "score": score}
+            points.append(
+                header.point(f"screen/{score}", seed, spec.model, screen_run, info, starts["moe"], measure=screen)
+            )
+        children = []  # (config name, info, parent, transform, module)
         for arm, label, arm_module in arms:
             cfg = spec.conversion(label)
             info = {"arm": arm, "method": "moe_to_dense", "conversion": label}
             info |= {k: getattr(cfg, k) for k in ("score", "grouping", "scaling", "keep")}
             transform = Call.of(convert, **calibration, **{k: getattr(cfg, k) for k in CONVERSION}, seed=seed)
-            add(f"{arm}/{label}", final, distill_run, info, from_moe, transform, measure=measure, module=arm_module)
+            children.append((f"{arm}/{label}", info, "moe", transform, arm_module))
         if spec.baseline:
-            info = {"arm": "distill", "method": BASELINE, "conversion": BASELINE}
             transform = Call.of(prune_baseline, **calibration, width=spec.width)
-            add(f"distill/{BASELINE}", final, distill_run, info, from_dense, transform, measure=measure, module=module)
+            children.append((f"distill/{BASELINE}", baseline, "dense", transform, module))
+        for name, info, parent, transform, teacher in children:
+            points.append(
+                header.point(name, seed, final, distill_run, info, starts[parent], transform, (), measure, teacher)
+            )
     pruned = spec.dense_parent.replace(d_ff=spec.width)
     if pruned != final or count_config_params(pruned) != count_config_params(final):
         raise ConfigError("model: the pruned baseline and the converted model would not match in parameters")
@@ -259,45 +245,30 @@ def measure_distilled(point: Point, result: Any, run_dir: Path, data_dir: str, s
     return out | (suite_fields(load_model(result.checkpoint), data_dir, suite_limit) if suite else {})
 
 
-def measure_screen(
-    point: Point,
-    result: Any,
-    run_dir: Path,
-    score: str,
-    keep: int,
-    groups: int,
-    groupings: list[str],
-    scalings: list[str],
-    seed: int,
-    **calibration: Any,
-) -> dict[str, Any]:
-    """The screen of one score: the MoE (the point's 0-step checkpoint) converted with every grouping x
-    scaling of it, each dense model validated (:func:`moe_lit.studies.measures.conversion_screen`)."""
+def measure_screen(point: Point, result: Any, run_dir: Path, score: str, keep: int, groups: int, **options: Any):
+    """The screen of one score: the MoE (the point's 0-step checkpoint) converted with every
+    ``groupings`` x ``scalings`` of it, each dense model validated
+    (:func:`moe_lit.studies.measures.conversion_screen`; the other ``options``: its calibration)."""
+    grid, seed = itertools.product(options.pop("groupings"), options.pop("scalings")), options.pop("seed")
+    shared = {"score": score, "groups": groups, "seed": seed}
     configs = [
-        MoeToDenseConfig(
-            score=score, keep=groups if g == "single" else keep, groups=groups, grouping=g, scaling=c, seed=seed
-        )
-        for g, c in itertools.product(groupings, scalings)
+        MoeToDenseConfig(keep=groups if g == "single" else keep, grouping=g, scaling=c, **shared) for g, c in grid
     ]
-    return conversion_screen(result.checkpoint, point.run, configs, **calibration)
+    return conversion_screen(result.checkpoint, point.run, configs, **options)
 
 
 # ----------------------------------------------------------------------------- analysis
 Screen = dict[tuple[str, str, str], dict[str, Any]]
-"""(score, grouping, scaling) -> params and seed -> ``loss`` / ``per_language``."""
+"""(score, grouping, scaling) -> ``params``, ``loss`` and ``per_language`` (seed -> value)."""
 
 
 def screen_values(records: list[dict[str, Any]]) -> Screen:
-    """(score, grouping, scaling) -> params, ``loss`` (seed -> val loss) and ``per_language`` lists."""
-    values: Screen = {}
-    for record in select(records, arm="screen"):
-        for row in record["screen"]:
-            key = (record["score"], row["grouping"], row["scaling"])
-            entry = values.setdefault(key, {"params": row["params"], "loss": {}, "per_language": {}})
-            entry["loss"][record["seed"]] = row["val_loss"]
-            for lang, loss in row["val_loss_per_language"].items():
-                entry["per_language"].setdefault(lang, []).append(loss)
-    return values
+    """(score, grouping, scaling) -> ``params``, ``loss`` and ``per_language`` (seed -> value)."""
+    items = []
+    for r, row in ((record, row) for record in select(records, arm="screen") for row in record["screen"]):
+        values = {"params": row["params"], "loss": row["val_loss"], "per_language": row["val_loss_per_language"]}
+        items.append(((r["score"], row["grouping"], row["scaling"]), r["seed"], values))
+    return collect(items)
 
 
 def marginal(values: Screen, factor: str) -> dict[str, dict[int, float]]:
@@ -326,30 +297,22 @@ def _screen_claims(values: Screen) -> list:
             text = f"scoring matters more than {other} (spread of marginal screen loss)"
             claims.append(Claim(text, "spread", ("score", other), HIGHER).on(spreads["score"], spreads[other]))
     others = {s: v for s, v in by_score.items() if s != DIVERSITY_SCORE}
-    if DIVERSITY_SCORE in by_score and others:
-        best = min(others, key=lambda s: summarize(list(others[s].values())).mean)
-        claim = Claim(
-            f"the diversity-aware score ({DIVERSITY_SCORE}) is best",
-            "marginal screen loss",
-            (DIVERSITY_SCORE, best),
-            LOWER,
-        )
-        claims.append(claim.on(by_score[DIVERSITY_SCORE], others[best]))
+    if DIVERSITY_SCORE in by_score and (rival := best(others)) is not None:
+        text = f"the diversity-aware score ({DIVERSITY_SCORE}) is best"
+        claim = Claim(text, "marginal screen loss", (DIVERSITY_SCORE, rival), LOWER)
+        claims.append(claim.on(by_score[DIVERSITY_SCORE], others[rival]))
     return claims
 
 
 def distilled_values(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """config_name of the distilled / fine-tuned children -> one record and seed -> value maps."""
-    out: dict[str, dict[str, Any]] = {}
-    for record in (r for r in select(records) if r.get("arm") in ("distill", "finetune")):
-        keys = ("after", "before", "wall_s", "suite")
-        entry = out.setdefault(record["config_name"], {"record": record, "per_language": {}, **{k: {} for k in keys}})
-        seed = record["seed"]
-        entry["after"][seed], entry["before"][seed] = record["val_loss"], record.get("val_loss_converted", math.nan)
-        entry["wall_s"][seed], entry["suite"][seed] = record["wall_s"], record.get("suite_mean_above_chance", math.nan)
-        for lang, loss in (record.get("val_loss_per_language") or {}).items():
-            entry["per_language"].setdefault(lang, []).append(loss)
-    return out
+    """config_name of the distilled / fine-tuned children -> ``record`` (seed -> record) and seed ->
+    ``after`` / ``before`` distillation val loss, ``wall_s``, ``suite`` (above chance), ``per_language``."""
+    items = []
+    for r in (r for r in select(records) if r.get("arm") in ("distill", "finetune")):
+        values = {"record": r, "after": r["val_loss"], "before": r.get("val_loss_converted", math.nan)}
+        values |= {"wall_s": r["wall_s"], "suite": r.get("suite_mean_above_chance", math.nan)}
+        items.append((r["config_name"], r["seed"], values | {"per_language": r.get("val_loss_per_language") or {}}))
+    return collect(items)
 
 
 BEATS = "MoE->dense beats dense->dense"
@@ -364,9 +327,8 @@ def _distill_claims(plan: dict[str, Any], distilled) -> list:
             claim = Claim(f"{BEATS} at matched parameters, {when} distillation", "val loss", arms, LOWER)
             claims.append(claim.on(distilled[first][when], baseline[when]))
         suite = {s: v for s, v in distilled[first]["suite"].items() if not math.isnan(v)}
-        claim = Claim(
-            f"{BEATS} after distillation (paper: +6.3 points)", "suite acc above chance", arms, HIGHER, paper=PAPER_GAIN
-        )
+        text = f"{BEATS} after distillation (paper: +6.3 points)"
+        claim = Claim(text, "suite acc above chance", arms, HIGHER, paper=PAPER_GAIN)
         claims.append(claim.on(suite, baseline["suite"]) if suite else claim.missing("no suite accuracy measured"))
     tuned = [f"{arm}/{spec.get('finetune')}" for arm in ("distill", "finetune")]
     if spec.get("finetune") and all(name in distilled for name in tuned):
@@ -375,37 +337,33 @@ def _distill_claims(plan: dict[str, Any], distilled) -> list:
     return claims
 
 
-def _languages(per_language: dict[str, list[float]]) -> dict[str, str]:
-    return {lang: f"{summarize(v).mean:.3f}" for lang, v in per_language.items()}
-
-
 TABLES = (
     "Parents after pretraining (mean ± std over seeds)",
     "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)",
     "Screen: marginal means per factor level (over the other factors; mean ± std over seeds)",
     "Distilled children, same budget (mean ± std over seeds; languages: mean after)",
 )
+DISTILLED = {"val loss before": "before", "val loss after": "after", "suite acc - chance": "suite"}
 
 
 def _distilled_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    r = entry["record"]
+    r, suite = next(iter(entry["record"].values())), {s: v for s, v in entry["suite"].items() if not math.isnan(v)}
     row = {"point": name, "loss": "KD (frozen parent)" if r["arm"] == "distill" else "LM only"}
-    row |= {"params": f"{r['total_params']:,}", "val loss before": format_values(list(entry["before"].values()))}
-    row["val loss after"] = format_values(list(entry["after"].values()))
-    row["suite acc - chance"] = format_values([v for v in entry["suite"].values() if not math.isnan(v)])
-    return row | {"wall s": f"{summarize(list(entry['wall_s'].values())).mean:.0f}"} | _languages(entry["per_language"])
+    row |= {"params": f"{r['total_params']:,}"} | cells(entry | {"suite": suite}, DISTILLED)
+    wall = {"wall s": f"{summarize(list(entry['wall_s'].values())).mean:.0f}"}
+    return row | wall | language_means(entry["per_language"], 3)
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     values, distilled = screen_values(records), distilled_values(records)
     parents = [("MoE", select(records, arm="moe_parent")), ("dense (E*F wide)", select(records, arm="dense_parent"))]
     parents = [{"parent": name, "val loss": format_values([r["val_loss"] for r in rs])} for name, rs in parents if rs]
-    screen_rows = []
-    for (score, grouping, scaling), e in sorted(
-        values.items(), key=lambda kv: summarize(list(kv[1]["loss"].values())).mean
-    ):
-        row = {"score": score, "grouping": grouping, "scaling": scaling, "params": f"{e['params']:,}"}
-        screen_rows.append(row | {"val loss": format_values(list(e["loss"].values()))} | _languages(e["per_language"]))
+    screen_rows = [
+        {"score": k[0], "grouping": k[1], "scaling": k[2], "params": f"{next(iter(e['params'].values())):,}"}
+        | cells(e, {"val loss": "loss"})
+        | language_means(e["per_language"], 3)
+        for k, e in sorted(values.items(), key=lambda kv: summarize(list(kv[1]["loss"].values())).mean)
+    ]
     marginal_rows = [
         {"factor": factor, "level": level, "mean screen val loss": format_values(list(by_seed.values()))}
         for factor in FACTORS
@@ -424,10 +382,8 @@ def plot_screen(values: Screen, plots_dir: Path) -> Path | None:
     scores, groupings, scalings = (list(dict.fromkeys(k[i] for k in values)) for i in range(3))
     fig, axes = plots.panels(len(scalings), 4.5, 3.8, sharey=True)
     for ax, scaling in zip(axes, scalings, strict=True):
-        series = {
-            g: [summarize(list(values.get((s, g, scaling), {"loss": {}})["loss"].values())) for s in scores]
-            for g in groupings
-        }
+        loss = {g: [values.get((s, g, scaling), {"loss": {}})["loss"] for s in scores] for g in groupings}
+        series = {g: [summarize(list(by.values())) for by in per_score] for g, per_score in loss.items()}
         plots.categories(ax, scores, series, title=f"scaling: {scaling}", rotation=40)
     axes[0].set_ylabel("val loss before distillation")
     return plots.save(fig, plots_dir, "screen")
@@ -439,7 +395,9 @@ def plot_distilled(distilled, plots_dir: Path) -> Path | None:
         return None
     fig, (ax,) = plots.panels(1, max(5.0, 1.1 * len(distilled)), 4.0)
     series = {
-        f"{w} distillation": [summarize(list(e[w].values())) for e in distilled.values()] for w in ("before", "after")
+        f"{w} distillation": [summarize(list(e[w].values())) for e in distilled.values()]
+        for w in DISTILLED.values()
+        if w != "suite"
     }
     plots.categories(ax, list(distilled), series, "val loss", rotation=30)
     return plots.save(fig, plots_dir, "distilled")
