@@ -20,18 +20,19 @@ from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS, partitioned_config
 from moe_lit.convert.recipes import PRUNING
 from moe_lit.plotting import seed_errorbar, spread_note, zero_line
-from moe_lit.stats import format_values, summarize
+from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, measure_child, start_validation
-from moe_lit.studies.records import select
+from moe_lit.studies.records import best, cells, collect, language_means, select
 from moe_lit.studies.verdicts import LOWER, Claim
 
 DOT_MOE, DENSE = "dot_moe", "dense"
 METHODS = (*ASSIGNMENTS, DOT_MOE)
 COLOURS = {DOT_MOE: "tab:red", "clustering": "tab:blue", "random": "tab:grey", PRUNING: "tab:green"}
+FAMILIES = (DOT_MOE, "clustering", "random")
 ORDERINGS = (("DOT-MoE", DOT_MOE, "clustering"), ("clustering", "clustering", "random"), ("DOT-MoE", DOT_MOE, PRUNING))
 """(who is claimed better, its family, the family it beats)."""
 
@@ -105,23 +106,6 @@ class ConversionSpec:
 
 
 @dataclass
-class RecoverySpec:
-    """The training every converted model (and the dense reference) gets after the conversion."""
-
-    steps: int = 200
-    """Optimizer steps of the recovery run (batch and sequence: run.data)."""
-    lr: float = 1e-3
-    """Peak learning rate of its fresh schedule (run.optim otherwise)."""
-    warmup: int = 20
-    """Warmup steps of its fresh schedule."""
-
-    def __post_init__(self) -> None:
-        check.positive_int(self.steps, "steps")
-        check.int_in(self.warmup, "warmup", 0, self.steps, "steps")
-        check.number(self.lr, "lr", 0)
-
-
-@dataclass
 class PartitionSpec:
     """The kind's own fields."""
 
@@ -137,8 +121,8 @@ class PartitionSpec:
     """moe.balancing of the converted MoEs (aux_loss | bias | none)."""
     conversion: ConversionSpec = field(default_factory=ConversionSpec)
     """Token budgets of the conversions."""
-    recovery: RecoverySpec = field(default_factory=RecoverySpec)
-    """The same recovery run for every child."""
+    recovery: check.FineTune = field(default_factory=check.FineTune)
+    """The same recovery run (steps, lr, warmup) for every child and the dense reference."""
     suite: SuiteSpec | None = None
     """Local-suite accuracy of every recovered model (dense reference included), each measured by
     a 0-step child point (``<config>/suite``); null: loss only."""
@@ -205,16 +189,12 @@ def _arms(spec: PartitionSpec) -> list[tuple[str, str, str | None, str, SettingS
 
 
 def expand(spec: PartitionSpec, header) -> list[Point]:
-    data_dir, seq_len, rec = header.run.data.resolved_dir(), header.run.data.seq_len, spec.recovery
-    points = []
+    data_dir, seq_len, points = header.run.data.resolved_dir(), header.run.data.seq_len, []
     for seed in header.seeds:
         pretrain = header.seeded_run(seed)
-        recovery = pretrain.replace(
-            train={"max_steps": rec.steps, "val_every": rec.steps}, optim={"lr": rec.lr, "warmup_steps": rec.warmup}
-        )
-        parent = header.point_name("dense/pretrain", seed)
+        recovery, start = spec.recovery.run(pretrain), header.start("dense/pretrain", seed)
         info = {"phase": "pretrain", "method": DENSE, "family": DENSE}
-        points.append(Point(parent, "dense/pretrain", seed, spec.dense, pretrain, info))
+        points.append(header.point("dense/pretrain", seed, spec.dense, pretrain, info))
         for config_name, method, router, family, setting in _arms(spec):
             active = setting.active_ffn if setting else 1.0
             info = {"phase": "recovered", "method": method, "router": router, "family": family}
@@ -227,9 +207,8 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
             if method != DENSE:
                 kwargs = conversion_kwargs(spec, method, router, setting, data_dir, seed)
                 transform, info["conversion_tokens"] = Call.of(convert, **kwargs), _conversion_tokens(kwargs, seq_len)
-            start, measure = Start(parent=parent, mode="init"), Call.of(measure_converted) if transform else None
-            name = header.point_name(config_name, seed)
-            points.append(Point(name, config_name, seed, model, recovery, info, start, transform, measure=measure))
+            measure = Call.of(measure_converted) if transform else None
+            points.append(header.point(config_name, seed, model, recovery, info, start, transform, measure=measure))
             if spec.suite is not None:
                 points.append(measure_child(points[-1], spec.suite.measure()))
     return points
@@ -257,35 +236,35 @@ def retention(loss: float, dense_loss: float, vocab_size: int) -> float:
     return (chance - loss) / (chance - dense_loss)
 
 
-KEYS = ("loss", "gap", "retention", "gap_before", "acc", "acc_retention")
-
-
 def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """config_name -> its first record and per-seed values (gap, retention, ...) against the same
-    seed's dense/recovered and dense/pretrain records."""
+    """config_name -> seed -> its ``record`` and values (loss, gap, retention, gap_before, acc,
+    acc_retention, per_language) against the same seed's dense/recovered and dense/pretrain records."""
     vocab = plan["spec"]["dense"]["vocab_size"]
     dense = {r["seed"]: r for r in select(records, method=DENSE, phase="recovered")}
     pretrain = {r["seed"]: r for r in select(records, phase="pretrain")}
     suite = {r["parent"]: r["suite"] for r in select(records, phase="suite") if "suite" in r}
-    out: dict[str, dict[str, Any]] = {}
+    items = []
     for record in (r for r in select(records, phase="recovered") if r["seed"] in dense):
-        seed, ref = record["seed"], dense[record["seed"]]
-        entry = out.setdefault(record["config_name"], {"record": record, "per_language": {}, **{k: {} for k in KEYS}})
-        entry["loss"][seed], entry["gap"][seed] = record["val_loss"], record["val_loss"] - ref["val_loss"]
-        entry["retention"][seed] = retention(record["val_loss"], ref["val_loss"], vocab)
+        seed, ref, loss = record["seed"], dense[record["seed"]], record["val_loss"]
+        values = {"record": record, "loss": loss, "gap": loss - ref["val_loss"]}
+        values |= {"retention": retention(loss, ref["val_loss"], vocab)}
         before = record.get("val_loss_converted")
         if before is None and record["method"] == DENSE and seed in pretrain:
             before = pretrain[seed]["val_loss"]
         if before is not None and seed in pretrain:
-            entry["gap_before"][seed] = before - pretrain[seed]["val_loss"]
-        for lang, loss in (record.get("val_loss_per_language") or {}).items():
-            entry["per_language"].setdefault(lang, []).append(loss)
+            values["gap_before"] = before - pretrain[seed]["val_loss"]
+        values["per_language"] = record.get("val_loss_per_language") or {}
         scores, ref_scores = suite.get(record["name"]), suite.get(ref["name"])
         if scores and ref_scores:
-            entry["acc"][seed] = scores["mean_acc"]
+            values["acc"] = scores["mean_acc"]
             if ref_scores["mean_above_chance"] > 0:  # a reference at chance has nothing to retain
-                entry["acc_retention"][seed] = scores["mean_above_chance"] / ref_scores["mean_above_chance"]
-    return out
+                values["acc_retention"] = scores["mean_above_chance"] / ref_scores["mean_above_chance"]
+        items.append((record["config_name"], seed, values))
+    return collect(items)
+
+
+def _first(entry: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(entry["record"].values()))
 
 
 def _label(r: dict[str, Any]) -> str:
@@ -297,31 +276,28 @@ COLUMNS |= {"gap before recovery": "gap_before", "task acc": "acc", "task retent
 
 
 def _main_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
-    r = entry["record"]
+    r = _first(entry)
     shape = f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense"
     row = {"point": name, "method": _label(r), "experts / top-k": shape, "active FFN": f"{r['active_ffn']:.0%}"}
     row["active / total params"] = f"{r['active_params']:,} / {r['total_params']:,}"
-    row["conversion tokens"] = r.get("conversion_tokens", 0)
-    return row | {title: format_values(list(entry[key].values())) for title, key in COLUMNS.items()}
-
-
-def _best(configs: dict[str, dict[str, Any]], keep) -> str | None:
-    """The configuration with the lowest mean gap among those ``keep`` accepts."""
-    means = {name: summarize(list(e["gap"].values())).mean for name, e in configs.items() if keep(e["record"])}
-    return min(means, key=means.__getitem__) if means else None
+    return row | {"conversion tokens": r.get("conversion_tokens", 0)} | cells(entry, COLUMNS)
 
 
 def _claims(configs: dict[str, dict[str, Any]]) -> list:
     claims = []
-    settings = dict.fromkeys(e["record"]["setting"] for e in configs.values() if e["record"].get("setting"))
+    settings = dict.fromkeys(_first(e)["setting"] for e in configs.values() if _first(e).get("setting"))
     for setting in settings:
-        here = {n: e for n, e in configs.items() if e["record"].get("setting") == setting}
-        width = next(iter(here.values()))["record"]["active_ffn"]
-        best = {f: _best(here, lambda r, f=f: r["family"] == f) for f in (DOT_MOE, "clustering", "random")}
-        best[PRUNING] = _best(configs, lambda r, w=width: r["family"] == PRUNING and r["active_ffn"] == w)
+        here = {n: e for n, e in configs.items() if _first(e).get("setting") == setting}
+        width = _first(next(iter(here.values())))["active_ffn"]
+        best_of = {f: best({n: e["gap"] for n, e in here.items() if _first(e)["family"] == f}) for f in FAMILIES}
+        prunings = {
+            n: e["gap"]
+            for n, e in configs.items()
+            if (_first(e)["family"], _first(e)["active_ffn"]) == (PRUNING, width)
+        }
+        best_of[PRUNING] = best(prunings)
         for who, better, worse in ORDERINGS:
-            a, b = best[better], best[worse]
-            if a is not None and b is not None:
+            if (a := best_of[better]) is not None and (b := best_of[worse]) is not None:
                 claim = Claim(f"{setting}: {who} beats {worse}", "loss gap to dense", (a, b), LOWER)
                 claims.append(claim.on(configs[a]["gap"], configs[b]["gap"]))
     return claims
@@ -329,13 +305,13 @@ def _claims(configs: dict[str, dict[str, Any]]) -> list:
 
 def _plot(configs: dict[str, dict[str, Any]], plots_dir: Path) -> Path | None:
     """Each conversion's loss gap to dense (± std over seeds) around the zero line, one colour per family."""
-    entries = {n: e for n, e in configs.items() if e["record"]["method"] != DENSE and e["gap"]}
+    entries = {n: e for n, e in configs.items() if _first(e)["method"] != DENSE and e["gap"]}
     if not entries:
         return None
     fig, (ax,) = plots.panels(1, 0.45 * len(entries), 4.5)
     names, counts = list(entries), []
     for family, colour in COLOURS.items():
-        xs = [i for i, name in enumerate(names) if entries[name]["record"]["family"] == family]
+        xs = [i for i, name in enumerate(names) if _first(entries[name])["family"] == family]
         stats = [summarize(list(entries[names[i]]["gap"].values())) for i in xs]
         if xs:
             seed_errorbar(ax, xs, stats, linestyle="none", color=colour, label=family)
@@ -354,9 +330,7 @@ NOTE = "- Each family stands for its best configuration at the setting (lowest m
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     configs = _per_config(plan, records)
-    languages = [
-        {"point": n} | {k: f"{summarize(v).mean:.4f}" for k, v in e["per_language"].items()} for n, e in configs.items()
-    ]
+    languages = [{"point": n} | language_means(e["per_language"]) for n, e in configs.items()]
     claims, plot = _claims(configs), _plot(configs, plots_dir)
     tables = {MAIN: [_main_row(n, e) for n, e in configs.items()], LANGUAGES: languages}
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
