@@ -34,6 +34,14 @@ class ConfigError(MoeLitError, ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
+def refuse_unknown_keys(data: Any, known: Any, section: str) -> None:
+    """The one check of a config mapping's keys: a ConfigError naming ``section``, the unknown keys
+    and the allowed ones (``known``: field names, or a dataclass whose fields they are)."""
+    allowed = [f.name for f in dataclasses.fields(known)] if dataclasses.is_dataclass(known) else list(known)
+    if unknown := sorted(set(data) - set(allowed)):
+        raise ConfigError(f"{section}: unknown key(s) {unknown}, allowed keys: {allowed}")
+
+
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{field_name}: {message}")
@@ -359,16 +367,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"model: unknown key(s) {unknown}, allowed keys: {sorted(known)}")
+        refuse_unknown_keys(data, cls, "model")
         moe = data.get("moe")
         if isinstance(moe, dict):
-            moe_known = {f.name for f in dataclasses.fields(MoEConfig)}
-            moe_unknown = sorted(set(moe) - moe_known)
-            if moe_unknown:
-                raise ConfigError(f"moe: unknown key(s) {moe_unknown}, allowed keys: {sorted(moe_known)}")
+            refuse_unknown_keys(moe, MoEConfig, "moe")
             data = {**data, "moe": MoEConfig(**moe)}
         return cls(**data)
 
@@ -392,4 +394,4 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["ConfigError", "MoEConfig", "ModelConfig"]
+__all__ = ["ConfigError", "MoEConfig", "ModelConfig", "refuse_unknown_keys"]

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lit.config import ConfigError
+from moe_lit.config import ConfigError, refuse_unknown_keys
 from moe_lit.model.experts.grouped_swiglu import combine_slots
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
@@ -88,10 +88,7 @@ class SparsityConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SparsityConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"sparsity: unknown key(s) {unknown}, allowed keys: {sorted(known)}")
+        refuse_unknown_keys(data, cls, "sparsity")
         return cls(**data)
 
 

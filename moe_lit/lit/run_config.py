@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from moe_lit.config import ConfigError
+from moe_lit.config import ConfigError, refuse_unknown_keys
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import PRECISIONS
 
@@ -47,10 +47,7 @@ def _build(cls, data: Any, section: str):
         return cls()
     if not isinstance(data, dict):
         raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"{section}: unknown key(s) {unknown}, allowed keys: {known}")
+    refuse_unknown_keys(data, cls, section)
     try:
         return cls(**data)
     except ConfigError as exc:
@@ -211,10 +208,7 @@ class RunConfig:
             return data
         if not isinstance(data, dict):
             raise ConfigError(f"run: expected a mapping with data, optim, train, trainer; got {type(data).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ConfigError(f"run: unknown key(s) {unknown}, allowed keys: {known}")
+        refuse_unknown_keys(data, cls, "run")
         return cls(**data)
 
     def to_yaml(self) -> str:
