@@ -24,6 +24,11 @@ SPLITS = ("train", "val", "test")
 """Splits of the parallel text a calibration or evaluation reads."""
 
 
+def require(ok: bool, name: str, message: str) -> None:
+    """A rule of the field ``name``: ``ConfigError("<name>: <message>")`` unless ``ok``."""
+    _require(ok, name, message)
+
+
 def is_int(value: Any) -> bool:
     """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -52,8 +57,13 @@ def int_in(value: Any, name: str, low: int, high: int, high_name: str | None = N
     _require(ok, name, f"must be an integer in [{low}, {high_name or high}{']' if closed else ')'}, got {value!r}")
 
 
-def number(value: Any, name: str, low: float | None = None, high: float | None = None, closed: str = "") -> None:
-    """A number above ``low`` and below ``high``; ``closed`` (``low``, ``high``) allows a bound itself."""
+def number(
+    value: Any, name: str, low: float | None = None, high: float | None = None, closed: str = "", optional: bool = False
+) -> None:
+    """A number above ``low`` and below ``high`` (or null when ``optional``); ``closed`` (``low``,
+    ``high``) allows a bound itself."""
+    if optional and value is None:
+        return
     above = low is None or (is_number(value) and (value >= low if "low" in closed else value > low))
     below = high is None or (is_number(value) and (value <= high if "high" in closed else value < high))
     if low is not None and high is not None:
@@ -245,4 +255,5 @@ __all__ = [
     "parser",
     "positive_int",
     "positives",
+    "require",
 ]

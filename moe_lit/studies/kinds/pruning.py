@@ -1,23 +1,17 @@
 """Study kind ``pruning``: how much of an MoE's quality survives removing experts, per method?
 
-Per seed: an MoE parent pretrains long enough that its experts specialise; every child starts
-from its final weights (``init``) and prunes a fraction of each MoE layer's experts with one
-importance method of :mod:`moe_lit.convert.importance` (calibrated on the ``calibration_split``
-text of every language, the mix, or of ``calibration_languages``;
-:func:`moe_lit.convert.recipes.prune_by_importance`). Each pruned model is evaluated as it is
-(``train.max_steps: 0``) and after a short recovery fine-tune with the plain LM loss.
-
-Retention (:mod:`moe_lit.evaluation.retention`) = original / pruned val loss per language (1 =
-nothing lost) on the same validation batches; the reference of a recovered model is the unpruned
-parent fine-tuned the same way (``original/recovered``), so the extra training is not counted.
-Claims, paired by seed (every method prunes the same seed's parent): MAESTRO retains more than the
-best other method at 50% removed, with less variance across languages (and tasks); a language
-calibrated alone retains itself better and the other languages worse than the mix.
+Per seed an MoE parent pretrains until its experts specialise; every child starts from its final
+weights and removes a fraction of each MoE layer's experts by one importance method of
+:mod:`moe_lit.convert.importance` (:func:`moe_lit.convert.recipes.prune_by_importance`, calibrated
+on the mix or on ``calibration_languages``), evaluated as it is and after a short LM-loss recovery.
+Retention (:mod:`moe_lit.evaluation.retention`) = original / pruned val loss per language against
+the same seed's reference (for a recovered model: the parent recovered the same way). Claims,
+paired by seed: MAESTRO retains more than the best other method at 50% removed, with less variance
+across languages (and tasks); a language calibrated alone retains itself better, the others worse.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +25,10 @@ from moe_lit.plotting import spread_note
 from moe_lit.stats import format_values, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import suite_fields
-from moe_lit.studies.records import select
+from moe_lit.studies.records import best, collect, select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
 ARMS = ("pruned", "recovered")
@@ -99,10 +93,8 @@ class PruningSpec:
     many per language)."""
 
     def __post_init__(self) -> None:
-        if self.model.moe is None:
-            raise ConfigError("model.moe: the parent must be an MoE (pruning removes experts)")
-        in_range = lambda f: isinstance(f, (int, float)) and 0 < f < 1  # noqa: E731
-        check.distinct(self.fractions, "fractions", each=in_range, what="numbers", must="in (0, 1)")
+        check.require(self.model.moe is not None, "model.moe", "the parent must be an MoE (pruning removes experts)")
+        check.fractions(self.fractions, "fractions")
         check.distinct(self.methods, "methods", allowed=METHODS, what="methods")
         check.languages(self.calibration_languages, "calibration_languages")
         check.choice(self.calibration_split, "calibration_split", check.SPLITS)
@@ -110,8 +102,7 @@ class PruningSpec:
             check.positive_int(getattr(self, name), name)
         check.int_in(self.recovery_warmup, "recovery_warmup", 0, self.recovery_steps, "recovery_steps", closed=True)
         check.number(self.damping, "damping", 0, 1, closed="high")
-        if self.recovery_lr is not None:
-            check.number(self.recovery_lr, "recovery_lr", 0)
+        check.number(self.recovery_lr, "recovery_lr", 0, optional=True)
         check.distinct(self.arms, "arms", allowed=ARMS, what=", ".join(ARMS))
         check.boolean(self.tasks, "tasks")
         check.positive_int(self.task_limit, "task_limit", optional=True)
@@ -122,26 +113,21 @@ class PruningSpec:
         check.distinct(single, "single_language_calibration", what="language codes", empty=True)
         if single:
             check.distinct(self.single_language_methods, "single_language_methods", allowed=self.methods)
-            if CLAIM_FRACTION not in self.fractions:
-                raise ConfigError(
-                    f"single_language_calibration: its arms prune {CLAIM_FRACTION:g}, so fractions must include it"
-                )
-        for fraction in self.fractions:
-            self._check_budget(fraction)
+            why = f"its arms prune {CLAIM_FRACTION:g}, so fractions must include it"
+            check.require(CLAIM_FRACTION in self.fractions, "single_language_calibration", why)
+        for fraction in self.fractions:  # NOTE: refused before any run: a layer left fewer than top-k experts
+            self._check_budget(fraction, self.model.moe)
 
-    def _check_budget(self, fraction: float) -> None:
-        """Refuse a fraction that leaves a layer no expert or fewer than top-k (before any run)."""
+    @staticmethod
+    def _check_budget(fraction: float, moe) -> None:
         from moe_lit.convert.prune import kept_count
 
-        moe = self.model.moe
         try:
             kept = kept_count(moe.num_experts, 0, fraction)
         except ConfigError as exc:
             raise ConfigError(f"fractions: {exc}") from None
-        if kept < moe.top_k:
-            raise ConfigError(
-                f"fractions: {fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
-            )
+        why = f"{fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
+        check.require(kept >= moe.top_k, "fractions", why)
 
 
 def default_run() -> dict[str, Any]:
@@ -163,54 +149,38 @@ def calibration_label(languages: list[str] | None) -> str:
 def expand(spec: PruningSpec, header) -> list[Point]:
     reference_measure = Call.of(measure_tasks, limit=spec.task_limit) if spec.tasks else None
     mix, data_dir, points = calibration_label(spec.calibration_languages), str(header.run.data.resolved_dir()), []
-    pruning = {
-        "data_dir": data_dir,
-        "calibration_tokens": spec.calibration_tokens,
-        "languages": spec.calibration_languages,
-    }
-    pruning |= {"split": spec.calibration_split, "damping": spec.damping, "naee_cap": spec.naee_cap}
+    pruning = {"data_dir": data_dir, "calibration_tokens": spec.calibration_tokens}
+    pruning |= {"languages": spec.calibration_languages, "split": spec.calibration_split}
+    pruning |= {"damping": spec.damping, "naee_cap": spec.naee_cap}
     single = {"calibration_tokens": spec.single_language_tokens or spec.calibration_tokens}
     tasks = {"tasks": True, "task_limit": spec.task_limit} if spec.tasks else {}
+    arms = [(f, m, a, mix, {}) for f in spec.fractions for m in spec.methods for a in ARMS if a in spec.arms]
+    arms += [
+        (CLAIM_FRACTION, m, "pruned", lang, {**single, "languages": [lang]})
+        for lang in spec.single_language_calibration
+        for m in spec.single_language_methods
+    ]
+    recovery = {"train": {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}}
+    recovery["optim"] = {"warmup_steps": spec.recovery_warmup} | ({"lr": spec.recovery_lr} if spec.recovery_lr else {})
     for seed in header.seeds:
-
-        def add(name: str, run, info, start=None, transform=None, measure=reference_measure, seed=seed) -> None:
-            point_name = header.point_name(name, seed)
-            points.append(Point(point_name, name, seed, spec.model, run, info, start, transform, measure=measure))
-
-        pretrain, lr = header.seeded_run(seed), {"lr": spec.recovery_lr} if spec.recovery_lr else {}
-        train = {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}
-        runs = {"pruned": pretrain.replace(train={"max_steps": 0})}
-        runs["recovered"] = pretrain.replace(train=train, optim={"warmup_steps": spec.recovery_warmup, **lr})
-        references = {
-            "pruned": header.point_name("original", seed),
-            "recovered": header.point_name("original/recovered", seed),
-        }
-        start = Start(parent=references["pruned"], mode="init")
-        add("original", pretrain, {"arm": "original"})
-        if "recovered" in spec.arms:
-            add("original/recovered", runs["recovered"], {"arm": "control"}, start)
-        arms = [(f, m, a, mix, {}) for f in spec.fractions for m in spec.methods for a in ARMS if a in spec.arms]
-        languages = spec.single_language_calibration
-        arms += [
-            (CLAIM_FRACTION, m, "pruned", lang, {**single, "languages": [lang]})
-            for lang in languages
-            for m in spec.single_language_methods
-        ]
+        pretrain, start = header.seeded_run(seed), header.start("original", seed)
+        runs = {"pruned": pretrain.replace(train={"max_steps": 0}), "recovered": pretrain.replace(**recovery)}
+        references = {"pruned": header.point_name("original", seed)}
+        references["recovered"] = header.point_name("original/recovered", seed)
+        controls = [("original", pretrain, {"arm": "original"}, None)]
+        controls += [("original/recovered", runs["recovered"], {"arm": "control"}, start)] * ("recovered" in spec.arms)
+        for name, run, info, parent in controls:
+            points.append(header.point(name, seed, spec.model, run, info, parent, measure=reference_measure))
         for fraction, method, arm, calibration, changes in arms:
             name = f"{method}/{_label(fraction)}/{arm}" + (f"/calibration-{calibration}" if calibration != mix else "")
-            info = {
-                "arm": arm,
-                "method": method,
-                "fraction": fraction,
-                "calibration": calibration,
-                "reference": references[arm],
-            }
+            info = {"arm": arm, "method": method, "fraction": fraction, "calibration": calibration}
             # NOTE: the suite only where the spec asks for tasks at the fraction (not the single-language arms)
             scored = calibration == mix and (spec.task_fractions is None or fraction in spec.task_fractions)
-            transform = Call.of(
-                prune_by_importance, **{"method": method, "fraction": fraction, **pruning, "seed": seed, **changes}
-            )
-            add(name, runs[arm], info, start, transform, Call.of(measure_memory, **(tasks if scored else {})))
+            kwargs = {"method": method, "fraction": fraction, **pruning, "seed": seed, **changes}
+            transform = Call.of(prune_by_importance, **kwargs)
+            measure = Call.of(measure_memory, **(tasks if scored else {}))
+            info["reference"] = references[arm]
+            points.append(header.point(name, seed, spec.model, runs[arm], info, start, transform, measure=measure))
     return points
 
 
@@ -226,9 +196,7 @@ def measure_tasks(point: Point, result: Any, run_dir: Path, limit: int | None = 
     return suite_fields(load_model(result.checkpoint), point.run.data.resolved_dir(), limit)
 
 
-def measure_memory(
-    point: Point, result: Any, run_dir: Path, tasks: bool = False, task_limit: int | None = None
-) -> dict[str, Any]:
+def measure_memory(point: Point, result: Any, run_dir: Path, tasks: bool = False, task_limit: int | None = None):
     """Parameters and bytes of the parent (``point.model``) and of the pruned model (``memory_saved``),
     and with ``tasks`` its local-suite accuracy (:func:`measure_tasks`)."""
     from moe_lit.checkpoint import load_model
@@ -274,16 +242,13 @@ def retention_values(records: list[dict[str, Any]], task_margin: float = 0.0) ->
     ``val_loss``; task retention ``task_mean``, its variance across tasks (``task_variance``) and
     languages (``task_language_variance``), ``task_languages`` and ``tasks_left_out``."""
     ok = {r["name"]: r for r in select(records)}
-    values: dict[Key, dict[str, dict[int, Any]]] = {}
+    items = []
     for record in ok.values():
-        reference = ok.get(record.get("reference") or "")
-        if record.get("arm") not in ARMS or reference is None:
-            continue
-        measured = {"val_loss": record["val_loss"], **_retention(reference, record, task_margin)}
-        key = (record["fraction"], record["arm"], record["method"], record.get("calibration", "mix"))
-        for name, value in measured.items():
-            values.setdefault(key, {}).setdefault(name, {})[record["seed"]] = value
-    return dict(sorted(values.items()))
+        if record.get("arm") in ARMS and (reference := ok.get(record.get("reference") or "")) is not None:
+            measured = {"val_loss": record["val_loss"], **_retention(reference, record, task_margin)}
+            key = (record["fraction"], record["arm"], record["method"], record.get("calibration", "mix"))
+            items.append((key, record["seed"], measured))
+    return dict(sorted(collect(items).items()))
 
 
 def _has(group: dict[str, dict[int, Any]], key: str) -> bool:
@@ -302,18 +267,14 @@ def _maestro_claims(values, arm: str, calibration: str, measure: str) -> list:
     if "maestro" not in at or not baselines:
         why = f"needs maestro and another non-random method at {removed} removed"
         return [Claim(f"{arm}: MAESTRO retains more", what, ("maestro", "best"), HIGHER).missing(why)]
-    best = max(baselines, key=lambda m: _finite_mean(baselines[m][mean_key]))
-    mean = Claim(f"{removed} removed, {arm}: MAESTRO retains more", what, ("maestro", best), HIGHER, paper=PAPER_GAIN)
-    claims = [mean.on(at["maestro"][mean_key], baselines[best][mean_key])]
+    rival = best({m: v[mean_key] for m, v in baselines.items()}, lowest=False)
+    mean = Claim(f"{removed} removed, {arm}: MAESTRO retains more", what, ("maestro", rival), HIGHER, paper=PAPER_GAIN)
+    claims = [mean.on(at["maestro"][mean_key], baselines[rival][mean_key])]
     for across, key in variances.items():
-        claim = Claim(f"{arm}: MAESTRO varies less across {across}", f"variance of {what}", ("maestro", best), LOWER)
-        claims.append(dataclasses.replace(claim, digits=6).on(at["maestro"][key], baselines[best][key]))
+        text = f"{arm}: MAESTRO varies less across {across}"
+        claim = Claim(text, f"variance of {what}", ("maestro", rival), LOWER, digits=6)
+        claims.append(claim.on(at["maestro"][key], baselines[rival][key]))
     return claims
-
-
-def _finite_mean(by_seed: dict[int, float]) -> float:
-    mean = summarize(list(by_seed.values())).mean
-    return -math.inf if math.isnan(mean) else mean
 
 
 def _calibration_claims(values, main: str) -> list:
@@ -325,7 +286,7 @@ def _calibration_claims(values, main: str) -> list:
         for measure, key in (("val-loss", "languages"), ("task", "task_languages")) if language != main and mix else ():
             if any(group[key].values()):
                 arms, text = (f"{method}@{language}", f"{method}@{main}"), f"{method} calibrated on {language} alone"
-                own, rest = ({s: f(r, language) for s, r in g[key].items()} for g, f in ((group, _own), (mix, _own)))
+                own, rest = ({s: r.get(language, math.nan) for s, r in g[key].items()} for g in (group, mix))
                 claims.append(
                     Claim(f"{text}: {language} retains more", f"{measure} retention", arms, HIGHER).on(own, rest)
                 )
@@ -333,10 +294,6 @@ def _calibration_claims(values, main: str) -> list:
                 claim = Claim(f"{text}: the others retain less", f"{measure} retention (others)", arms, LOWER)
                 claims.append(claim.on(own, rest))
     return claims
-
-
-def _own(per_language: dict[str, float], language: str) -> float:
-    return per_language.get(language, math.nan)
 
 
 def _mean_except(per_language: dict[str, float], language: str) -> float:
@@ -380,10 +337,8 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for fraction, r in sorted(by_fraction.items()):
         row = {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
-        row |= {
-            "parameters": f"{r['params_before']:,} -> {r['params_after']:,}",
-            "saved": f"{r['params_saved_fraction']:.1%}",
-        }
+        row["parameters"] = f"{r['params_before']:,} -> {r['params_after']:,}"
+        row["saved"] = f"{r['params_saved_fraction']:.1%}"
         rows.append(row | {"bytes": f"{r['bytes_before']:,} -> {r['bytes_after']:,}"})
     return rows
 
@@ -419,11 +374,8 @@ def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     fig, axes = plots.panels(len(arms), 5.0, 4.0, sharey=True)
     counts = []
     for ax, arm in zip(axes, arms, strict=True):
-        series = {}
-        for f in fractions:
-            series[f"{_label(f)} removed"] = [
-                summarize(list(values.get((f, arm, m), {key: {}})[key].values())) for m in methods
-            ]
+        measured = {f: [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
+        series = {f"{_label(f)} removed": [summarize(list(by.values())) for by in per] for f, per in measured.items()}
         title = f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})"
         counts += plots.categories(ax, methods, series, title=title, reference=(1.0, "1 = nothing lost"), rotation=30)
     what = "original / pruned val loss" if key == "mean" else "above chance: pruned / original"
