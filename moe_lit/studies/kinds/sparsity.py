@@ -1,16 +1,13 @@
 """Study kind ``sparsity``: how much of each expert can be skipped, and what does skipping buy?
 
-After the intra-expert activation sparsity paper (up to 90% of the neurons inside an expert
-inactive without significant loss; up to 2.5x MoE-layer and 1.2x end-to-end speedup on GPU). Per
-seed and model of ``models`` (pretrained by the study, or ``{path: <dir>}``: an exported or
-imported model with its own tokenizer), one measurement point per rule and granularity (a dense
-model has the ``layer`` one only) starts from those weights with 0 steps and measures
-(:func:`moe_lit.studies.measures.sparsity_profile`) the loss curve per target and language against
-the dense model, the highest target within ``max_increase`` in every language and the FFN-layer /
-decode speedups there (timed interleaved, under the study's own load), and the inactive fraction
-per language, layer and expert at ``statistics_target``. Claims: 90% skipped within
-``max_increase`` (TOST over the seeds: the study's stated margin); the speedups are the GPU's
-(untestable here); per-expert thresholds and the gate_up rule lose less (paired by seed).
+After the intra-expert activation sparsity paper (up to 90% of an expert's neurons inactive
+without significant loss; 2.5x MoE-layer and 1.2x end-to-end speedup on GPU). Per seed and model
+of ``models`` (pretrained here, or ``{path: <dir>}``: a model on disk with its own tokenizer), one
+0-step point per rule and granularity measures (:func:`moe_lit.studies.measures.sparsity_profile`)
+the loss curve per target and language against the dense model, the highest target within
+``max_increase`` and the FFN-layer / decode speedups there, and the inactive fraction per
+language, layer and expert. Claims: 90% skipped within ``max_increase`` (TOST); the speedups are
+the GPU's (untestable here); per-expert thresholds and the gate_up rule lose less (paired by seed).
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, token_weighted
-from moe_lit.studies.records import select
+from moe_lit.studies.records import language_means, select
 from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, LOWER, Claim
 
 CLAIM_TARGET = 0.9
@@ -83,16 +80,15 @@ class SparsitySpec:
     def __post_init__(self) -> None:
         from moe_lit.timing import CLOCKS
 
-        if not isinstance(self.models, dict) or not self.models:
-            raise ConfigError(
-                f"models: must be a non-empty mapping name -> model config or {{path: dir}}, got {self.models}"
-            )
+        why = f"must be a non-empty mapping name -> model config or {{path: dir}}, got {self.models}"
+        check.require(isinstance(self.models, dict) and bool(self.models), "models", why)
         for name, value in self.models.items():
             check.label(name, "models")
-            if not isinstance(value, (dict, ModelConfig, str)):
-                raise ConfigError(f"models.{name}: must be a model config or {{path: dir}}, got {value!r}")
-            if isinstance(value, dict) and "path" in value and (set(value) != {"path"} or not value["path"]):
-                raise ConfigError(f"models.{name}: a model on disk is {{path: <dir>}} alone, got {value!r}")
+            why = f"must be a model config or {{path: dir}}, got {value!r}"
+            check.require(isinstance(value, (dict, ModelConfig, str)), f"models.{name}", why)
+            on_disk = isinstance(value, dict) and "path" in value
+            alone = not on_disk or (set(value) == {"path"} and bool(value["path"]))
+            check.require(alone, f"models.{name}", f"a model on disk is {{path: <dir>}} alone, got {value!r}")
         check.distinct(self.targets, "targets", each=lambda t: check.is_number(t) and 0 <= t < 1, must="in [0, 1)")
         check.distinct(self.rules, "rules", allowed=RULES)
         check.distinct(self.granularities, "granularities", allowed=GRANULARITIES)
@@ -146,42 +142,23 @@ def expand(spec: SparsitySpec, header) -> list[Point]:
             if isinstance(model, str):
                 start, model_cfg = Start(path=model, mode="init"), model_on_disk(model)
             else:
-                parent = header.point_name(f"{name}/pretrain", seed)
                 info = {"arm": "pretrain", "model_name": name}
-                points.append(Point(parent, f"{name}/pretrain", seed, model, header.seeded_run(seed), info))
-                start, model_cfg = Start(parent=parent, mode="init"), model
-            for rule in spec.rules:
-                for granularity in list(spec.granularities) if model_cfg.moe is not None else ["layer"]:
-                    config_name, measure = (
-                        f"{name}/{rule}/{granularity}",
-                        _measure(spec, header, rule, granularity, seed),
+                points.append(header.point(f"{name}/pretrain", seed, model, header.seeded_run(seed), info))
+                start, model_cfg = header.start(f"{name}/pretrain", seed), model
+            granularities = list(spec.granularities) if model_cfg.moe is not None else ["layer"]
+            for rule, granularity in ((r, g) for r in spec.rules for g in granularities):
+                info = {"arm": "sparsity", "model_name": name, "rule": rule, "granularity": granularity}
+                measure = _measure(spec, header, rule, granularity, seed)
+                points.append(
+                    header.point(
+                        f"{name}/{rule}/{granularity}", seed, model_cfg, measure_run, info, start, measure=measure
                     )
-                    info = {"arm": "sparsity", "model_name": name, "rule": rule, "granularity": granularity}
-                    points.append(
-                        Point(
-                            header.point_name(config_name, seed),
-                            config_name,
-                            seed,
-                            model_cfg,
-                            measure_run,
-                            info,
-                            start,
-                            measure=measure,
-                        )
-                    )
+                )
     return points
 
 
-KWARGS = (
-    "targets",
-    "languages",
-    "calibration_split",
-    "calibration_tokens",
-    "eval_split",
-    "eval_tokens",
-    "max_increase",
-)
-KWARGS += ("statistics_target", "timing_tokens", "timing_rounds", "decode_tokens", "clock")
+KWARGS = ("targets", "languages", "calibration_split", "calibration_tokens", "eval_split", "eval_tokens")
+KWARGS += ("max_increase", "statistics_target", "timing_tokens", "timing_rounds", "decode_tokens", "clock")
 
 
 def _measure(spec: SparsitySpec, header, rule: str, granularity: str, seed: int) -> Call:
@@ -235,9 +212,8 @@ def _targets(recs: list[dict[str, Any]]) -> list[float]:
 
 
 def _at(record: dict[str, Any], target: float, language: str) -> float:
-    return next(
-        (c["increase"] for c in record["curve"] if (c["target"], c["language"]) == (target, language)), math.nan
-    )
+    at = (c["increase"] for c in record["curve"] if (c["target"], c["language"]) == (target, language))
+    return next(at, math.nan)
 
 
 def _curve_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -265,28 +241,25 @@ def _suite_row(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
     row = {"items per task": measured[0]["suite"]["dense"]["limit"]}
     row |= {"dense acc": format_values(dense), "sparse acc": format_values(sparse)}
     one = f"{sparse[0] - dense[0]:+.4f} (1 seed)"
-    return row | {
-        "sparse - dense (paired by seed)": format_difference(paired_difference(sparse, dense))
-        if len(measured) > 1
-        else one
-    }
+    paired = format_difference(paired_difference(sparse, dense)) if len(measured) > 1 else one
+    return row | {"sparse - dense (paired by seed)": paired}
 
 
 def _layer_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Inactive fraction per FFN and language at the statistics target (mean over seeds)."""
-    by_ffn: dict[str, dict[str, list[float]]] = {}
+    by_ffn: dict[str, dict[int, dict[str, float]]] = {}
     for record in recs:
-        totals: dict[tuple[str, str], list[float]] = {}
+        totals: dict[tuple[str, str], tuple[float, float]] = {}
         for stat in record["statistics"]:
-            entry = totals.setdefault((stat["ffn"], stat["language"]), [0.0, 0.0])
-            entry[0], entry[1] = entry[0] + stat["assignments"], entry[1] + stat["inactive"] * stat["assignments"]
+            n, inactive = totals.get((stat["ffn"], stat["language"]), (0.0, 0.0))
+            totals[(stat["ffn"], stat["language"])] = (
+                n + stat["assignments"],
+                inactive + stat["inactive"] * stat["assignments"],
+            )
         for (ffn, language), (n, inactive) in totals.items():
-            by_ffn.setdefault(ffn, {}).setdefault(language, []).append(inactive / max(n, 1))
+            by_ffn.setdefault(ffn, {}).setdefault(record["seed"], {})[language] = inactive / max(n, 1)
     target = f"{recs[0]['statistics_target']:g}"
-    return [
-        {"target": target, "ffn": ffn} | {k: f"{summarize(v).mean:.3f}" for k, v in ls.items()}
-        for ffn, ls in by_ffn.items()
-    ]
+    return [{"target": target, "ffn": ffn} | language_means(per_seed, 3) for ffn, per_seed in by_ffn.items()]
 
 
 def _expert_rows(record: dict[str, Any], top: int = 3) -> list[dict[str, Any]]:
@@ -321,9 +294,10 @@ def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str
         arm = {"model": model, "rule": rule, "granularity": granularity}
         curve += [arm | row for row in _curve_rows(recs)]
         best.append(arm | _best_row(recs, max_increase))
-        languages.append(
-            arm | {lang: _pct([_at(r, target, lang) for r in recs]) for lang in recs[0]["eval_tokens_per_language"]}
-        )
+        per_language = {
+            lang: _pct([_at(r, target, lang) for r in recs]) for lang in recs[0]["eval_tokens_per_language"]
+        }
+        languages.append(arm | per_language)
         if granularity == "layer":
             layers += [{"model": model, "rule": rule} | row for row in _layer_rows(recs)]
             experts += [{"model": model, "rule": rule} | row for row in _expert_rows(recs[0])]
@@ -333,40 +307,30 @@ def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str
 
 
 def _claims(arms, max_increase: float) -> list:
-    claims = []
-    for (model, rule, granularity), recs in arms.items():
-        if CLAIM_TARGET not in _targets(recs):
-            continue
-        increase = {r["seed"]: increase_at(r, CLAIM_TARGET) for r in recs}
-        text = f"{model}, {rule}/{granularity}: {CLAIM_TARGET:.0%} of the neurons skipped without loss"
-        claims.append(
-            Claim(text, "relative loss increase", ("sparse", "dense"), EQUIVALENT, max_increase, paper=0.0).on(
-                increase, 0.0
-            )
-        )
+    claims, at = [], f"{CLAIM_TARGET:.0%}"
+    for (model, rule, granularity), recs in ((k, v) for k, v in arms.items() if CLAIM_TARGET in _targets(v)):
+        text = f"{model}, {rule}/{granularity}: {at} of the neurons skipped without loss"
+        claim = Claim(text, "relative loss increase", ("sparse", "dense"), EQUIVALENT, max_increase, paper=0.0)
+        claims.append(claim.on(_increase(recs), 0.0))
         speedups = [summarize(_values(recs, k)).mean for k in ("layer_speedup", "decode_speedup")]
         measured = f"measured: FFN layer {speedups[0]:.2f}x, decode {speedups[1]:.2f}x"
-        text = (
-            f"{model}, {rule}/{granularity}: {CLAIM_LAYER_SPEEDUP}x layer, {CLAIM_DECODE_SPEEDUP}x end-to-end speedup"
-        )
+        speedup = f"{CLAIM_LAYER_SPEEDUP}x layer, {CLAIM_DECODE_SPEEDUP}x end-to-end speedup"
+        text = f"{model}, {rule}/{granularity}: {speedup}"
         claims.append(Claim(text, "speedup", ("sparse", "dense"), HIGHER).missing(GPU_SPEEDUP.format(measured)))
     for model in dict.fromkeys(m for m, _, _ in arms):
         for rule in dict.fromkeys(r for m, r, _ in arms if m == model):
-            layer, expert = arms.get((model, rule, "layer")), arms.get((model, rule, "expert"))
-            if layer and expert:
-                text = f"{model}, {rule}: per-expert thresholds lose less than per-layer at {CLAIM_TARGET:.0%}"
-                claims.append(
-                    Claim(text, "loss increase", ("expert", "layer"), LOWER).on(
-                        *(_increase(r) for r in (expert, layer))
-                    )
-                )
-        gate, gate_up = arms.get((model, "gate", "layer")), arms.get((model, "gate_up", "layer"))
-        if gate and gate_up:
-            text = f"{model}: the gate_up rule loses less than gate at {CLAIM_TARGET:.0%} (layer thresholds)"
-            claims.append(
-                Claim(text, "loss increase", ("gate_up", "gate"), LOWER).on(_increase(gate_up), _increase(gate))
-            )
+            text = f"{model}, {rule}: per-expert thresholds lose less than per-layer at {at}"
+            claims += _less(arms, text, (model, rule, "expert"), (model, rule, "layer"), ("expert", "layer"))
+        text = f"{model}: the gate_up rule loses less than gate at {at} (layer thresholds)"
+        claims += _less(arms, text, (model, "gate_up", "layer"), (model, "gate", "layer"), ("gate_up", "gate"))
     return claims
+
+
+def _less(arms, text: str, a: Arm, b: Arm, names: tuple[str, str]) -> list:
+    """The claim that arm ``a`` loses less than ``b`` at the claim's target, where both were measured."""
+    if not (arms.get(a) and arms.get(b)):
+        return []
+    return [Claim(text, "loss increase", names, LOWER).on(_increase(arms[a]), _increase(arms[b]))]
 
 
 def _increase(recs: list[dict[str, Any]]) -> dict[int, float]:
@@ -378,13 +342,9 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     if not arms:
         return Analysis()
     spec = plan.get("spec") if isinstance(plan.get("spec"), dict) else {}
-    max_increase = spec.get("max_increase", 0.01)
-    target = next(iter(arms.values()))[0]["statistics_target"]
-    return Analysis(
-        claims=_claims(arms, max_increase),
-        tables=_tables(arms, max_increase, target),
-        plots=[plot_curves(arms, max_increase, plots_dir)],
-    )
+    max_increase, target = spec.get("max_increase", 0.01), next(iter(arms.values()))[0]["statistics_target"]
+    tables, plot = _tables(arms, max_increase, target), plot_curves(arms, max_increase, plots_dir)
+    return Analysis(claims=_claims(arms, max_increase), tables=tables, plots=[plot])
 
 
 def plot_curves(arms, max_increase: float, plots_dir: Path) -> Path:
