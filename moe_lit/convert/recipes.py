@@ -181,8 +181,10 @@ def prune_by_importance(
     languages: list[str] | None = None,
     split: str = "test",
     naee_cap: int = 2000,
+    global_budget: bool = False,
 ):
-    """``model`` without ``fraction`` of every MoE layer's experts: the calibration text routed
+    """``model`` without ``fraction`` of every MoE layer's experts (``global_budget``: of all its
+    experts, ranked across layers; never below top-k in a layer): the calibration text routed
     through it, the experts ranked by ``method`` (:func:`~moe_lit.convert.importance.plan_keep`),
     the rest removed (:func:`~moe_lit.convert.prune.prune_experts`, pure)."""
     from moe_lit.convert.importance import MaestroConfig, plan_keep
@@ -191,7 +193,16 @@ def prune_by_importance(
     trace = calibration_text(model, data_dir, calibration_tokens, languages, split, method in ("reap", "naee"))
     with torch.no_grad():
         maestro = MaestroConfig(damping=damping)
-        keep, _ = plan_keep(method, model, trace, fraction=fraction, seed=seed, maestro=maestro, naee_cap=naee_cap)
+        keep, _ = plan_keep(
+            method,
+            model,
+            trace,
+            fraction=fraction,
+            global_budget=global_budget,
+            seed=seed,
+            maestro=maestro,
+            naee_cap=naee_cap,
+        )
         return prune_experts(model, keep)
 
 

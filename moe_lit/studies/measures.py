@@ -13,6 +13,7 @@ measurement); the parent's record and hash stay as they were.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,45 @@ def language_tokens(
     # leaves every other language (tokenized to more or fewer tokens) enough to cut at ``tokens``.
     docs = tokenize_documents(parallel, tokenizer, resolve_eot_id(tokenizer), 2 * tokens)
     return {lang: [t for ids in by_doc.values() for t in ids][:tokens] for lang, by_doc in docs.items()}
+
+
+def bits_per_byte(model, tokenizer, data_dir, split: str, languages: list[str] | None, tokens: int) -> dict:
+    """Bits per UTF-8 byte per language: the first ``tokens`` tokens of the parallel ``split`` text
+    (:func:`language_tokens`, the same documents for every model with this tokenizer) cut into
+    windows of the model's seq_len + 1; the summed next-token loss in bits over the bytes that the
+    scored tokens (each window's all but first) decode to."""
+    import torch
+
+    from moe_lit.inference.sparsity import mean_loss, token_batches
+
+    out = {}
+    for lang, ids in language_tokens(data_dir, split, languages, tokenizer, tokens).items():
+        batches = token_batches(ids, model.config.seq_len + 1, SPARSITY_BATCH)
+        with torch.no_grad():
+            nats = mean_loss(model, batches) * sum(b[:, 1:].numel() for b in batches)
+        scored = [row[1:].tolist() for b in batches for row in b]
+        size = sum(len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8")) for row in scored)
+        out[lang] = nats / math.log(2) / size
+    return out
+
+
+def model_quality(checkpoint, data_dir, languages, bpb_split: str, bpb_tokens: int, **suite_options: Any) -> dict:
+    """One model's :func:`bits_per_byte` per language (and their mean), local-suite scores with every
+    item's outcome (``suite_options``: tasks, limit, batch_size), the accuracy over all those items
+    with its item-level standard error, and the model's parameter count."""
+    from moe_lit.checkpoint import load_model
+    from moe_lit.evaluation.suite import item_stderr
+
+    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir)
+    bpb = bits_per_byte(model, tokenizer, data_dir, bpb_split, languages, bpb_tokens)
+    scores = suite(model, data_dir, tokenizer, languages=languages, outcomes=True, **suite_options)
+    items = [o for task in sorted(scores["outcomes"]) for o in scores["outcomes"][task]]
+    acc = sum(items) / len(items)
+    return {"bpb": bpb, "bpb_mean": sum(bpb.values()) / len(bpb), "suite": scores, "task_acc": acc} | {
+        "task_acc_se": item_stderr(acc, len(items)),
+        "task_items": len(items),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def sparsity_profile(
@@ -350,6 +390,7 @@ def conversion_screen(
 __all__ = [
     "SPARSITY_BATCH",
     "SuiteSpec",
+    "bits_per_byte",
     "conversion_screen",
     "language_tokens",
     "routing_divergence",
@@ -357,6 +398,7 @@ __all__ = [
     "step_times",
     "token_weighted",
     "local_suite",
+    "model_quality",
     "measure_child",
     "model_tokenizer",
     "start_validation",

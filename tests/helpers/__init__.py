@@ -5,7 +5,7 @@
 * :mod:`tests.helpers.fixtures`: session fixtures on them (a prepared dir, a tiny exported MoE),
   registered for every test by ``tests/conftest.py``;
 * :mod:`tests.helpers.checkpoints`: checkpoint files as MoELitModule writes them, and broken ones;
-* :mod:`tests.helpers.hf`: tiny random transformers models of every supported family;
+* :mod:`tests.helpers.hf`: tiny random transformers models of every supported family, a tiny imported Llama;
 * :mod:`tests.helpers.studies`: a small study spec;
 * :mod:`tests.helpers.paths`: the checkout's config files.
 """

@@ -76,3 +76,16 @@ def tokens(batch: int = 2, length: int = 16, seed: int = 1) -> torch.Tensor:
 def hf_experts(model):
     """The fused experts module of a transformers MoE model's first sparse layer."""
     return next(layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+
+
+def imported_llama(out, vocab_size: int, seq_len: int = 16, **overrides):
+    """A random tiny Llama (:func:`hf_model`, 3 layers, FFN width 64, tied embeddings) saved as
+    transformers saves it and imported by ``moe-lit convert import-hf``: the moe_lit model directory
+    ``out/model`` (no tokenizer: studies then read the data's), a stand-in for an imported SmolLM2."""
+    from moe_lit.cli import main
+
+    fields = dict(vocab_size=vocab_size, num_hidden_layers=3, intermediate_size=64, max_position_embeddings=64)
+    hf_model("llama", tie_word_embeddings=True, **{**fields, **overrides}).save_pretrained(out / "hf")
+    source, model = str(out / "hf"), str(out / "model")
+    assert main(["convert", "import-hf", "--model", source, "--seq-len", str(seq_len), "--out", model]) == 0
+    return out / "model"

@@ -27,6 +27,7 @@ KINDS = {
     "pruning": "moe_lit.studies.kinds.pruning",
     "moe_to_dense": "moe_lit.studies.kinds.moe_to_dense",
     "sparsity": "moe_lit.studies.kinds.sparsity",
+    "lifecycle": "moe_lit.studies.kinds.lifecycle",
 }
 
 

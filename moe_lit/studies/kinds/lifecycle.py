@@ -1,0 +1,250 @@
+"""Study kind ``lifecycle``: a pretrained dense model (an imported SmolLM2-135M) through the chain.
+
+FFNs partitioned into MoEs (``shapes`` x ``methods``; ``pruning``: cut to the same active width),
+measured before and after the same distillation from the dense model; the ``prune_source`` MoE
+pruned (a global budget; naee per layer), turned dense against dense->dense pruning at its width,
+and sparsified. Every model: bits per byte per language and the suite's items (one seed: the
+claims pair models item by item, or language by language for the sparsity's loss increase).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.convert import recipes
+from moe_lit.convert.importance import METHODS as PRUNE_METHODS
+from moe_lit.convert.moe_to_dense import MoeToDenseConfig
+from moe_lit.convert.partition import ASSIGNMENTS, partitioned_config
+from moe_lit.convert.recipes import PRUNING, prune_by_importance
+from moe_lit.inference.sparsity import RULES
+from moe_lit.studies import measures
+from moe_lit.studies import spec as check
+from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
+from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.records import select
+from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, Claim
+
+DOT_MOE, METHODS = "dot_moe", (*ASSIGNMENTS, "dot_moe", PRUNING)
+SPARSE_TARGET, TARGETS, DAMPING, CALIBRATION_BATCH = 0.9, [0.0, 0.5, 0.7, 0.8, 0.9], 0.85, 4
+"""The 90% claim's target, the sparsity targets, MAESTRO's damping (the pruning study's), DOT-MoE's batch."""
+
+
+@dataclass
+class LifecycleSpec:
+    """The kind's own fields."""
+
+    model: str
+    """The dense model: an exported / imported model directory (``make smollm2``), every recovery's teacher."""
+    shapes: list[list[int]]
+    """``[E, k]`` MoEs the dense FFNs are partitioned into (E experts of d_ff / E neurons, k active)."""
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    """random | kmeans | coactivation (centroid routers) | dot_moe | pruning (once per active width)."""
+    prune_source: str = "E8k4/dot_moe"
+    """``E<E>k<k>/<method>``: the recovered MoE pruned, turned dense and sparsified (named before it runs)."""
+    fractions: list[float] = field(default_factory=lambda: [0.25, 0.5])
+    """Fractions of its experts removed."""
+    prune_methods: list[str] = field(default_factory=lambda: ["maestro", "frequency", "router_weighted", "reap"])
+    """Expert importance methods (moe_lit.convert.importance.METHODS); the first is the claimed best."""
+    to_dense: dict[str, Any] = field(default_factory=lambda: {"keep": 4, "groups": 4})
+    """MoeToDenseConfig fields of the MoE->dense arm; width = groups x expert size (the dense arm's too)."""
+    calibration_tokens: int = 4096
+    """Calibration tokens (per language of the test split; co-activation, pruning: of the train stream)."""
+    train_tokens: int = 65_536
+    """DOT-MoE: training tokens of its assignment and routers (the dense model as teacher)."""
+    recovery_steps: int = 96
+    """Distillation steps of every recovered model (tokens: steps x run.data batch_size x seq_len)."""
+    recovery_lr: float = 1e-4
+    """Peak learning rate of the recovery (run.optim's warmup and schedule)."""
+    max_increase: float = 0.01
+    """Sparsity: the relative loss increase that counts as none; the margin of the 90% claim."""
+    languages: list[str] | None = None
+    """Languages of every measure; null: every language of the data."""
+    bpb_tokens: int = 4096
+    """Bits per byte: tokens per language of the val split (also the sparsity's evaluation tokens)."""
+    tasks: list[str] = field(default_factory=lambda: ["moe_lit_pairs"])
+    """Local-suite tasks or tags (test split) with an accuracy."""
+    limit: int | None = 500
+    """Suite items per task (the first ones); null: every item."""
+
+    def __post_init__(self) -> None:
+        check.distinct(self.shapes, "shapes", each=lambda s: len(s) == 2 and all(map(check.is_int, s)), must="[E, k]")
+        check.distinct(self.methods, "methods", allowed=METHODS)
+        moes = [f"E{e}k{k}/{m}" for e, k in self.shapes for m in self.methods if m != PRUNING]
+        check.choice(self.prune_source, "prune_source", moes)
+        check.fractions(self.fractions, "fractions")
+        check.distinct(self.prune_methods, "prune_methods", allowed=PRUNE_METHODS)
+        try:
+            MoeToDenseConfig(**self.to_dense)
+        except (ConfigError, TypeError) as exc:
+            raise ConfigError(f"to_dense.{exc}") from None
+        for key in ("calibration_tokens", "train_tokens", "recovery_steps", "bpb_tokens"):
+            check.positive_int(getattr(self, key), key)
+        check.number(self.recovery_lr, "recovery_lr", 0)
+        check.number(self.max_increase, "max_increase", 0)
+        check.languages(self.languages, "languages")
+        check.distinct(self.tasks, "tasks", each=lambda t: isinstance(t, str), what="task names")
+        check.positive_int(self.limit, "limit", optional=True)
+
+
+def default_run() -> dict[str, Any]:
+    return {"data": {"seq_len": 256, "batch_size": 4, "val_batches": 2}, "optim": {"warmup_steps": 10}}
+
+
+parse = check.parser(LifecycleSpec, ("model", "shapes"))
+
+
+# ----------------------------------------------------------------------------- points
+def _partition_arms(spec: LifecycleSpec) -> list[tuple[list[int], str]]:
+    """(shape, method) of every partition point; pruning once per active width (its first shape)."""
+    first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
+    return [(s, m) for s in spec.shapes for m in spec.methods if m != PRUNING or first[s[1] / s[0]] == s]
+
+
+def expand(spec: LifecycleSpec, header) -> list[Point]:
+    from moe_lit.checkpoint import load_config
+
+    dense, data_dir, points = load_config(spec.model), str(header.run.data.resolved_dir()), []
+    quality = {"data_dir": data_dir, "languages": spec.languages, "bpb_split": "val", "bpb_tokens": spec.bpb_tokens}
+    quality |= {"tasks": spec.tasks, "limit": spec.limit}
+    calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
+    for seed in header.seeds:
+        steps = {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}
+        runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
+        runs[True] = header.seeded_run(seed).replace(train=steps, optim={"lr": spec.recovery_lr})
+        modules = {False: None, True: Call.of(distill_module, teacher=spec.model)}
+
+        def add(config, model, info, start, transform=None, recovered=False, measure=None, seed=seed) -> None:
+            measure = measure or Call.of(measure_model, before=recovered, **quality)
+            run, module = runs[recovered], modules[recovered]  # noqa: B023 - called within this iteration only
+            label = header.point_name(config, seed)
+            points.append(Point(label, config, seed, model, run, info, start, transform, (), measure, module))
+
+        add("dense", dense, {"stage": "dense", "method": "dense"}, on_disk)
+        for (experts, top_k), method in _partition_arms(spec):
+            kwargs = {"method": method, "experts": experts, "top_k": top_k, "data_dir": data_dir, "seed": seed}
+            kwargs |= {"train_tokens": spec.train_tokens} if method == DOT_MOE else {}
+            kwargs |= calibration if method in ("coactivation", PRUNING) else {}
+            model = partitioned_config(dense, experts, top_k)
+            model = dense.replace(d_ff=dense.d_ff * top_k // experts) if method == PRUNING else model
+            shape, transform = f"E{experts}k{top_k}", Call.of(partition, **kwargs)
+            info = {"stage": "partition", "method": method, "shape": shape, "active_ffn": top_k / experts}
+            add(f"{shape}/{method}", model, info, on_disk, transform, recovered=True)
+        source = header.point_name(spec.prune_source, seed)
+        moe, from_source = next(p for p in points if p.name == source).model, Start(parent=source, mode="init")
+        for fraction in spec.fractions:
+            for method in spec.prune_methods:
+                kwargs = {"method": method, "fraction": fraction, "data_dir": data_dir, "seed": seed, **calibration}
+                kwargs |= {"damping": DAMPING, "global_budget": method != "naee"}
+                info = {"stage": "prune", "method": method, "fraction": fraction}
+                add(f"prune/{fraction:g}/{method}", moe, info, from_source, Call.of(prune_by_importance, **kwargs))
+        width = spec.to_dense["groups"] * moe.moe_section().expert_size
+        to_dense = Call.of(recipes.moe_to_dense_on_text, data_dir=data_dir, **calibration, **spec.to_dense)
+        pruned = Call.of(recipes.prune_dense_to_width, width=width, data_dir=data_dir, **calibration)
+        info = {"stage": "to_dense", "width": width}
+        add("to_dense/moe", dense.replace(d_ff=width), info | {"method": "moe"}, from_source, to_dense, True)
+        add("to_dense/dense", dense.replace(d_ff=width), info | {"method": "dense"}, on_disk, pruned, True)
+        sparsity = {"data_dir": data_dir, "targets": TARGETS, "granularity": "layer", "seed": seed, "clock": "cpu"}
+        sparsity |= {"calibration_split": "test", "eval_split": "val", "languages": spec.languages}
+        sparsity |= {"calibration_tokens": spec.calibration_tokens, "eval_tokens": spec.bpb_tokens, "timing_tokens": 1}
+        sparsity |= {"timing_rounds": 20, "decode_tokens": 16, "max_increase": spec.max_increase}
+        for rule in RULES:
+            measure = Call.of(measure_sparsity, rule=rule, statistics_target=SPARSE_TARGET, **sparsity)
+            add(f"sparsity/{rule}", moe, {"stage": "sparsity", "method": rule}, from_source, measure=measure)
+    return points
+
+
+def partition(model, method: str, experts: int, top_k: int, data_dir: str, seed: int, **options):
+    """The dense ``model`` partitioned (or pruned) by ``method`` on the training stream of ``data_dir``."""
+    batches = recipes.calibration_batches(data_dir, model.config, CALIBRATION_BATCH, seed)
+    return recipes.partition_dense(model, method, experts, top_k, batches, seed=seed, **options)[0]
+
+
+def distill_module(cfg: ModelConfig, optim, parent: Path | None, teacher: str):
+    """A DistillModule whose frozen teacher is the dense model ``teacher`` (whatever the point starts from)."""
+    from moe_lit.lit.distill import DistillModule
+
+    return DistillModule(cfg, optim, teacher=teacher)
+
+
+def measure_model(point: Point, result: Any, run_dir: Path, before: bool, **options: Any) -> dict[str, Any]:
+    """:func:`~moe_lit.studies.measures.model_quality` of the final weights; ``before``: of the start's too."""
+    checkpoint = result["checkpoint"] if isinstance(result, dict) else result.checkpoint  # a measure-only point's dict
+    out = measures.model_quality(checkpoint, **options)
+    return out | ({"before": measures.model_quality(Path(run_dir) / TRANSFORMED_START, **options)} if before else {})
+
+
+def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`~moe_lit.studies.measures.sparsity_profile` of the final weights."""
+    return measures.sparsity_profile(result.checkpoint, **kwargs)
+
+
+# ----------------------------------------------------------------------------- analysis
+def _items(scores: dict[str, Any]) -> dict[int, float]:
+    """Every scored item's 0/1 accuracy, tasks in name order: the units the claims pair."""
+    return dict(enumerate(float(o) for task in sorted(scores["outcomes"]) for o in scores["outcomes"][task]))
+
+
+def _acc(quality: dict[str, Any] | None) -> str:
+    return f"{quality['task_acc']:.4f} ± {quality['task_acc_se']:.4f} ({quality['task_items']})" if quality else ""
+
+
+def _retention(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """A pruned model's bits-per-byte and per-task above-chance accuracy retention against its source."""
+    chance, tasks = source["suite"]["chance"], source["suite"]["tasks"]
+    kept = {t: (a - chance[t]) / (tasks[t] - chance[t]) for t, a in r["suite"]["tasks"].items() if tasks[t] > chance[t]}
+    row = {"point": config, "bpb retention": f"{source['bpb_mean'] / r['bpb_mean']:.4f}"}
+    row |= {t.removeprefix("moe_lit_"): f"{v:.3f}" for t, v in kept.items()}
+    return row | {"cross-task variance": f"{statistics.pvariance(kept.values()):.5f}" if kept else ""}
+
+
+def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
+    def on(text: str, a: str, b: str) -> Any:
+        claim = Claim(text, "task acc (items)", (a, b), HIGHER)
+        if "suite" not in arms.get(a, {}) or "suite" not in arms.get(b, {}):
+            return claim.missing("an arm has no measurement (not run yet, or failed)")
+        return claim.on(_items(arms[a]["suite"]), _items(arms[b]["suite"]))
+
+    claims, pruning = [], {r["active_ffn"]: n for n, r in arms.items() if r.get("method") == PRUNING}
+    for experts, top_k in spec["shapes"]:
+        shape = f"E{experts}k{top_k}"
+        claims.append(on(f"{shape}: the dense model scores above a random partition", "dense", f"{shape}/random"))
+        baselines = [f"{shape}/{m}" for m in ASSIGNMENTS if m in spec["methods"]]
+        baselines += [pruning.get(top_k / experts, PRUNING)] if PRUNING in spec["methods"] else []
+        claims += [on(f"{shape}: DOT-MoE beats {b.split('/')[1]}", f"{shape}/{DOT_MOE}", b) for b in baselines]
+    first, *others = spec["prune_methods"]
+    for arm in (f"prune/{fraction:g}/" for fraction in spec["fractions"]):
+        claims += [on(f"{arm.split('/')[1]} pruned: {first} beats {m}", arm + first, arm + m) for m in others]
+    claims.append(on("MoE->dense beats dense->dense at the same width", "to_dense/moe", "to_dense/dense"))
+    for rule in RULES:
+        text, metric = f"{rule}: 90% of the neurons skipped within the margin", "loss increase (languages)"
+        claim = Claim(text, metric, (f"sparsity/{rule}", "0"), EQUIVALENT, margin=spec["max_increase"])
+        curve = arms.get(f"sparsity/{rule}", {}).get("curve", [])
+        rows = [r["increase"] for r in curve if r["target"] == SPARSE_TARGET]
+        claims.append(claim.on(dict(enumerate(rows)), 0.0) if rows else claim.missing("not measured yet"))
+    return claims
+
+
+def _row(config: str, r: dict[str, Any]) -> dict[str, Any]:
+    before = r.get("before") or {}
+    row = {"point": config, "params": f"{r.get('params', r['total_params']):,}", "bpb (mean)": f"{r['bpb_mean']:.4f}"}
+    row |= {"task acc ± SE (items)": _acc(r), "bpb before": f"{before['bpb_mean']:.4f}" if before else ""}
+    row |= {"task acc before": _acc(before)}
+    return row | {f"bpb {lang}": f"{v:.4f}" for lang, v in r.get("bpb", {}).items()}
+
+
+def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
+    seed = min(plan["seeds"])
+    arms = {r["config_name"]: r for r in select(records, seed=seed)}
+    models = [_row(config, r) for config, r in arms.items() if r.get("stage") != "sparsity"]
+    keys = ("best_target", "best_inactive", "layer_speedup", "decode_speedup")
+    sparse = [{"point": c} | {k: r.get(k) for k in keys} for c, r in arms.items() if r.get("stage") == "sparsity"]
+    tables = {f"Every model of the chain (seed {seed}; task acc over the suite's items, item-level SE)": models}
+    source, pruned = arms.get(plan["spec"]["prune_source"]), [(c, r) for c, r in arms.items() if r["stage"] == "prune"]
+    tables["Pruned: retention against the prune source"] = [_retention(c, r, source) for c, r in pruned if source]
+    tables["Intra-expert activation sparsity of the prune source (per-layer thresholds)"] = sparse
+    note = ["- One seed: the claims' noise is item to item (tasks) or language to language (sparsity)."]
+    return Analysis(claims=_claims(arms, plan["spec"]), findings=note, tables=tables)
