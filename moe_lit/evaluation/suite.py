@@ -73,7 +73,8 @@ def suite_scores(
 def _scores(results: dict[str, Any], items_dir: Path, limit: int | None) -> dict[str, Any]:
     """The numbers of :func:`suite_scores` from an lm-eval results dict of local-suite tasks whose
     items :func:`~moe_lit.evaluation.tasks.render_suite` wrote into ``items_dir``."""
-    accuracy, chance, items, stderr, outcomes, by_language = {}, {}, {}, {}, {}, {}
+    accuracy, chance, items, stderr, outcomes = {}, {}, {}, {}, {}
+    by_language: dict[str, list[float]] = {}
     for task, metrics in sorted(results["results"].items()):
         if "acc,none" not in metrics:
             continue  # a group's aggregate row, or a task without accuracy
