@@ -53,6 +53,9 @@ def _configure_run(parser: argparse.ArgumentParser) -> None:
         "--parallel", type=int, help="points trained at the same time, local processes (default: executor.parallel, 1)"
     )
     parser.add_argument("--retry-failed", action="store_true", help="run failed points again (default: skip them)")
+    parser.add_argument(
+        "--only", action="append", metavar="PATTERN", help="run only the points whose names match (fnmatch; repeatable)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the points with their status and exit")
     _add_report_flags(parser)
 
@@ -66,7 +69,8 @@ def _run_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_points_table(study, out_dir))
         return 0
-    run_study(study, out_dir, parallel=args.parallel, retry_failed=args.retry_failed, command=_command_line(args))
+    options = {"parallel": args.parallel, "retry_failed": args.retry_failed, "only": args.only}
+    run_study(study, out_dir, **options, command=_command_line(args))
     check_records(out_dir)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0

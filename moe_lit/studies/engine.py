@@ -28,6 +28,7 @@ committed with the results), ``runs/<hash>/`` (checkpoints and logs, git-ignored
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import importlib
@@ -551,6 +552,7 @@ def run_points(
     executor: Any | None = None,
     log: Log = print,
     label: str = "study",
+    only: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Run every unfinished point (parents first); returns the records of all finished points.
 
@@ -559,7 +561,8 @@ def run_points(
     slurm | submitit_local; a job array per wave of points whose parents are done). Each point is
     leased where it trains; one leased by another runner is left to it. ``train_fn`` defaults to
     ``train_run`` and must be a module-level function beyond one process. Failed points are
-    skipped like finished ones unless ``retry_failed``.
+    skipped like finished ones unless ``retry_failed``. ``only``: shell patterns (``fnmatch``); just
+    the points whose names match one run (a slice of a long study; a child waits for its parent).
     """
     if not isinstance(parallel, int) or isinstance(parallel, bool) or parallel < 1:
         raise MoeLitError(f"--parallel: must be an integer >= 1, got {parallel!r}")
@@ -567,7 +570,7 @@ def run_points(
     parents = {p.name: p for p in points}
     save_at = fork_steps(points)
     skip = {STATUS_OK} if retry_failed else {STATUS_OK, STATUS_FAILED}
-    todo = [p for p in points if point_status(out_dir, p) not in skip]
+    todo = [p for p in points if point_status(out_dir, p) not in skip and _selected(p, only)]
     log(f"{label}: {len(points)} points, {len(points) - len(todo)} finished, {len(todo)} to run -> {out_dir}")
     schedule = _Schedule(points, todo, out_dir)
     done, elsewhere = 0, []
@@ -609,6 +612,10 @@ def run_points(
         + (f" ({len(elsewhere)} leased by other runners: run again once they are done)" if elsewhere else "")
     )
     return records
+
+
+def _selected(point: Point, only: Sequence[str]) -> bool:
+    return not only or any(fnmatch.fnmatchcase(point.name, pattern) for pattern in only)
 
 
 def _run_submitit(schedule, executor, out_dir: Path, args, on_done, blocked, label: str) -> None:

@@ -194,12 +194,14 @@ def run_study(
     prepare_data: bool = True,
     command: str = "",
     log: engine.Log = print,
+    only: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every unfinished point of ``study``; returns the records of all finished points.
 
     ``parallel`` (default: the study's executor.parallel) is the number of local worker processes;
     an executor of kind slurm or submitit_local submits the points as jobs instead.
     ``prepare_data=False`` skips preparing / checking the data (tests with a fake ``train_fn``).
+    ``only``: run just the points whose names match one of these shell patterns (the plan stays whole).
     """
     if prepare_data:
         ensure_data(study)
@@ -214,6 +216,7 @@ def run_study(
         executor=executor,
         log=log,
         label=f"study {study.name}",
+        only=only or (),
     )
 
 

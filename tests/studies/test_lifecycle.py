@@ -135,3 +135,16 @@ def test_pruning_under_a_global_budget_keeps_the_plan_ranked_across_layers(tiny_
     keep, _ = plan_keep("random", tiny_moe, calibration_text(tiny_moe, prepared_dir, 64), 0.25, None, True, seed=0)
     kept = {b: pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids}
     assert kept == {b: len(ids) for b, ids in keep.items()} == {0: 4, 1: 2}
+
+
+def test_a_slice_runs_only_the_matching_points_and_a_child_waits_for_its_parent(tiny, tmp_path):
+    import json
+
+    from moe_lit.studies.study import run_study
+
+    study, out = parse_study(tiny[2]), tmp_path / "out"
+    records = run_study(study, out, only=["prune/*"], log=lambda _: None)  # their parent has not run
+    assert records == [] and not list((out / "runs").glob("*.json"))
+    records = run_study(study, out, only=["dense", "E4k2/rand*"], log=lambda _: None)
+    assert sorted(r["name"] for r in records) == ["E4k2/random", "dense"] and all(r["status"] == "ok" for r in records)
+    assert len(json.loads((out / "study.json").read_text())["points"]) == sum(STAGES.values())  # the whole plan
