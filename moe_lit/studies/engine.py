@@ -570,8 +570,11 @@ def run_points(
     parents = {p.name: p for p in points}
     save_at = fork_steps(points)
     skip = {STATUS_OK} if retry_failed else {STATUS_OK, STATUS_FAILED}
-    todo = [p for p in points if point_status(out_dir, p) not in skip and _selected(p, only)]
-    log(f"{label}: {len(points)} points, {len(points) - len(todo)} finished, {len(todo)} to run -> {out_dir}")
+    unfinished = [p for p in points if point_status(out_dir, p) not in skip]
+    todo = [p for p in unfinished if _selected(p, only)]
+    left = f" ({len(unfinished) - len(todo)} others not selected)" if only else ""
+    finished = len(points) - len(unfinished)
+    log(f"{label}: {len(points)} points, {finished} finished, {len(todo)} to run{left} -> {out_dir}")
     schedule = _Schedule(points, todo, out_dir)
     done, elsewhere = 0, []
 
