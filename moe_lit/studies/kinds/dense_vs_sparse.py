@@ -152,8 +152,7 @@ class DenseVsSparseSpec:
             self.dense_model(budget.name)  # validates every budget's model now
         if self.ablations is not None:
             check.choice(self.ablations.budget, "ablations.budget", [b.name for b in self.budgets])
-        if self.margin is not None:
-            check.number(self.margin, "margin", 0)
+        check.number(self.margin, "margin", 0, optional=True)
 
     def dense_model(self, budget: str) -> ModelConfig:
         """The dense model of one budget (the base with its overrides)."""

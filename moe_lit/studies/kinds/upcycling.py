@@ -26,7 +26,7 @@ from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
 from moe_lit.stats import format_difference, format_values, paired_difference, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start, stable_dict
+from moe_lit.studies.engine import Call, Point, stable_dict
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import step_times
 from moe_lit.studies.records import by_seed, group, minus, paired
@@ -93,8 +93,7 @@ class UpcyclingSpec:
         check.integer(self.factor, "factor", 2)
         check.distinct([a.name for a in self.arms], "arms", what="arm names")
         check.numbers(self.cost_ratios, "cost_ratios", 0)
-        if self.margin is not None:
-            check.number(self.margin, "margin", 0)
+        check.number(self.margin, "margin", 0, optional=True)
 
     @property
     def fork_step(self) -> int:
@@ -118,12 +117,10 @@ _parse = check.parser(UpcyclingSpec, ("model", "expand_at", "arms"))
 
 def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
     spec, run, tau = _parse(fields, header), header.run, fields["expand_at"]
-    if not spec.utility_batches < tau < run.steps:
-        raise ConfigError(
-            f"expand_at: must be in (utility_batches={spec.utility_batches}, {run.steps} steps), got {tau}"
-        )
-    if tau % run.eval_every:
-        raise ConfigError(f"expand_at: must be a multiple of run.train.val_every={run.eval_every}, got {tau}")
+    why = f"must be in (utility_batches={spec.utility_batches}, {run.steps} steps), got {tau}"
+    check.require(spec.utility_batches < tau < run.steps, "expand_at", why)
+    why = f"must be a multiple of run.train.val_every={run.eval_every}, got {tau}"
+    check.require(tau % run.eval_every == 0, "expand_at", why)
     return spec
 
 
@@ -147,17 +144,13 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
     timing = Call.of(measure_step_times, source=stable_dict(spec.model), rounds=spec.timing_rounds)
     grown = spec.grown_model()
     for seed in header.seeds:
-        run, parent, me = header.seeded_run(seed), header.point_name(FIXED_E, seed), header.point_name(FIXED_ME, seed)
+        run, start = header.seeded_run(seed), header.start(FIXED_E, seed, "resume", spec.fork_step)
         info = {"expand_at": spec.expand_at, "total_steps": run.steps, "factor": spec.factor}
-        points.append(Point(parent, FIXED_E, seed, spec.model, run, {"arm": FIXED_E, **info}))
-        points.append(Point(me, FIXED_ME, seed, grown, run, {"arm": FIXED_ME, **info}, measure=timing))
-        start = Start(parent=parent, step=spec.fork_step, mode="resume")
-        for arm in spec.arms:
-            name, arm_info, callbacks = f"up_{arm.name}", {**info, **dataclasses.asdict(arm)}, _grow(spec, arm, seed)
-            arm_info = {"arm": name, **arm_info}
-            points.append(
-                Point(header.point_name(name, seed), name, seed, spec.model, run, arm_info, start, None, callbacks)
-            )
+        points.append(header.point(FIXED_E, seed, spec.model, run, {"arm": FIXED_E, **info}))
+        points.append(header.point(FIXED_ME, seed, grown, run, {"arm": FIXED_ME, **info}, measure=timing))
+        for arm, name in ((arm, f"up_{arm.name}") for arm in spec.arms):
+            arm_info, callbacks = {"arm": name, **info, **dataclasses.asdict(arm)}, _grow(spec, arm, seed)
+            points.append(header.point(name, seed, spec.model, run, arm_info, start, None, callbacks))
     return points
 
 
@@ -194,9 +187,8 @@ def _last_separation(record: dict[str, Any]) -> tuple[float, float, float]:
         return float("nan"), float("nan"), float("nan")
     layers = list(series[-1]["layers"].values())
     cosines = [c for layer in layers for c in layer["cosine"]]
-    shares = [
-        sum(lay["tokens"][len(lay["tokens"]) - len(lay["cosine"]) :]) / max(1.0, sum(lay["tokens"])) for lay in layers
-    ]
+    copies = [(lay["tokens"][len(lay["tokens"]) - len(lay["cosine"]) :], lay["tokens"]) for lay in layers]
+    shares = [sum(copied) / max(1.0, sum(tokens)) for copied, tokens in copies]
     return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
 
 
@@ -229,9 +221,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     claims = [Claim("m*E experts beat E at the same steps (the gap to close)", LOSS, (FIXED_ME, FIXED_E), LOWER)]
     for arm in ups:
         claims.append(Claim(f"{arm}: growing at tau beats staying at E", LOSS, (arm, FIXED_E), LOWER))
-        claims.append(
-            Claim(f"{arm}: growing at tau matches m*E from scratch", LOSS, (arm, FIXED_ME), EQUIVALENT, margin)
-        )
+        matches = f"{arm}: growing at tau matches m*E from scratch"
+        claims.append(Claim(matches, LOSS, (arm, FIXED_ME), EQUIVALENT, margin))
     tested = [claim.on_records(records, "val_loss", by="arm") for claim in claims]
     times = [r["step_times"] for r in arms[FIXED_ME].values() if r.get("step_times")]
     ratio = summarize([t["mE"] for t in times]).mean / summarize([t["E"] for t in times]).mean if times else math.nan
@@ -240,12 +231,9 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     findings = [f"- **{arm}**: gap closure eta = {format_values(_eta(arms, arm))}." for arm in ups]
     findings.append("- eta divides by the gap L_fixedE - L_fixedmE: it means something only where that gap is shown.")
     findings += _compute_findings(plan["spec"]["cost_ratios"], tau, total, times)
-    return Analysis(
-        claims=tested,
-        findings=findings,
-        tables={"Arms (mean ± std over seeds)": [_row(arms, arm, some["factor"]) for arm in arms]},
-        plots=[plots.save(curves_figure(arms, tau), plots_dir, "val_loss")],
-    )
+    table = {"Arms (mean ± std over seeds)": [_row(arms, arm, some["factor"]) for arm in arms]}
+    plot = plots.save(curves_figure(arms, tau), plots_dir, "val_loss")
+    return Analysis(claims=tested, findings=findings, tables=table, plots=[plot])
 
 
 def _compute_findings(ratios: list[float], tau: int, total: int, times: list[dict[str, float]]) -> list[str]:
@@ -312,11 +300,10 @@ def curves_figure(arms: Arms, tau: int):
 
 def _cosines(record: dict[str, Any]) -> dict[int, float]:
     """step -> mean cosine of the copies to their sources (over layers and copies)."""
-    out = {}
-    for entry in record["copy_separation"]:
-        cosines = [c for layer in entry["layers"].values() for c in layer["cosine"]]
-        out[entry["step"]] = sum(cosines) / len(cosines)
-    return out
+    by_step = {
+        e["step"]: [c for layer in e["layers"].values() for c in layer["cosine"]] for e in record["copy_separation"]
+    }
+    return {step: sum(cosines) / len(cosines) for step, cosines in by_step.items()}
 
 
 __all__ = ["UpcyclingSpec", "analyse", "curves_figure", "expand", "measure_step_times", "parse"]
