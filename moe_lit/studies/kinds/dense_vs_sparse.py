@@ -235,16 +235,12 @@ def _grid_runs(spec: DenseVsSparseSpec) -> list[_Run]:
 def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
     """Granularity at every grid num_experts, then one-axis changes of the reference MoE point."""
     dense, moe, experts = spec.dense_model(abl.budget), spec.grid.moe, [e for e in spec.grid.num_experts if e != DENSE]
-    runs = [
-        _Run("granularity", abl.budget, _moe_name(e, k), f"k={k}", matched_moe_config(dense, e, k, "active", **moe))
-        for k in abl.granularity
-        for e in experts
-        if k < e
-    ]
 
-    def build(match: str = "active", **changes: Any) -> ModelConfig:
-        return matched_moe_config(dense, abl.num_experts, abl.top_k, match, **{**moe, **changes})
+    def build(e: int = abl.num_experts, k: int = abl.top_k, match: str = "active", **changes: Any) -> ModelConfig:
+        return matched_moe_config(dense, e, k, match, **{**moe, **changes})
 
+    sweep = [(e, k) for k in abl.granularity for e in experts if k < e]
+    runs = [_Run("granularity", abl.budget, _moe_name(e, k), f"k={k}", build(e, k)) for e, k in sweep]
     ref, reference = _moe_name(abl.num_experts, abl.top_k), build()
     axes = {  # group -> (the reference's label in the group, [(name suffix, label, changes)])
         "shared": ("none", [(f"shared={f:g}", f"{f:g}", {"shared_fraction": f}) for f in abl.shared_fraction]),
@@ -257,9 +253,8 @@ def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
         runs.append(_Run(group, abl.budget, ref, reference_label, reference))
         runs += [_Run(group, abl.budget, DENSE, DENSE, dense)] if group == "matching" else []
         for suffix, label, changes in variants:
-            runs.append(
-                _Run(group, abl.budget, f"{ref}/{suffix}", label, build(**changes), changes.get("match", "active"))
-            )
+            match = changes.get("match", "active")
+            runs.append(_Run(group, abl.budget, f"{ref}/{suffix}", label, build(**changes), match))
     return runs
 
 
@@ -301,10 +296,10 @@ def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
     for r in rows:
         if r["match"] == "active" and set(r["_groups"]) & set(REFERENCE_GROUPS) and r["num_experts"] > 1:
             out[r["budget"]][r["num_experts"]].append(r)
-    sweeps = {
+    by_size = {
         b: {e: sorted(v, key=lambda r: r["expert_size"]) for e, v in sorted(by_e.items())} for b, by_e in out.items()
     }
-    return {b: by_e for b, by_e in sweeps.items() if any(len(v) > 1 for v in by_e.values())}
+    return {b: by_e for b, by_e in by_size.items() if any(len(v) > 1 for v in by_e.values())}
 
 
 def _best_sizes(by_e: dict[int, list[Row]]) -> dict[int, Row]:
@@ -350,9 +345,8 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
         first = next(iter(best.values()), None)
         for e, own in list(best.items())[1:]:
             if (same := next((r for r in by_e[e] if r["top_k"] == first["top_k"]), None)) not in (None, own):
-                tests.append(
-                    (f"{budget}, E{e}: the best expert size does not move with E", EQUIVALENT, margin, same, own)
-                )
+                text = f"{budget}, E{e}: the best expert size does not move with E"
+                tests.append((text, EQUIVALENT, margin, same, own))
     for group, members in ablation_bars(rows).items() if ablation else ():
         for label, r, ref in _compared(group, members, rows, ablation):
             if group in SMALL:
@@ -439,11 +433,10 @@ def ablation_figure(group: str, members: list[tuple[str, Row]], rows: list[Row],
         return None
     stats = [summarize(list(minus(_losses(r), _losses(ref)).values())) for _, r, ref in points]
     noises = [s.std for s in (summarize(ref["_losses"]) for _, _, ref in points) if s.n > 1]
-    labels = [f"{lb} E{r['num_experts']}" if group == "granularity" else lb for lb, r, _ in points]
-    labels = [
-        f"{lb}\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot"
-        for lb, (_, r, _) in zip(labels, points, strict=True)
-    ]
+    labels = []
+    for lb, r, _ in points:
+        name = f"{lb} E{r['num_experts']}" if group == "granularity" else lb
+        labels.append(f"{name}\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot")
     fig, (ax,) = plots.panels(1, 1.1 * len(points) + 2.0, 4.2)
     scale = (-effect, f"scale: best grid MoE minus dense, {-effect:+.4f}") if effect else None
     plots.differences(ax, labels, stats, sum(noises) / len(noises) if noises else None, scale)
@@ -466,13 +459,11 @@ def write_plots(rows: list[Row], plots_dir: Path, ablation: dict[str, Any] | Non
     """The kind's PNGs under ``plots_dir``; ``ablation`` is the spec's ablations (the references)."""
     figures = {"loss_vs_total_params": total_params_figure(rows), "loss_vs_expert_size": expert_size_figure(rows)}
     if ablation:
-        lines = [
-            v for (b, _), v in total_params_lines(rows).items() if b == ablation["budget"] and v[0]["num_experts"] == 1
-        ]
-        effect = lines[0][0][LOSS] - min(r[LOSS] for r in lines[0]) if lines else None
-        figures |= {
-            f"ablation_{g}": ablation_figure(g, m, rows, ablation, effect) for g, m in ablation_bars(rows).items()
-        }
+        here = [v for (b, _), v in total_params_lines(rows).items() if b == ablation["budget"]]
+        line = next((v for v in here if v[0]["num_experts"] == 1), None)
+        effect = line[0][LOSS] - min(r[LOSS] for r in line) if line else None
+        for group, members in ablation_bars(rows).items():
+            figures[f"ablation_{group}"] = ablation_figure(group, members, rows, ablation, effect)
     return [plots.save(fig, plots_dir, name) for name, fig in figures.items() if fig is not None]
 
 
