@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
         "to_dense": {"keep": 2, "groups": 2},
         "calibration_tokens": 64,
         "train_tokens": 64,
-        "recovery_steps": 2,
+        "recovery": {"steps": 2, "lr": 1e-4, "warmup": 1},
         "bpb_tokens": 64,
         "limit": 3,
     }

@@ -55,10 +55,8 @@ class LifecycleSpec:
     """Calibration tokens (per language of the test split; co-activation, pruning: of the train stream)."""
     train_tokens: int = 65_536
     """DOT-MoE: training tokens of its assignment and routers (the dense model as teacher)."""
-    recovery_steps: int = 96
-    """Distillation steps of every recovered model (tokens: steps x run.data batch_size x seq_len)."""
-    recovery_lr: float = 1e-4
-    """Peak learning rate of the recovery (run.optim's warmup and schedule)."""
+    recovery: check.FineTune = field(default_factory=lambda: check.FineTune(steps=96, lr=1e-4, warmup=10))
+    """The distillation of every recovered model (tokens: steps x run.data batch_size x seq_len)."""
     max_increase: float = 0.01
     """Sparsity: the relative loss increase that counts as none; the margin of the 90% claim."""
     languages: list[str] | None = None
@@ -81,9 +79,8 @@ class LifecycleSpec:
             MoeToDenseConfig(**self.to_dense)
         except (ConfigError, TypeError) as exc:
             raise ConfigError(f"to_dense.{exc}") from None
-        for key in ("calibration_tokens", "train_tokens", "recovery_steps", "bpb_tokens"):
+        for key in ("calibration_tokens", "train_tokens", "bpb_tokens"):
             check.positive_int(getattr(self, key), key)
-        check.number(self.recovery_lr, "recovery_lr", 0)
         check.number(self.max_increase, "max_increase", 0)
         check.languages(self.languages, "languages")
         check.distinct(self.tasks, "tasks", each=lambda t: isinstance(t, str), what="task names")
@@ -112,16 +109,14 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
     quality |= {"tasks": spec.tasks, "limit": spec.limit}
     calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
     for seed in header.seeds:
-        steps = {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}
         runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
-        runs[True] = header.seeded_run(seed).replace(train=steps, optim={"lr": spec.recovery_lr})
+        runs[True] = spec.recovery.run(header.seeded_run(seed))
         modules = {False: None, True: Call.of(distill_module, teacher=spec.model)}
 
         def add(config, model, info, start, transform=None, recovered=False, measure=None, seed=seed) -> None:
             measure = measure or Call.of(measure_model, before=recovered, **quality)
             run, module = runs[recovered], modules[recovered]  # noqa: B023 - called within this iteration only
-            label = header.point_name(config, seed)
-            points.append(Point(label, config, seed, model, run, info, start, transform, (), measure, module))
+            points.append(header.point(config, seed, model, run, info, start, transform, (), measure, module))
 
         add("dense", dense, {"stage": "dense", "method": "dense"}, on_disk)
         for (experts, top_k), method in _partition_arms(spec):
@@ -133,8 +128,8 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
             shape, transform = f"E{experts}k{top_k}", Call.of(partition, **kwargs)
             info = {"stage": "partition", "method": method, "shape": shape, "active_ffn": top_k / experts}
             add(f"{shape}/{method}", model, info, on_disk, transform, recovered=True)
-        source = header.point_name(spec.prune_source, seed)
-        moe, from_source = next(p for p in points if p.name == source).model, Start(parent=source, mode="init")
+        moe = next(p for p in points if p.config_name == spec.prune_source).model
+        from_source = header.start(spec.prune_source, seed)
         for fraction in spec.fractions:
             for method in spec.prune_methods:
                 kwargs = {"method": method, "fraction": fraction, "data_dir": data_dir, "seed": seed, **calibration}
