@@ -170,22 +170,31 @@ def bits_per_byte(model, tokenizer, data_dir, split: str, languages: list[str] |
     return out
 
 
-def model_quality(checkpoint, data_dir, languages, bpb_split: str, bpb_tokens: int, **suite_options: Any) -> dict:
-    """One model's :func:`bits_per_byte` per language (and their mean), local-suite scores with every
-    item's outcome (``suite_options``: tasks, limit, batch_size), the accuracy over all those items
-    with its item-level standard error, and the model's parameter count."""
+def model_quality(
+    checkpoint, data_dir, languages, bpb_split: str, bpb_tokens: int, suite_languages=None, **suite_options: Any
+) -> dict:
+    """One model's :func:`bits_per_byte` per language of ``languages`` (and their mean), local-suite
+    scores in ``suite_languages`` with every item's outcome (``suite_options``: tasks, limit,
+    batch_size), the accuracy over all those items with its item-level standard error, the model's
+    parameter count and the seconds each measure took."""
+    import time
+
     from moe_lit.checkpoint import load_model
     from moe_lit.evaluation.suite import item_stderr
 
     model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir)
+    start = time.perf_counter()
     bpb = bits_per_byte(model, tokenizer, data_dir, bpb_split, languages, bpb_tokens)
-    scores = suite(model, data_dir, tokenizer, languages=languages, outcomes=True, **suite_options)
+    middle = time.perf_counter()
+    scores = suite(model, data_dir, tokenizer, languages=suite_languages, outcomes=True, **suite_options)
     items = [o for task in sorted(scores["outcomes"]) for o in scores["outcomes"][task]]
     acc = sum(items) / len(items)
     return {"bpb": bpb, "bpb_mean": sum(bpb.values()) / len(bpb), "suite": scores, "task_acc": acc} | {
         "task_acc_se": item_stderr(acc, len(items)),
         "task_items": len(items),
         "params": sum(p.numel() for p in model.parameters()),
+        "bpb_wall_s": round(middle - start, 1),
+        "suite_wall_s": round(time.perf_counter() - middle, 1),
     }
 
 

@@ -65,6 +65,8 @@ class LifecycleSpec:
     """Bits per byte: tokens per language of the val split (also the sparsity's evaluation tokens)."""
     tasks: list[str] = field(default_factory=lambda: ["moe_lit_pairs"])
     """Local-suite tasks or tags (test split) with an accuracy."""
+    suite_languages: list[str] | None = None
+    """Languages of the suite's tasks; null: those of ``languages``."""
     limit: int | None = 500
     """Suite items per task (the first ones); null: every item."""
 
@@ -83,6 +85,7 @@ class LifecycleSpec:
             check.positive_int(getattr(self, key), key)
         check.number(self.max_increase, "max_increase", 0)
         check.languages(self.languages, "languages")
+        check.languages(self.suite_languages, "suite_languages")
         check.distinct(self.tasks, "tasks", each=lambda t: isinstance(t, str), what="task names")
         check.positive_int(self.limit, "limit", optional=True)
 
@@ -106,7 +109,7 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
 
     dense, data_dir, points = load_config(spec.model), str(header.run.data.resolved_dir()), []
     quality = {"data_dir": data_dir, "languages": spec.languages, "bpb_split": "val", "bpb_tokens": spec.bpb_tokens}
-    quality |= {"tasks": spec.tasks, "limit": spec.limit}
+    quality |= {"tasks": spec.tasks, "limit": spec.limit, "suite_languages": spec.suite_languages or spec.languages}
     calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
     for seed in header.seeds:
         runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
