@@ -1,32 +1,32 @@
 """Study kind ``sparsity``: how much of each expert can be skipped, and what does skipping buy?
 
-After the intra-expert activation sparsity paper (up to 90% of an expert's neurons inactive
-without significant loss; 2.5x MoE-layer and 1.2x end-to-end speedup on GPU). Per seed and model
-of ``models`` (pretrained here, or ``{path: <dir>}``: a model on disk with its own tokenizer), one
-0-step point per rule and granularity measures (:func:`moe_lit.studies.measures.sparsity_profile`)
-the loss curve per target and language against the dense model, the highest target within
-``max_increase`` and the FFN-layer / decode speedups there, and the inactive fraction per
-language, layer and expert. Claims: 90% skipped within ``max_increase`` (TOST); the speedups are
-the GPU's (untestable here); per-expert thresholds and the gate_up rule lose less (paired by seed).
+After the intra-expert activation sparsity paper (90% of an expert's neurons inactive without significant loss; 2.5x
+MoE-layer, 1.2x end-to-end speedup on GPU). Per seed and model of ``models`` (pretrained here, or a model on disk), one
+0-step point per rule and granularity measures (:func:`moe_lit.studies.measures.sparsity_profile`) the loss per target
+and language against the dense model, the highest target within ``max_increase``, the speedups there and the inactive
+fraction per language, layer and expert. Claims: 90% skipped within ``max_increase`` (TOST); the speedups are the GPU's
+(untestable here); per-expert thresholds and the gate_up rule lose less (paired by seed).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from operator import itemgetter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.inference.sparsity import GRANULARITIES, RULES
+from moe_lit.plotting import seed_errorbar
 from moe_lit.stats import format_difference, format_values, paired_difference, summarize
 from moe_lit.studies import measures, plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, token_weighted
-from moe_lit.studies.records import language_means, select
+from moe_lit.studies.records import group, language_means, select
 from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, LOWER, Claim
 
 CLAIM_TARGET = 0.9
@@ -41,8 +41,7 @@ class SparsitySpec:
     """The kind's own fields."""
 
     models: dict[str, Any]
-    """Name -> a model config (pretrained by the study with run.train) or ``{path: <dir>}`` (an
-    exported / imported model on disk, relative to the working directory; not trained)."""
+    """Name -> a model config (pretrained with run.train) or ``{path: <dir>}``: a model on disk (not trained)."""
     targets: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.7, 0.8, 0.9, 0.95])
     """Target sparsities (fractions of neurons skipped on the calibration text), each in [0, 1)."""
     rules: list[str] = field(default_factory=lambda: list(RULES))
@@ -60,8 +59,7 @@ class SparsitySpec:
     eval_tokens: int = 4096
     """Evaluation tokens per language (the model's own tokenizer; fewer when a language has fewer)."""
     max_increase: float = 0.01
-    """Largest relative loss increase (in every language) that counts as no loss (0.01 = 1%); the
-    equivalence margin of the 90% claim."""
+    """Largest relative loss increase in every language that counts as no loss (0.01 = 1%): the 90% claim's margin."""
     statistics_target: float = 0.9
     """Target at which the inactive fraction per language, layer and expert is recorded."""
     timing_tokens: int = 1
@@ -71,11 +69,9 @@ class SparsitySpec:
     decode_tokens: int = 32
     """Tokens generated greedily (batch 1, KV cache) per round of the end-to-end timing."""
     clock: str = "cpu"
-    """Timing clock (moe_lit.timing.CLOCKS): cpu = this process's CPU time (robust to other load
-    with one thread per worker), wall = elapsed time."""
+    """Timing clock (moe_lit.timing.CLOCKS): cpu = this process's CPU time (robust to other load), wall = elapsed."""
     suite: SuiteSpec | None = None
-    """Local-suite accuracy (moe_lit.studies.measures.SuiteSpec) of the dense and the sparse model
-    at statistics_target, in the same measurement; null: loss only."""
+    """Local-suite accuracy (SuiteSpec) of the dense and the sparse model at statistics_target; null: loss only."""
 
     def __post_init__(self) -> None:
         from moe_lit.timing import CLOCKS
@@ -134,10 +130,17 @@ def parse(fields: dict[str, Any], header) -> SparsitySpec:
     return spec
 
 
+KWARGS = ("targets", "languages", "calibration_split", "calibration_tokens", "eval_split", "eval_tokens")
+KWARGS += ("max_increase", "statistics_target", "timing_tokens", "timing_rounds", "decode_tokens", "clock")
+
+
 def expand(spec: SparsitySpec, header) -> list[Point]:
+    kwargs = {"data_dir": str(header.run.data.resolved_dir()), **{name: getattr(spec, name) for name in KWARGS}}
+    # NOTE: the suite only when set, so that the points of a study without it keep their hashes.
+    kwargs |= {"suite_limit": spec.suite.limit, "suite_batch_size": spec.suite.batch_size} if spec.suite else {}
     points = []
     for seed in header.seeds:
-        measure_run = header.seeded_run(seed).replace(train={"max_steps": 0})
+        run = header.seeded_run(seed).replace(train={"max_steps": 0})
         for name, model in spec.models.items():
             if isinstance(model, str):
                 start, model_cfg = Start(path=model, mode="init"), model_on_disk(model)
@@ -148,25 +151,10 @@ def expand(spec: SparsitySpec, header) -> list[Point]:
             granularities = list(spec.granularities) if model_cfg.moe is not None else ["layer"]
             for rule, granularity in ((r, g) for r in spec.rules for g in granularities):
                 info = {"arm": "sparsity", "model_name": name, "rule": rule, "granularity": granularity}
-                measure = _measure(spec, header, rule, granularity, seed)
-                points.append(
-                    header.point(
-                        f"{name}/{rule}/{granularity}", seed, model_cfg, measure_run, info, start, measure=measure
-                    )
-                )
+                measure = Call.of(measure_sparsity, **kwargs, rule=rule, granularity=granularity, seed=seed)
+                config = f"{name}/{rule}/{granularity}"
+                points.append(header.point(config, seed, model_cfg, run, info, start, measure=measure))
     return points
-
-
-KWARGS = ("targets", "languages", "calibration_split", "calibration_tokens", "eval_split", "eval_tokens")
-KWARGS += ("max_increase", "statistics_target", "timing_tokens", "timing_rounds", "decode_tokens", "clock")
-
-
-def _measure(spec: SparsitySpec, header, rule: str, granularity: str, seed: int) -> Call:
-    kwargs = {"data_dir": str(header.run.data.resolved_dir()), "rule": rule, "granularity": granularity, "seed": seed}
-    kwargs |= {name: getattr(spec, name) for name in KWARGS}
-    # NOTE: only when set, so that the points of a study without it keep their hashes.
-    suite = {"suite_limit": spec.suite.limit, "suite_batch_size": spec.suite.batch_size} if spec.suite else {}
-    return Call.of(measure_sparsity, **kwargs, **suite)
 
 
 def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
@@ -177,14 +165,6 @@ def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) ->
 # ----------------------------------------------------------------------------- analysis
 Arm = tuple[str, str, str]
 """(model name, rule, granularity)."""
-
-
-def _measured(records: list[dict[str, Any]]) -> dict[Arm, list[dict[str, Any]]]:
-    """Arm -> its ok measurement records (seed order)."""
-    arms: dict[Arm, list[dict[str, Any]]] = {}
-    for record in (r for r in select(records, arm="sparsity") if "curve" in r):
-        arms.setdefault((record["model_name"], record["rule"], record["granularity"]), []).append(record)
-    return {arm: sorted(rs, key=lambda r: r["seed"]) for arm, rs in arms.items()}
 
 
 def overall_at(record: dict[str, Any], target: float, key: str = "loss") -> float:
@@ -211,9 +191,10 @@ def _targets(recs: list[dict[str, Any]]) -> list[float]:
     return sorted({r["target"] for rec in recs for r in rec["curve"]})
 
 
-def _at(record: dict[str, Any], target: float, language: str) -> float:
-    at = (c["increase"] for c in record["curve"] if (c["target"], c["language"]) == (target, language))
-    return next(at, math.nan)
+def _language_row(recs: list[dict[str, Any]], target: float) -> dict[str, str]:
+    """The loss increase per language at ``target`` (%, over the seeds)."""
+    at = [{c["language"]: c["increase"] for c in r["curve"] if c["target"] == target} for r in recs]
+    return {lang: _pct([by.get(lang, math.nan) for by in at]) for lang in recs[0]["eval_tokens_per_language"]}
 
 
 def _curve_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -250,12 +231,9 @@ def _layer_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_ffn: dict[str, dict[int, dict[str, float]]] = {}
     for record in recs:
         totals: dict[tuple[str, str], tuple[float, float]] = {}
-        for stat in record["statistics"]:
-            n, inactive = totals.get((stat["ffn"], stat["language"]), (0.0, 0.0))
-            totals[(stat["ffn"], stat["language"])] = (
-                n + stat["assignments"],
-                inactive + stat["inactive"] * stat["assignments"],
-            )
+        for stat, key in ((stat, (stat["ffn"], stat["language"])) for stat in record["statistics"]):
+            n, inactive = totals.get(key, (0.0, 0.0))
+            totals[key] = (n + stat["assignments"], inactive + stat["inactive"] * stat["assignments"])
         for (ffn, language), (n, inactive) in totals.items():
             by_ffn.setdefault(ffn, {}).setdefault(record["seed"], {})[language] = inactive / max(n, 1)
     target = f"{recs[0]['statistics_target']:g}"
@@ -270,13 +248,13 @@ def _expert_rows(record: dict[str, Any], top: int = 3) -> list[dict[str, Any]]:
         if stat["ffn"].endswith("experts") and not stat["ffn"].endswith("shared_experts") and stat["assignments"]:
             experts.setdefault((stat["ffn"], stat["expert"]), {})[stat["language"]] = stat["inactive"]
     ranked = sorted(experts.items(), key=lambda kv: -sum(kv[1].values()) / len(kv[1]))
-    rows = []
-    for label, chosen in (("sparsest", ranked[:top]), ("densest", ranked[::-1][:top])):
-        for (ffn, expert), by in chosen:
-            row = {"seed": record["seed"], "rank": label, "ffn": ffn, "expert": expert}
-            row["inactive (mean over languages)"] = f"{sum(by.values()) / len(by):.3f}"
-            rows.append(row | {"sparsest for": max(by, key=by.get), "densest for": min(by, key=by.get)})
-    return rows
+    chosen = [("sparsest", *item) for item in ranked[:top]] + [("densest", *item) for item in ranked[::-1][:top]]
+    return [
+        {"seed": record["seed"], "rank": label, "ffn": ffn, "expert": expert}
+        | {"inactive (mean over languages)": f"{sum(by.values()) / len(by):.3f}"}
+        | {"sparsest for": max(by, key=by.get), "densest for": min(by, key=by.get)}
+        for label, (ffn, expert), by in chosen
+    ]
 
 
 def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str, Any]]]:
@@ -294,10 +272,7 @@ def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str
         arm = {"model": model, "rule": rule, "granularity": granularity}
         curve += [arm | row for row in _curve_rows(recs)]
         best.append(arm | _best_row(recs, max_increase))
-        per_language = {
-            lang: _pct([_at(r, target, lang) for r in recs]) for lang in recs[0]["eval_tokens_per_language"]
-        }
-        languages.append(arm | per_language)
+        languages.append(arm | _language_row(recs, target))
         if granularity == "layer":
             layers += [{"model": model, "rule": rule} | row for row in _layer_rows(recs)]
             experts += [{"model": model, "rule": rule} | row for row in _expert_rows(recs[0])]
@@ -338,8 +313,9 @@ def _increase(recs: list[dict[str, Any]]) -> dict[int, float]:
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
-    arms = _measured(records)
-    if not arms:
+    arm_of = itemgetter("model_name", "rule", "granularity")
+    measured = group((r for r in select(records, arm="sparsity") if "curve" in r), arm_of)
+    if not (arms := {arm: sorted(rs, key=lambda r: r["seed"]) for arm, rs in measured.items()}):  # arm -> its records
         return Analysis()
     spec = plan.get("spec") if isinstance(plan.get("spec"), dict) else {}
     max_increase, target = spec.get("max_increase", 0.01), next(iter(arms.values()))[0]["statistics_target"]
@@ -350,8 +326,6 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 def plot_curves(arms, max_increase: float, plots_dir: Path) -> Path:
     """Loss increase (%) vs target sparsity, one panel per model, one line per rule/granularity,
     ± std over seeds; symlog y so that 0 and the budget line stay readable next to large increases."""
-    from moe_lit.plotting import seed_errorbar
-
     models = list(dict.fromkeys(m for m, _, _ in arms))
     fig, axes = plots.panels(len(models), 5.0, 3.8)
     for ax, model in zip(axes, models, strict=True):
