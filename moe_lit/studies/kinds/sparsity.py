@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-from operator import itemgetter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
