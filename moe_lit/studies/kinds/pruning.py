@@ -33,14 +33,14 @@ from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
 ARMS = ("pruned", "recovered")
 """pruned: evaluated as it is; recovered: after the recovery fine-tune."""
+REFERENCES = {"pruned": "original", "recovered": "original/recovered"}
+"""The reference point of each arm's retention."""
 CLAIM_FRACTION = 0.5
 """MAESTRO's claims are stated at 50% compression."""
 PAPER_GAIN = 0.1061
 """MAESTRO: up to 10.61 points better retention than the best baseline."""
-MEASURES = {
-    "val loss": ("mean", {"languages": "variance"}),
-    "tasks": ("task_mean", {"tasks": "task_variance", "languages": "task_language_variance"}),
-}
+MEASURES = {"val loss": ("mean", {"languages": "variance"})}
+MEASURES["tasks"] = ("task_mean", {"tasks": "task_variance", "languages": "task_language_variance"})
 """Retention measure -> (key of its mean, {what the variance runs across: key of that variance})."""
 
 
@@ -71,26 +71,22 @@ class PruningSpec:
     recovery_lr: float | None = None
     """Peak learning rate of the recovery fine-tune; null = run.optim.lr."""
     arms: list[str] = field(default_factory=lambda: list(ARMS))
-    """Which evaluations of every pruned model run: pruned (as it is), recovered (after the recovery
-    fine-tune; adds the control original/recovered)."""
+    """Evaluations of every pruned model: pruned (as it is), recovered (after the recovery; adds original/recovered)."""
     tasks: bool = False
-    """Also measure every point's local-suite accuracy (:func:`moe_lit.evaluation.suite.suite_scores`,
-    lm-eval on the test split), for the task retention."""
+    """Also measure every point's local-suite accuracy (moe_lit.evaluation.suite), for the task retention."""
     task_limit: int | None = None
     """Items per local-suite task (lm-eval's limit); null = every item."""
     task_fractions: list[float] | None = None
     """Fractions whose children measure tasks (the references always do); null = every fraction."""
     task_margin: float = 0.0
-    """Task retention leaves out the tasks a seed's reference does not solve above chance by more
-    than this (analysis only: changes no point)."""
+    """Task retention leaves out the tasks a seed's reference does not beat chance by more than (analysis only)."""
     single_language_calibration: list[str] = field(default_factory=list)
     """Languages that each calibrate an extra arm alone, evaluated on every language's val loss as
     pruned at 50% removed with ``single_language_methods``; [] = no such arm."""
     single_language_methods: list[str] = field(default_factory=lambda: ["maestro", "naee"])
     """Methods of the single-language calibration arms."""
     single_language_tokens: int | None = None
-    """Calibration tokens of a single-language arm; null = calibration_tokens (the mix routes that
-    many per language)."""
+    """Calibration tokens of a single-language arm; null = calibration_tokens (the mix's per language)."""
 
     def __post_init__(self) -> None:
         check.require(self.model.moe is not None, "model.moe", "the parent must be an MoE (pruning removes experts)")
@@ -155,18 +151,14 @@ def expand(spec: PruningSpec, header) -> list[Point]:
     single = {"calibration_tokens": spec.single_language_tokens or spec.calibration_tokens}
     tasks = {"tasks": True, "task_limit": spec.task_limit} if spec.tasks else {}
     arms = [(f, m, a, mix, {}) for f in spec.fractions for m in spec.methods for a in ARMS if a in spec.arms]
-    arms += [
-        (CLAIM_FRACTION, m, "pruned", lang, {**single, "languages": [lang]})
-        for lang in spec.single_language_calibration
-        for m in spec.single_language_methods
-    ]
+    alone = ((lang, m) for lang in spec.single_language_calibration for m in spec.single_language_methods)
+    arms += [(CLAIM_FRACTION, m, "pruned", lang, {**single, "languages": [lang]}) for lang, m in alone]
     recovery = {"train": {"max_steps": spec.recovery_steps, "val_every": spec.recovery_steps}}
     recovery["optim"] = {"warmup_steps": spec.recovery_warmup} | ({"lr": spec.recovery_lr} if spec.recovery_lr else {})
     for seed in header.seeds:
         pretrain, start = header.seeded_run(seed), header.start("original", seed)
         runs = {"pruned": pretrain.replace(train={"max_steps": 0}), "recovered": pretrain.replace(**recovery)}
-        references = {"pruned": header.point_name("original", seed)}
-        references["recovered"] = header.point_name("original/recovered", seed)
+        references = {arm: header.point_name(name, seed) for arm, name in REFERENCES.items()}
         controls = [("original", pretrain, {"arm": "original"}, None)]
         controls += [("original/recovered", runs["recovered"], {"arm": "control"}, start)] * ("recovered" in spec.arms)
         for name, run, info, parent in controls:
@@ -178,8 +170,7 @@ def expand(spec: PruningSpec, header) -> list[Point]:
             scored = calibration == mix and (spec.task_fractions is None or fraction in spec.task_fractions)
             kwargs = {"method": method, "fraction": fraction, **pruning, "seed": seed, **changes}
             transform = Call.of(prune_by_importance, **kwargs)
-            measure = Call.of(measure_memory, **(tasks if scored else {}))
-            info["reference"] = references[arm]
+            measure, info["reference"] = Call.of(measure_memory, **(tasks if scored else {})), references[arm]
             points.append(header.point(name, seed, spec.model, runs[arm], info, start, transform, measure=measure))
     return points
 
@@ -334,12 +325,14 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_fraction: dict[float, dict[str, Any]] = {}
     for record in (r for r in select(records) if "params_saved" in r):
         by_fraction.setdefault(record["fraction"], record)
-    rows = []
+    rows, arrow = [], "{:,} -> {:,}".format
     for fraction, r in sorted(by_fraction.items()):
         row = {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
-        row["parameters"] = f"{r['params_before']:,} -> {r['params_after']:,}"
-        row["saved"] = f"{r['params_saved_fraction']:.1%}"
-        rows.append(row | {"bytes": f"{r['bytes_before']:,} -> {r['bytes_after']:,}"})
+        row |= {
+            "parameters": arrow(r["params_before"], r["params_after"]),
+            "saved": f"{r['params_saved_fraction']:.1%}",
+        }
+        rows.append(row | {"bytes": arrow(r["bytes_before"], r["bytes_after"])})
     return rows
 
 
