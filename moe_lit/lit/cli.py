@@ -87,7 +87,10 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 ModelCheckpoint, or a fresh start when there is none); it loads them with weights_only=True too."""
 DEFAULT_LOG_DIR = "runs"
 """The parent of the default run directories (``runs/<config stem>``)."""
-CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100, "checkpoint.save_top_k": 0}
+CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.save_top_k": 0}
+"""last.ckpt at every validation (``--train.checkpoint_every N``: every N steps), as train_run does."""
+LIGHTNING_LOG_EVERY = 50
+"""Lightning's ``log_every_n_steps`` when a trainer config leaves it null."""
 
 
 class MoELightningCLI(LightningCLI):
@@ -100,6 +103,8 @@ class MoELightningCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(CHECKPOINT_DEFAULTS)
         parser.add_lightning_class_args(RoutingMonitor, "routing")
+        # NOTE: routing statistics are logged with the other metrics, as in train_run: one setting.
+        parser.link_arguments("trainer.log_every_n_steps", "routing.every_n_steps", _log_every, apply_on="parse")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         for name, help_text in TRAIN_FIELDS.items():
             parser.add_argument(f"--train.{name}", type=int | None, default=None, help=help_text)
@@ -304,6 +309,10 @@ PRECISION_HELP = (
     "auto: bf16-mixed on a CPU with native bf16 where a probe of the model's step measures it faster, "
     "else fp32 | 32-true | bf16-mixed: sets trainer.precision (moe_lit.lit.precision)"
 )
+
+
+def _log_every(log_every_n_steps: int | None) -> int:
+    return log_every_n_steps or LIGHTNING_LOG_EVERY
 
 
 def apply_train_section(section: Any) -> None:

@@ -234,7 +234,10 @@ class RunConfig:
     def from_experiment(cls, path: str | Path) -> tuple[Any, RunConfig]:
         """(ModelConfig, RunConfig) of a LightningCLI experiment YAML (``moe-lit fit --config``):
         its ``data``, ``model.optim``, ``train`` and ``trainer`` sections, ``seed_everything`` as
-        train.seed; ``model.model`` (inline or a path relative to the YAML) is the model."""
+        train.seed, the trainer's max_steps and integer val_check_interval and the checkpoint's
+        every_n_train_steps as train's fields where train leaves them unset; ``model.model``
+        (inline or a path relative to the YAML) is the model. The two give equal Trainer arguments
+        (tests/lit/test_trainer_arguments.py)."""
         from moe_lit.config import ModelConfig
 
         path = Path(path)
@@ -248,6 +251,11 @@ class RunConfig:
             train.setdefault("seed", config["seed_everything"])
         if "max_steps" in trainer and "max_tokens" not in train:
             train.setdefault("max_steps", trainer["max_steps"])
+        if isinstance(trainer.get("val_check_interval"), int):  # NOTE: a float is a fraction of an epoch
+            train.setdefault("val_every", trainer["val_check_interval"])
+        every = (config.get("checkpoint") or {}).get("every_n_train_steps")
+        if every is not None:
+            train.setdefault("checkpoint_every", every)
         trainer = {k: v for k, v in trainer.items() if k not in ("max_steps", "callbacks", "logger")}
         run = cls(data=data, optim=module.get("optim") or {}, train=train, trainer=trainer)
         return ModelConfig.from_dict(model), run

@@ -230,13 +230,11 @@ def _initial_module(
 
 def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Callback]) -> dict[str, Any]:
     eval_every = run.eval_every
+    # NOTE: every_n_train_steps None: last.ckpt at every validation, as `moe-lit fit` does.
     checkpoint = ModelCheckpoint(
-        dirpath=out_dir / CHECKPOINT_DIR,
-        save_last=True,
-        save_top_k=0,
-        every_n_train_steps=run.train.checkpoint_every or eval_every,
+        dirpath=out_dir / CHECKPOINT_DIR, save_last=True, save_top_k=0, every_n_train_steps=run.train.checkpoint_every
     )
-    log_every = max(1, min(50, eval_every // 4))
+    log_every = run.trainer.get("log_every_n_steps") or max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), ThreadShare()]
     callbacks.extend(extra_callbacks)
     callbacks.append(DivergenceGuard())
