@@ -89,6 +89,8 @@ class PruningSpec:
     """Calibration tokens of a single-language arm; null = calibration_tokens (the mix's per language)."""
 
     def __post_init__(self) -> None:
+        from moe_lit.convert.prune import kept_count
+
         check.require(self.model.moe is not None, "model.moe", "the parent must be an MoE (pruning removes experts)")
         check.fractions(self.fractions, "fractions")
         check.distinct(self.methods, "methods", allowed=METHODS, what="methods")
@@ -111,19 +113,13 @@ class PruningSpec:
             check.distinct(self.single_language_methods, "single_language_methods", allowed=self.methods)
             why = f"its arms prune {CLAIM_FRACTION:g}, so fractions must include it"
             check.require(CLAIM_FRACTION in self.fractions, "single_language_calibration", why)
-        for fraction in self.fractions:  # NOTE: refused before any run: a layer left fewer than top-k experts
-            self._check_budget(fraction, self.model.moe)
-
-    @staticmethod
-    def _check_budget(fraction: float, moe) -> None:
-        from moe_lit.convert.prune import kept_count
-
-        try:
-            kept = kept_count(moe.num_experts, 0, fraction)
-        except ConfigError as exc:
-            raise ConfigError(f"fractions: {exc}") from None
-        why = f"{fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
-        check.require(kept >= moe.top_k, "fractions", why)
+        for fraction, moe in ((f, self.model.moe) for f in self.fractions):  # NOTE: refused before any run
+            try:
+                kept = kept_count(moe.num_experts, 0, fraction)
+            except ConfigError as exc:
+                raise ConfigError(f"fractions: {exc}") from None
+            why = f"{fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
+            check.require(kept >= moe.top_k, "fractions", why)
 
 
 def default_run() -> dict[str, Any]:
@@ -228,10 +224,9 @@ def _retention(original: dict[str, Any], pruned: dict[str, Any], margin: float) 
 
 
 def retention_values(records: list[dict[str, Any]], task_margin: float = 0.0) -> dict[Key, dict[str, dict[int, Any]]]:
-    """(fraction, arm, method, calibration) -> measure -> seed -> value, each child against its own
-    reference: val-loss retention ``mean``, its ``variance`` across languages and its ``languages``,
-    ``val_loss``; task retention ``task_mean``, its variance across tasks (``task_variance``) and
-    languages (``task_language_variance``), ``task_languages`` and ``tasks_left_out``."""
+    """(fraction, arm, method, calibration) -> measure -> seed -> value against the child's reference: ``val_loss``,
+    retention ``mean``, ``variance``, ``languages``, task retention ``task_mean``, ``task_variance`` (across tasks),
+    ``task_language_variance``, ``task_languages``, ``tasks_left_out``."""
     ok = {r["name"]: r for r in select(records)}
     items = []
     for record in ok.values():
@@ -295,6 +290,8 @@ def _mean_except(per_language: dict[str, float], language: str) -> float:
 COLUMNS = {"retention (mean over languages)": ("mean", 4), "variance across languages": ("variance", 6)}
 TASK_COLUMNS = {"task retention (mean over tasks)": ("task_mean", 4), "variance across tasks": ("task_variance", 6)}
 TASK_COLUMNS["task variance across languages"] = ("task_language_variance", 6)
+PER_LANGUAGE = (("Val-loss", "mean", "languages"), ("Task", "task_mean", "task_languages"))
+"""The retention per language tables (and plots): (title, key of the mean, key of the per-language values)."""
 
 
 def _main_rows(values, main: str, tasks: bool) -> list[dict[str, Any]]:
@@ -345,19 +342,15 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     measures = [m for m in MEASURES if tasks or m == "val loss"]
     claims = [c for m in measures for arm in arms for c in _maestro_claims(values, arm, main, m)]
     claims += _calibration_claims(values, main)
-    main_values = {key[:3]: v for key, v in values.items() if key[3] == main}
-    plots_written = [plot_retention(main_values, plots_dir)] if main_values else []
-    at = _label(CLAIM_FRACTION)
+    main_values, at, written = {key[:3]: v for key, v in values.items() if key[3] == main}, _label(CLAIM_FRACTION), []
     title = "Retention = original / pruned val loss per language"
     title += "; task retention = (pruned - chance) / (original - chance) per local-suite task" if tasks else ""
     tables = {f"{title} (mean ± std over seeds)": _main_rows(values, main, tasks)}
-    tables[f"Val-loss retention per language at {at} removed (mean over seeds)"] = _language_rows(values, "languages")
-    if tasks:
-        plots_written.append(plot_retention(main_values, plots_dir, "task_mean"))
-        task_languages = _language_rows(values, "task_languages")
-        tables[f"Task retention per language at {at} removed (mean over seeds)"] = task_languages
+    for what, key, languages in PER_LANGUAGE[: 1 + tasks]:
+        written += [plot_retention(main_values, plots_dir, key)] if main_values else []
+        tables[f"{what} retention per language at {at} removed (mean over seeds)"] = _language_rows(values, languages)
     tables["Memory saved (parameters and persistent buffers)"] = _memory_rows(records)
-    return Analysis(claims=claims if values else [], tables=tables, plots=plots_written)
+    return Analysis(claims=claims if values else [], tables=tables, plots=written)
 
 
 def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
