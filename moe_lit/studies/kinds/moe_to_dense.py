@@ -1,15 +1,13 @@
 """Study kind ``moe_to_dense``: which way of turning a trained MoE into a dense model keeps most?
 
-Per seed two parents pretrain on the same tokens: the MoE (``model``: E experts of F neurons in
-every layer) and the dense baseline of its total FFN width E * F. From their final weights:
-``screen/<score>`` converts the MoE with every grouping x scaling of one expert score and
-validates each dense model (:func:`measure_screen`; every conversion is W = groups * F wide);
-``distill/<score>/<grouping>/<scaling>`` (the study file's ``distill`` list) distils a conversion
-from the frozen MoE for the ``distillation`` budget (``finetune/...``: the LM loss instead);
-``distill/dense_to_dense`` prunes the dense parent to W and distils it from itself. Matched: the
-final model config, the pretraining and distillation tokens. Claims, paired by seed: scoring
-matters more than grouping and scaling; the diversity-aware score is best; MoE->dense beats
-dense->dense (val loss before / after, suite accuracy after); the teacher beats the LM loss.
+Per seed two parents pretrain on the same tokens: the MoE (``model``: E experts of F neurons in every layer) and the
+dense model of its total FFN width E * F. From their final weights: ``screen/<score>`` converts the MoE by every
+grouping x scaling of one expert score, W = groups * F wide, and validates each (:func:`measure_screen`);
+``distill/<score>/<grouping>/<scaling>`` (the ``distill`` list) distils a conversion from the frozen MoE for the
+``distillation`` budget (``finetune/...``: the LM loss instead); ``distill/dense_to_dense`` prunes the dense parent to
+W and distils it from itself. Claims, paired by seed: scoring matters more than grouping and scaling; the
+diversity-aware score is best; MoE->dense beats dense->dense (val loss before / after, suite accuracy after); the
+teacher beats the LM loss.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ class MoeToDenseSpec:
     scalings: list[str] = field(default_factory=lambda: list(SCALINGS))
     """Scalings screened for every score and grouping."""
     distill: list[str] = field(default_factory=list)
-    """Conversions distilled, as ``score/grouping/scaling`` (fixed in the study file; e.g. the
-    screen's best on seed 0). The first is the one compared with the dense->dense baseline."""
+    """Conversions distilled, as ``score/grouping/scaling`` (fixed in the study file); the first faces dense->dense."""
     finetune: str | None = None
     """A ``score/grouping/scaling`` of ``distill`` also trained with the plain LM loss (null: none)."""
     baseline: bool = True
@@ -103,27 +100,25 @@ class MoeToDenseSpec:
 
     def __post_init__(self) -> None:
         model, moe = self.model, self.model.moe
-        if moe is None:
-            raise ConfigError("model.moe: the parent must be an MoE (its experts become the dense FFN)")
-        if model.moe_layer_ids != tuple(range(model.n_layers)):
-            raise ConfigError("model.moe: every layer must be MoE (first_dense_layers: 0, layer_interval: 1)")
-        if not isinstance(moe.expert_size, int) or moe.layer_expert_sizes is not None or moe.shared_expert_size:
-            raise ConfigError("model.moe: the experts must have one size and no shared expert (W = groups * F)")
+        check.require(moe is not None, "model.moe", "the parent must be an MoE (its experts become the dense FFN)")
+        every = model.moe_layer_ids == tuple(range(model.n_layers))
+        check.require(every, "model.moe", "every layer must be MoE (first_dense_layers: 0, layer_interval: 1)")
+        one_size = isinstance(moe.expert_size, int) and moe.layer_expert_sizes is None and not moe.shared_expert_size
+        check.require(one_size, "model.moe", "the experts must have one size and no shared expert (W = groups * F)")
         for name in ("keep", "groups", "calibration_tokens"):
             check.positive_int(getattr(self, name), name)
-        if not self.groups <= self.keep <= moe.num_experts:
-            raise ConfigError(
-                f"keep: must be in [groups={self.groups}, num_experts={moe.num_experts}], got {self.keep}"
-            )
+        why = f"must be in [groups={self.groups}, num_experts={moe.num_experts}], got {self.keep}"
+        check.require(self.groups <= self.keep <= moe.num_experts, "keep", why)
         for name, allowed in (("scores", SCORES), ("groupings", GROUPINGS), ("scalings", SCALINGS)):
             check.distinct(getattr(self, name), name, allowed=allowed)
-        if self.keep == self.groups and any(g != "single" for g in self.groupings):
-            raise ConfigError(f"groupings: merging groupings need keep > groups, got keep = groups = {self.groups}")
+        merging = self.keep == self.groups and any(g != "single" for g in self.groupings)
+        why = f"merging groupings need keep > groups, got keep = groups = {self.groups}"
+        check.require(not merging, "groupings", why)
         check.distinct(self.distill, "distill", what="score/grouping/scaling", empty=True)
         for label in self.distill:
             self.conversion(label, "distill")
-        if self.finetune is not None and self.finetune not in self.distill:
-            raise ConfigError(f"finetune: must be null or one of distill {self.distill}, got {self.finetune!r}")
+        why = f"must be null or one of distill {self.distill}, got {self.finetune!r}"
+        check.require(self.finetune is None or self.finetune in self.distill, "finetune", why)
         check.languages(self.calibration_languages, "calibration_languages")
         check.positive_int(self.suite_limit, "suite_limit", optional=True)
         check.choice(self.calibration_split, "calibration_split", check.SPLITS)
@@ -132,11 +127,6 @@ class MoeToDenseSpec:
     def width(self) -> int:
         """W: the dense FFN width of every converted and pruned model."""
         return self.groups * self.model.moe.expert_size
-
-    @property
-    def final_model(self) -> ModelConfig:
-        """The config of every converted and pruned model (so their parameters match exactly)."""
-        return self.model.replace(moe=None, d_ff=self.width)
 
     @property
     def dense_parent(self) -> ModelConfig:
@@ -169,7 +159,9 @@ CONVERSION = ("score", "keep", "groups", "grouping", "scaling")
 
 
 def expand(spec: MoeToDenseSpec, header) -> list[Point]:
-    data_dir, dist, final = str(header.run.data.resolved_dir()), spec.distillation, spec.final_model
+    # NOTE: one config for every converted and pruned model, so that their parameters match exactly
+    final = spec.model.replace(moe=None, d_ff=spec.width)
+    data_dir, dist = str(header.run.data.resolved_dir()), spec.distillation
     calibration = {"data_dir": data_dir, "calibration_tokens": spec.calibration_tokens}
     calibration |= {"languages": spec.calibration_languages, "split": spec.calibration_split}
     module = Call.of(teacher_module, temperature=dist.temperature, kl_weight=dist.kl_weight, ce_weight=dist.ce_weight)
