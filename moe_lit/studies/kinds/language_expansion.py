@@ -24,7 +24,7 @@ from moe_lit.convert.expand import expand_experts
 from moe_lit.stats import format_summary, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import routing_divergence
 from moe_lit.studies.records import minus, select
@@ -81,30 +81,18 @@ def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
     moe = matched_moe_config(spec.dense, spec.num_experts, spec.top_k, "active", balancing="bias")
     base_mix = {"languages": spec.languages, "language_weights": {lang: 1.0 for lang in spec.base_languages}}
     grow = Call.of(expand_experts, factor=spec.grow_factor, noise=0.0, balancing=None)
-    measure = Call.of(measure_routing, new_languages=spec.new_languages)
-    points = []
+    measure, points = Call.of(measure_routing, new_languages=spec.new_languages), []
     for seed in header.seeds:
         pretrain = header.seeded_run(seed, header.run.replace(data=base_mix))
-        cont = pretrain.replace(
-            data={"language_weights": None},
-            train={"max_steps": spec.continue_steps},
-            optim={"warmup_steps": spec.continue_warmup},
-        )
+        train, optim = {"max_steps": spec.continue_steps}, {"warmup_steps": spec.continue_warmup}
+        cont = pretrain.replace(data={"language_weights": None}, train=train, optim=optim)
         for family, model in (("dense", spec.dense), ("moe", moe)):
-            parent = header.point_name(f"{family}/base", seed)
-            points.append(
-                Point(parent, f"{family}/base", seed, model, pretrain, info={"phase": "base", "family": family})
-            )
-            for arm, transform in [("dense", None)] if family == "dense" else [("moe", None), ("moe_grown", grow)]:
-                info = {"phase": "continued", "family": arm, "base_point": parent}
-                start = Start(parent=parent, mode="init")
-                name = f"{arm}/continued"
-                measured = measure if family == "moe" else None
-                points.append(
-                    Point(
-                        header.point_name(name, seed), name, seed, model, cont, info, start, transform, measure=measured
-                    )
-                )
+            points.append(header.point(f"{family}/base", seed, model, pretrain, {"phase": "base", "family": family}))
+            base, start = header.point_name(f"{family}/base", seed), header.start(f"{family}/base", seed)
+            for arm in ("dense",) if family == "dense" else ("moe", "moe_grown"):
+                info = {"phase": "continued", "family": arm, "base_point": base}
+                transform, measured = grow if arm == "moe_grown" else None, measure if family == "moe" else None
+                points.append(header.point(f"{arm}/continued", seed, model, cont, info, start, transform, (), measured))
     return points
 
 
