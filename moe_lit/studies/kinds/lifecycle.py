@@ -1,20 +1,20 @@
-"""Study kind ``lifecycle``: a pretrained dense model (an imported SmolLM2-135M) through the chain.
+"""Study kind ``lifecycle``: a pretrained dense model (an imported SmolLM2-135M) through one chain.
 
-FFNs partitioned into MoEs (``shapes`` x ``methods``; ``pruning``: cut to the same active width),
-measured before and after the same distillation from the dense model; the ``prune_source`` MoE
-pruned (a global budget; naee per layer), turned dense against dense->dense pruning at its width,
-and sparsified. Every model: bits per byte per language and the suite's items (one seed: the
-claims pair models item by item, or language by language for the sparsity's loss increase).
+Partitioned into MoEs (``shapes`` x ``methods``; ``pruning``: the same active width) and distilled
+from the dense model; the ``prune_source`` MoE pruned (a global budget; naee per layer), turned dense
+against dense->dense pruning at its width, and sparsified. Every model: bits per byte per language
+and the suite's items; with one seed the claims pair models item by item (the sparsity's: languages).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.config import ModelConfig
 from moe_lit.convert import recipes
 from moe_lit.convert.importance import METHODS as PRUNE_METHODS
 from moe_lit.convert.moe_to_dense import MoeToDenseConfig
@@ -77,10 +77,7 @@ class LifecycleSpec:
         check.choice(self.prune_source, "prune_source", moes)
         check.fractions(self.fractions, "fractions")
         check.distinct(self.prune_methods, "prune_methods", allowed=PRUNE_METHODS)
-        try:
-            MoeToDenseConfig(**self.to_dense)
-        except (ConfigError, TypeError) as exc:
-            raise ConfigError(f"to_dense.{exc}") from None
+        check.build(MoeToDenseConfig, self.to_dense, "to_dense")
         for key in ("calibration_tokens", "train_tokens", "bpb_tokens"):
             check.positive_int(getattr(self, key), key)
         check.number(self.max_increase, "max_increase", 0)
@@ -98,12 +95,6 @@ parse = check.parser(LifecycleSpec, ("model", "shapes"))
 
 
 # ----------------------------------------------------------------------------- points
-def _partition_arms(spec: LifecycleSpec) -> list[tuple[list[int], str]]:
-    """(shape, method) of every partition point; pruning once per active width (its first shape)."""
-    first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
-    return [(s, m) for s in spec.shapes for m in spec.methods if m != PRUNING or first[s[1] / s[0]] == s]
-
-
 def expand(spec: LifecycleSpec, header) -> list[Point]:
     from moe_lit.checkpoint import load_config
 
@@ -111,6 +102,7 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
     quality = {"data_dir": data_dir, "languages": spec.languages, "bpb_split": "val", "bpb_tokens": spec.bpb_tokens}
     quality |= {"tasks": spec.tasks, "limit": spec.limit, "suite_languages": spec.suite_languages or spec.languages}
     calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
+    first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
     for seed in header.seeds:
         runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
         runs[True] = spec.recovery.run(header.seeded_run(seed))
@@ -122,7 +114,9 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
             points.append(header.point(config, seed, model, run, info, start, transform, (), measure, module))
 
         add("dense", dense, {"stage": "dense", "method": "dense"}, on_disk)
-        for (experts, top_k), method in _partition_arms(spec):
+        for (experts, top_k), method in itertools.product(spec.shapes, spec.methods):
+            if method == PRUNING and first[top_k / experts] != [experts, top_k]:
+                continue  # pruning once per active width (at its first shape)
             kwargs = {"method": method, "experts": experts, "top_k": top_k, "data_dir": data_dir, "seed": seed}
             kwargs |= {"train_tokens": spec.train_tokens} if method == DOT_MOE else {}
             kwargs |= calibration if method in ("coactivation", PRUNING) else {}
@@ -181,9 +175,10 @@ def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) ->
 
 
 # ----------------------------------------------------------------------------- analysis
-def _items(scores: dict[str, Any]) -> dict[int, float]:
-    """Every scored item's 0/1 accuracy, tasks in name order: the units the claims pair."""
-    return dict(enumerate(float(o) for task in sorted(scores["outcomes"]) for o in scores["outcomes"][task]))
+def _items(scores: dict[str, Any], task: str | None = None) -> dict[int, float]:
+    """Every scored item's 0/1 accuracy (of ``task``, else of all, in task name order): the units claims pair."""
+    tasks = [task] if task else sorted(scores["outcomes"])
+    return dict(enumerate(float(o) for t in tasks for o in scores["outcomes"][t]))
 
 
 def _acc(quality: dict[str, Any] | None) -> str:
@@ -200,16 +195,19 @@ def _retention(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[s
 
 
 def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
-    def on(text: str, a: str, b: str) -> Any:
+    def on(text: str, a: str, b: str, task: str | None = None) -> Any:
         claim = Claim(text, "task acc (items)", (a, b), HIGHER)
         if "suite" not in arms.get(a, {}) or "suite" not in arms.get(b, {}):
             return claim.missing("an arm has no measurement (not run yet, or failed)")
-        return claim.on(_items(arms[a]["suite"]), _items(arms[b]["suite"]))
+        return claim.on(_items(arms[a]["suite"], task), _items(arms[b]["suite"], task))
 
     claims, pruning = [], {r["active_ffn"]: n for n, r in arms.items() if r.get("method") == PRUNING}
+    tasks = sorted(arms.get("dense", {}).get("suite", {}).get("outcomes", {}))
     for experts, top_k in spec["shapes"]:
         shape = f"E{experts}k{top_k}"
-        claims.append(on(f"{shape}: the dense model scores above a random partition", "dense", f"{shape}/random"))
+        for t in tasks or [None]:
+            text = f"{shape}: the dense model scores above a random partition" + (f" ({t})" if t else "")
+            claims.append(on(text, "dense", f"{shape}/random", t))
         baselines = [f"{shape}/{m}" for m in ASSIGNMENTS if m in spec["methods"]]
         baselines += [pruning.get(top_k / experts, PRUNING)] if PRUNING in spec["methods"] else []
         claims += [on(f"{shape}: DOT-MoE beats {b.split('/')[1]}", f"{shape}/{DOT_MOE}", b) for b in baselines]
@@ -244,5 +242,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     source, pruned = arms.get(plan["spec"]["prune_source"]), [(c, r) for c, r in arms.items() if r["stage"] == "prune"]
     tables["Pruned: retention against the prune source"] = [_retention(c, r, source) for c, r in pruned if source]
     tables["Intra-expert activation sparsity of the prune source (per-layer thresholds)"] = sparse
-    note = ["- One seed: the claims' noise is item to item (tasks) or language to language (sparsity)."]
-    return Analysis(claims=_claims(arms, plan["spec"]), findings=note, tables=tables)
+    claims = _claims(arms, plan["spec"])
+    apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]
+    note = ["- One seed: the noise is item to item (tasks), language to language (sparsity)."]
+    note += [f"- {t}: {d.estimate / d.sd * d.n_a**0.5:+.1f} item-paired standard errors" for t, d in apart if d.sd > 0]
+    return Analysis(claims=claims, findings=note, tables=tables)
