@@ -29,6 +29,14 @@ def require(ok: bool, name: str, message: str) -> None:
     _require(ok, name, message)
 
 
+def known_keys(
+    keys: Iterable[str], name: str, allowed: list[str], what: str = "key(s)", label: str = "allowed keys"
+) -> None:
+    """Every one of ``keys`` in ``allowed``: ``<name>: unknown <what> [...], <label>: [...]``."""
+    unknown = sorted(set(keys) - set(allowed))
+    _require(not unknown, name, f"unknown {what} {unknown}, {label}: {allowed}")
+
+
 def is_int(value: Any) -> bool:
     """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -179,10 +187,7 @@ def build(cls: type[T], data: Any, name: str, **known: Any) -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{name}: expected a mapping, got {type(data).__name__}")
-    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{name}: unknown key(s) {unknown}, allowed keys: {fields}")
+    known_keys(data, name, [f.name for f in dataclasses.fields(cls)])  # type: ignore[arg-type]
     return _construct(cls, data, name, **known)
 
 
@@ -223,10 +228,10 @@ def parser(cls: type[T], required: tuple[str, ...] = ()) -> Callable[[dict[str, 
     fields are the study's; model configs take ``run.data.seq_len``)."""
 
     def parse(fields: dict[str, Any], header: Any) -> T:
-        known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        unknown = sorted(set(fields) - set(known))
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(fields) - set(names))
         if unknown:
-            raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {known} (and the header's)")
+            raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {names} (and the header's)")
         for key in required:
             if key not in fields:
                 raise ConfigError(f"{key}: is required")
@@ -243,6 +248,7 @@ __all__ = [
     "choice",
     "distinct",
     "int_in",
+    "known_keys",
     "is_int",
     "is_number",
     "fractions",

@@ -26,6 +26,7 @@ from moe_lit.io import atomic_write_json
 from moe_lit.lit.run_config import RunConfig, read_yaml
 from moe_lit.studies import engine
 from moe_lit.studies.kinds import kind_module
+from moe_lit.studies.spec import known_keys
 
 HEADER_FIELDS = ("name", "kind", "description", "seeds", "data", "run", "executor")
 
@@ -73,9 +74,7 @@ class StudyHeader:
         if not isinstance(self.data, dict):
             raise ConfigError(f"data: expected a mapping of data prepare settings, got {self.data!r}")
         allowed = [f.name for f in dataclasses.fields(PrepareConfig) if f.name not in ("out", "force", "progress")]
-        unknown = sorted(set(self.data) - set(allowed))
-        if unknown:
-            raise ConfigError(f"data: unknown key(s) {unknown}, allowed keys: {allowed}")
+        known_keys(self.data, "data", allowed)
         try:
             return PrepareConfig(out=self.run.data.resolved_dir(), **self.data)
         except ConfigError as exc:
@@ -105,10 +104,7 @@ def _executor(value: Any):
         return value
     if value is not None and not isinstance(value, dict):
         raise ConfigError(f"executor: expected a mapping of ExecutorConfig fields, got {value!r}")
-    known = [f.name for f in dataclasses.fields(ExecutorConfig)]
-    unknown = sorted(set(value or {}) - set(known))
-    if unknown:
-        raise ConfigError(f"executor: unknown key(s) {unknown}, allowed keys: {known}")
+    known_keys(value or {}, "executor", [f.name for f in dataclasses.fields(ExecutorConfig)])
     return ExecutorConfig(**(value or {}))
 
 

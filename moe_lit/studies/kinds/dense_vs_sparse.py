@@ -57,9 +57,8 @@ class BudgetSpec:
 
     def __post_init__(self) -> None:
         check.label(self.name, "budgets.name")
-        known = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("moe", "seq_len")]
-        if unknown := sorted(set(self.overrides) - set(known)):
-            raise ConfigError(f"budgets[{self.name}].overrides: unknown model field(s) {unknown}, allowed: {known}")
+        allowed = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("moe", "seq_len")]
+        check.known_keys(self.overrides, f"budgets[{self.name}].overrides", allowed, "model field(s)", "allowed")
 
 
 @dataclass
@@ -77,14 +76,13 @@ class GridSpec:
     """MoEConfig fields shared by every MoE point (e.g. balancing, aux_loss_coef, backend)."""
 
     def __post_init__(self) -> None:
-        if not all(e == DENSE or check.is_int(e) and e >= 2 for e in list(self.num_experts)):
-            raise ConfigError(f"num_experts: entries must be 'dense' or integers >= 2, got {self.num_experts!r}")
+        why = f"entries must be 'dense' or integers >= 2, got {self.num_experts!r}"
+        check.require(all(e == DENSE or check.is_int(e) and e >= 2 for e in list(self.num_experts)), "num_experts", why)
         check.ints(self.top_k, "top_k", 1)
         _modes(self.match, "match")
         solved = {"num_experts", "expert_size", "top_k", "shared_expert_size"}
         allowed = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in solved]
-        if unknown := sorted(set(self.moe) - set(allowed)):
-            raise ConfigError(f"moe: unknown or solved field(s) {unknown}, allowed: {allowed}")
+        check.known_keys(self.moe, "moe", allowed, "or solved field(s)", "allowed")
 
 
 @dataclass
@@ -122,8 +120,8 @@ class AblationSpec:
                 )
             check.positives(list(set(sizes)), f"size_profiles.{name}")
         for i, variant in enumerate(self.balancing):
-            if not isinstance(variant, dict) or not variant or not set(variant) <= set(BALANCING_FIELDS):
-                raise ConfigError(f"balancing[{i}]: must be a mapping of {list(BALANCING_FIELDS)}, got {variant!r}")
+            ok = isinstance(variant, dict) and bool(variant) and set(variant) <= set(BALANCING_FIELDS)
+            check.require(ok, f"balancing[{i}]", f"must be a mapping of {list(BALANCING_FIELDS)}, got {variant!r}")
         check.positives(self.capacity_factor, "capacity_factor", empty=True)
         _modes(self.match, "match")
 
@@ -145,8 +143,8 @@ class DenseVsSparseSpec:
     only): the equivalence margin of the claims of no effect; null: those claims are untestable."""
 
     def __post_init__(self) -> None:
-        if self.base.moe is not None:
-            raise ConfigError("base.moe: the base model must be dense (moe: null); experts come from the grid")
+        why = "the base model must be dense (moe: null); experts come from the grid"
+        check.require(self.base.moe is None, "base.moe", why)
         check.distinct([b.name for b in self.budgets], "budgets", what="budget names")
         for budget in self.budgets:
             self.dense_model(budget.name)  # validates every budget's model now
