@@ -201,7 +201,7 @@ def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
             return claim.missing("an arm has no measurement (not run yet, or failed)")
         return claim.on(_items(arms[a]["suite"], task), _items(arms[b]["suite"], task))
 
-    claims, pruning = [], {r["active_ffn"]: n for n, r in arms.items() if r.get("method") == PRUNING}
+    claims, pruning = [], {k / e: f"E{e}k{k}/{PRUNING}" for e, k in reversed(spec["shapes"])}  # as expand names it
     tasks = sorted(arms.get("dense", {}).get("suite", {}).get("outcomes", {}))
     for experts, top_k in spec["shapes"]:
         shape = f"E{experts}k{top_k}"
@@ -209,7 +209,7 @@ def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
             text = f"{shape}: the dense model scores above a random partition" + (f" ({t})" if t else "")
             claims.append(on(text, "dense", f"{shape}/random", t))
         baselines = [f"{shape}/{m}" for m in ASSIGNMENTS if m in spec["methods"]]
-        baselines += [pruning.get(top_k / experts, PRUNING)] if PRUNING in spec["methods"] else []
+        baselines += [pruning[top_k / experts]] if PRUNING in spec["methods"] else []
         claims += [on(f"{shape}: DOT-MoE beats {b.split('/')[1]}", f"{shape}/{DOT_MOE}", b) for b in baselines]
     first, *others = spec["prune_methods"]
     for arm in (f"prune/{fraction:g}/" for fraction in spec["fractions"]):
