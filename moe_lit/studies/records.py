@@ -71,12 +71,14 @@ def cells(values: Mapping[str, Mapping[int, float]], columns: Mapping[str, str],
     return {title: format_values(list(values.get(key, {}).values()), digits) for title, key in columns.items()}
 
 
-def language_means(per_seed: Mapping[int, Mapping[str, float]], digits: int = 4) -> dict[str, str]:
-    """Table cells ``{language: mean over the seeds}`` of ``{seed: {language: value}}`` (languages in
-    first-seen order)."""
-    languages = dict.fromkeys(lang for by in per_seed.values() for lang in by)
+def language_means(
+    per_seed: Mapping[int, Mapping[str, float]], digits: int = 4, languages: Iterable[str] | None = None
+) -> dict[str, str]:
+    """Table cells ``{language: mean over the seeds}`` of ``{seed: {language: value}}``: ``languages``
+    in that order (default: every one, first seen first), blank where no seed has a value."""
+    languages = languages or dict.fromkeys(lang for by in per_seed.values() for lang in by)
     means = {lang: summarize([by[lang] for by in per_seed.values() if lang in by]).mean for lang in languages}
-    return {lang: f"{mean:.{digits}f}" for lang, mean in means.items()}
+    return {lang: "" if math.isnan(mean) else f"{mean:.{digits}f}" for lang, mean in means.items()}
 
 
 def best(candidates: Mapping[str, Mapping[int, float]], lowest: bool = True) -> str | None:

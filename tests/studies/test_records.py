@@ -26,8 +26,9 @@ def test_cells_format_each_column_over_the_seeds_and_leave_unmeasured_ones_empty
 
 
 def test_language_means_average_each_language_over_the_seeds_that_have_it():
-    per_seed = {0: {"en": 1.0, "de": 2.0}, 1: {"en": 2.0}, 2: {"de": 4.0, "fr": 5.0}}
-    assert language_means(per_seed, 2) == {"en": "1.50", "de": "3.00", "fr": "5.00"}
+    per_seed = {0: {"en": 1.0, "de": 2.0}, 1: {"en": 2.0}, 2: {"de": 4.0, "fr": 5.0, "it": math.nan}}
+    assert language_means(per_seed, 2) == {"en": "1.50", "de": "3.00", "fr": "5.00", "it": ""}
+    assert language_means(per_seed, 1, ["fr", "es", "en"]) == {"fr": "5.0", "es": "", "en": "1.5"}
 
 
 def test_best_picks_the_lowest_or_highest_mean_and_ignores_arms_without_a_value():

@@ -28,7 +28,7 @@ from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import suite_fields
-from moe_lit.studies.records import best, collect, select
+from moe_lit.studies.records import best, collect, language_means, select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
 ARMS = ("pruned", "recovered")
@@ -273,9 +273,8 @@ def _calibration_claims(values, main: str) -> list:
             if any(group[key].values()):
                 arms, text = (f"{method}@{language}", f"{method}@{main}"), f"{method} calibrated on {language} alone"
                 own, rest = ({s: r.get(language, math.nan) for s, r in g[key].items()} for g in (group, mix))
-                claims.append(
-                    Claim(f"{text}: {language} retains more", f"{measure} retention", arms, HIGHER).on(own, rest)
-                )
+                claim = Claim(f"{text}: {language} retains more", f"{measure} retention", arms, HIGHER)
+                claims.append(claim.on(own, rest))
                 own, rest = ({s: _mean_except(r, language) for s, r in g[key].items()} for g in (group, mix))
                 claim = Claim(f"{text}: the others retain less", f"{measure} retention (others)", arms, LOWER)
                 claims.append(claim.on(own, rest))
@@ -307,15 +306,11 @@ def _main_rows(values, main: str, tasks: bool) -> list[dict[str, Any]]:
 def _language_rows(values, key: str) -> list[dict[str, Any]]:
     """Mean over seeds of each language's retention at 50% removed, every calibration (blank where
     no seed has the language: a task retention without a task above the margin there)."""
-    groups = {k: [r for r in v[key].values() if r] for k, v in values.items() if k[0] == CLAIM_FRACTION}
+    groups = {k: {s: r for s, r in v[key].items() if r} for k, v in values.items() if k[0] == CLAIM_FRACTION}
     groups = {k: per_seed for k, per_seed in groups.items() if per_seed}
-    languages = sorted({lang for per_seed in groups.values() for r in per_seed for lang in r})
-    rows = []
-    for (_, arm, method, calibration), per_seed in groups.items():
-        means = {lang: summarize([r.get(lang, math.nan) for r in per_seed]).mean for lang in languages}
-        row = {"arm": arm, "method": method, "calibration": calibration}
-        rows.append(row | {lang: "" if math.isnan(mean) else f"{mean:.4f}" for lang, mean in means.items()})
-    return rows
+    languages = sorted({lang for per_seed in groups.values() for r in per_seed.values() for lang in r})
+    rows = (({"arm": arm, "method": m, "calibration": c}, per_seed) for (_, arm, m, c), per_seed in groups.items())
+    return [row | language_means(per_seed, 4, languages) for row, per_seed in rows]
 
 
 def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
