@@ -273,19 +273,6 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def find_tokenizer(path: str | Path) -> Path | None:
-    """The tokenizer stored with a checkpoint: beside an export, or in the datamodule's data_dir."""
-    path = _existing(path)
-    if path.is_dir():
-        candidate = path / TOKENIZER_FILE
-        return candidate if candidate.is_file() else None
-    data_hparams = read_lightning_checkpoint(path).get("datamodule_hyper_parameters", {})
-    data_dir = data_hparams.get("data_dir")
-    if data_dir and (Path(data_dir) / TOKENIZER_FILE).is_file():
-        return Path(data_dir) / TOKENIZER_FILE
-    return None
-
-
 def _existing(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():

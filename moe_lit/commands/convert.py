@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 
 from moe_lit.accounting import count_model_params
-from moe_lit.checkpoint import export_model, find_tokenizer, load_model
+from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
+from moe_lit.data.tokenizer import find_tokenizer, model_tokenizer
 from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output
 
@@ -230,7 +231,6 @@ def run(args: argparse.Namespace) -> int:
 def _calibration(args: argparse.Namespace, model, record_inputs: bool):
     """The routing trace of the calibration text (or the one stored in ``--calibration FILE.pt``)."""
     from moe_lit.convert.importance import calibration_trace
-    from moe_lit.evaluation.harness import load_tokenizer, stored_tokenizer
     from moe_lit.evaluation.routing_trace import RoutingTrace
     from moe_lit.evaluation.tasks import resolve_data_dir
 
@@ -238,7 +238,7 @@ def _calibration(args: argparse.Namespace, model, record_inputs: bool):
         return RoutingTrace.load(args.calibration), args.calibration
     languages = None if args.calibration == "mix" else [lang for lang in args.calibration.split(",") if lang]
     data_dir = resolve_data_dir(args.checkpoint, args.data)
-    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
     trace = calibration_trace(
         model, data_dir, tokenizer, languages, args.split, args.max_tokens, args.batch_size, record_inputs
     )

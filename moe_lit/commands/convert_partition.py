@@ -23,7 +23,8 @@ PARTITION_FILE = "partition.json"
 
 def run_partition(args: argparse.Namespace) -> int:
     from moe_lit.accounting import count_model_params
-    from moe_lit.checkpoint import export_model, find_tokenizer, load_model
+    from moe_lit.checkpoint import export_model, load_model
+    from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json
 
     _check_arguments(args)

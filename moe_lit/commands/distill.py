@@ -54,7 +54,8 @@ def distill_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: Disti
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.checkpoint import export_model, find_tokenizer, load_model
+    from moe_lit.checkpoint import export_model, load_model
+    from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json, check_output
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
     from moe_lit.lit.runner import train_run

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_lit.checkpoint import find_tokenizer, load_model
+from moe_lit.checkpoint import load_model
 from moe_lit.convert.hf.export import DTYPES, export_hf
 from moe_lit.convert.hf.families import FAMILIES
+from moe_lit.data.tokenizer import find_tokenizer
 from moe_lit.io import check_output
 
 

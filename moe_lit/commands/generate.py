@@ -61,12 +61,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import load_model
-    from moe_lit.evaluation.harness import load_tokenizer, stored_tokenizer
+    from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference import generate, stream
 
     if args.stream and len(args.prompt) != 1:
         raise MoeLitError(f"--stream: prints one prompt as it grows; got {len(args.prompt)} --prompt")
-    tokenizer = load_tokenizer(args.tokenizer or stored_tokenizer(args.checkpoint))
+    tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
     model = sparse_from_args(load_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
     options = {
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stop_tokens(tokenizer) -> list[int]:
-    from moe_lit.evaluation.harness import resolve_eot_id
+    from moe_lit.data.tokenizer import resolve_eot_id
 
     try:
         return [resolve_eot_id(tokenizer)]

@@ -396,7 +396,7 @@ def calibration_trace(
     all of them, the mix), the same documents in every language up to ``max_tokens`` per language;
     sequences are labelled ``language`` so per-language scores are ``trace.where(language=...)``."""
     from moe_lit.analysis.routing import tokenize_documents, trace_languages
-    from moe_lit.evaluation.harness import resolve_eot_id
+    from moe_lit.data.tokenizer import resolve_eot_id
     from moe_lit.evaluation.tasks import read_parallel
 
     parallel = read_parallel(data_dir, split, languages)

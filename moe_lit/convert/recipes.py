@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from moe_lit.data.layout import tokenizer_file
+from moe_lit.data.tokenizer import load_tokenizer, resolve_eot_id
 from moe_lit.errors import MoeLitError
 
 PRUNING = "pruning"
@@ -152,21 +154,13 @@ def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, 
     return export_dot_moe(student), record
 
 
-def data_tokenizer(data_dir):
-    """The tokenizer of a prepared data directory (its ``tokenizer.json``), loaded."""
-    from moe_lit.data.layout import tokenizer_file
-    from moe_lit.evaluation.harness import load_tokenizer
-
-    return load_tokenizer(tokenizer_file(data_dir))
-
-
 def calibration_text(model, data_dir, tokens: int, languages=None, split: str = "test", record_inputs: bool = False):
     """The routing trace of ``tokens`` tokens per language of the parallel ``split`` text
     (:func:`~moe_lit.convert.importance.calibration_trace`, the data's tokenizer, no gradients)."""
     from moe_lit.convert.importance import calibration_trace
 
     with torch.no_grad():
-        tokenizer = data_tokenizer(data_dir)
+        tokenizer = load_tokenizer(tokenizer_file(data_dir))
         return calibration_trace(model, data_dir, tokenizer, languages, split, tokens, record_inputs=record_inputs)
 
 
@@ -221,10 +215,9 @@ def prune_dense_to_width(model, width: int, data_dir: str, calibration_tokens: i
     from moe_lit.analysis.routing import document_windows, tokenize_documents
     from moe_lit.convert.calibration import ffn_inputs
     from moe_lit.convert.prune_dense import prune_dense_ffn
-    from moe_lit.evaluation.harness import resolve_eot_id
     from moe_lit.evaluation.tasks import read_parallel
 
-    tokenizer = data_tokenizer(data_dir)
+    tokenizer = load_tokenizer(tokenizer_file(data_dir))
     text = read_parallel(Path(data_dir), split, languages)
     docs = tokenize_documents(text, tokenizer, resolve_eot_id(tokenizer), calibration_tokens)
     windows = [
@@ -241,7 +234,6 @@ __all__ = [
     "PRUNING",
     "calibration_batches",
     "calibration_text",
-    "data_tokenizer",
     "moe_to_dense_on_text",
     "partition_dense",
     "prune_by_importance",

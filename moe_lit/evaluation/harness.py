@@ -36,30 +36,11 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator
 from tqdm import tqdm
 
+from moe_lit.data.tokenizer import load_tokenizer, model_tokenizer, resolve_eot_id
 from moe_lit.errors import MoeLitError
-
-EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
-"""Special tokens taken as end-of-text, in this order, when ``eot_token`` is not given."""
 
 Request = tuple[Any, list[int], list[int]]
 """``(cache key, context tokens, continuation tokens)`` as TemplateLM passes them."""
-
-
-def load_tokenizer(path: str | Path):
-    """A HF ``tokenizers`` tokenizer from its ``tokenizer.json`` (any special tokens)."""
-    from moe_lit.data.tokenizer import read_tokenizer_file
-
-    return read_tokenizer_file(path)
-
-
-def resolve_eot_id(tokenizer, eot_token: str | None = None) -> int:
-    """Id of ``eot_token``, else of the first known end-of-text special token the tokenizer has."""
-    candidates = (eot_token,) if eot_token else EOT_CANDIDATES
-    for token in candidates:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    raise MoeLitError(f"tokenizer: no end-of-text token among {list(candidates)}; pass eot_token=<token>")
 
 
 GENERIC_DIRS = ("checkpoints", "models")
@@ -83,16 +64,6 @@ RUNS_DIR = Path("runs")
 def default_out(checkpoint: str | Path, kind: str) -> Path:
     """``runs/<kind>/<checkpoint_name>``: the default ``--out`` of ``eval`` and ``analyze``."""
     return RUNS_DIR / kind / checkpoint_name(checkpoint)
-
-
-def stored_tokenizer(checkpoint: str | Path) -> Path:
-    """The ``tokenizer.json`` stored with a checkpoint (beside an export, or in its data dir)."""
-    from moe_lit.checkpoint import find_tokenizer
-
-    found = find_tokenizer(checkpoint)
-    if found is None:
-        raise MoeLitError(f"tokenizer: no tokenizer.json stored with {checkpoint}; pass one explicitly")
-    return found
 
 
 @register_model("moe_lit")
@@ -124,7 +95,7 @@ class MoeLitLM(TemplateLM):
             device: torch device of the model; ``auto`` (default): CUDA when available, else CPU.
             max_length: context window in tokens; default the model's ``seq_len``.
             max_gen_toks: generation limit when a task does not set one.
-            eot_token: end-of-text token (default: the first of ``EOT_CANDIDATES`` present).
+            eot_token: end-of-text token (default: the first of ``data.tokenizer.EOT_CANDIDATES`` present).
             model: an in-memory Transformer instead of ``checkpoint``.
             max_batch_size: accepted for lm-eval's CLI; unused (no automatic batch size).
             sparsity: target intra-expert activation sparsity (``moe_lit.inference.sparsity``);
@@ -142,11 +113,12 @@ class MoeLitLM(TemplateLM):
         device = resolve_device(device)
         if model is None:
             model = load_model(checkpoint, map_location=device)
-            tokenizer = stored_tokenizer(checkpoint) if tokenizer is None else tokenizer
-        if tokenizer is None:
+        elif tokenizer is None:
             raise MoeLitError("moe_lit model: a tokenizer is required with model=")
         tokenizer_name = f"tokenizer {tokenizer}" if isinstance(tokenizer, (str, Path)) else "tokenizer"
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = load_tokenizer(tokenizer, require_eos=False)
+        self.tokenizer = model_tokenizer(checkpoint) if tokenizer is None else tokenizer
         self.model = model.to(device).eval()
         self._device = torch.device(device)
         self.batch_size = _positive_int(batch_size, "batch_size")
@@ -407,14 +379,10 @@ def result_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "EOT_CANDIDATES",
     "MoeLitLM",
     "checkpoint_name",
     "default_out",
     "evaluate",
-    "load_tokenizer",
-    "resolve_eot_id",
     "result_rows",
     "scoring_bars_only",
-    "stored_tokenizer",
 ]

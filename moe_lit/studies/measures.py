@@ -1,5 +1,4 @@
-"""Measurements the study kinds share: a model's tokenizer (its own, else the data's:
-:func:`moe_lit.convert.recipes.data_tokenizer`), validation batches, the parallel text of a split
+"""Measurements the study kinds share: validation batches, the parallel text of a split
 per language, the start weights' validation, local-suite accuracy, a child point that measures a
 finished one; and the measurements of models a kind's points name (sparsity profile, training
 step times, routing divergence, the MoE -> dense screen), each a plain function of a checkpoint.
@@ -21,6 +20,7 @@ from typing import Any
 
 from moe_lit.config import ModelConfig
 from moe_lit.convert import recipes
+from moe_lit.data.tokenizer import model_tokenizer
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
 
@@ -41,15 +41,6 @@ class SuiteSpec:
     def measure(self) -> Call:
         """The :func:`local_suite` call with these settings."""
         return Call.of(local_suite, limit=self.limit, batch_size=self.batch_size)
-
-
-def model_tokenizer(checkpoint: str | Path, data_dir: str | Path):
-    """The tokenizer beside an exported model directory (an imported model's own), else the data's."""
-    from moe_lit.checkpoint import TOKENIZER_FILE
-    from moe_lit.evaluation.harness import load_tokenizer
-
-    beside = Path(checkpoint) / TOKENIZER_FILE
-    return load_tokenizer(beside) if beside.is_file() else recipes.data_tokenizer(data_dir)
 
 
 def suite(model, data_dir: str | Path, tokenizer=None, **options: Any) -> dict[str, Any]:
@@ -135,7 +126,7 @@ def language_tokens(
     """Per language, the first ``tokens`` tokens of the parallel ``split`` text (whole documents,
     paragraphs each followed by EOS); ``seed`` shuffles the document order (the same in every language)."""
     from moe_lit.analysis.routing import tokenize_documents
-    from moe_lit.evaluation.harness import resolve_eot_id
+    from moe_lit.data.tokenizer import resolve_eot_id
     from moe_lit.evaluation.tasks import documents, read_parallel
 
     parallel = read_parallel(Path(data_dir), split, languages)
@@ -182,7 +173,7 @@ def model_quality(
     from moe_lit.checkpoint import load_model
     from moe_lit.evaluation.suite import item_stderr
 
-    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir)
+    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir=data_dir)
     start = time.perf_counter()
     bpb = bits_per_byte(model, tokenizer, data_dir, bpb_split, languages, bpb_tokens)
     middle = time.perf_counter()
@@ -234,7 +225,7 @@ def sparsity_profile(
     from moe_lit.inference.sparsity import collect_scores, highest_target_within, sample_loss_curve, token_batches
 
     torch.manual_seed(seed)
-    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir)
+    model, tokenizer = load_model(checkpoint).eval(), model_tokenizer(checkpoint, data_dir=data_dir)
     evaluation = language_tokens(data_dir, eval_split, languages, tokenizer, eval_tokens)
     calibration = language_tokens(
         data_dir, calibration_split, languages, tokenizer, max(1, calibration_tokens // len(evaluation)), seed
@@ -409,7 +400,6 @@ __all__ = [
     "local_suite",
     "model_quality",
     "measure_child",
-    "model_tokenizer",
     "start_validation",
     "suite",
     "suite_fields",

@@ -2,7 +2,7 @@ import pytest
 
 from moe_lit.checkpoint import load_model
 from moe_lit.cli import main
-from moe_lit.evaluation.harness import load_tokenizer
+from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.inference import generate
 
 

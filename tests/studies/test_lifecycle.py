@@ -79,11 +79,12 @@ def test_spec_errors_name_the_field(tiny, change, message):
 
 def test_bits_per_byte_of_a_uniform_model_are_log2_v_per_scored_token_over_the_decoded_bytes(tiny):
     from moe_lit.checkpoint import load_model
+    from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference.sparsity import token_batches
-    from moe_lit.studies.measures import SPARSITY_BATCH, bits_per_byte, language_tokens, model_tokenizer
+    from moe_lit.studies.measures import SPARSITY_BATCH, bits_per_byte, language_tokens
 
     data, model_dir, _ = tiny
-    model, tokenizer = load_model(model_dir), model_tokenizer(model_dir, data)
+    model, tokenizer = load_model(model_dir), model_tokenizer(model_dir, data_dir=data)
     with torch.no_grad():
         model.tok_embeddings.weight.zero_()  # tied head: every logit 0, the loss ln V at every token
     bpb = bits_per_byte(model, tokenizer, data, "val", ["en", "ru"], 64)

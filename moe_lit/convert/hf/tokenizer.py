@@ -49,10 +49,10 @@ class NoTokenizer(Exception):
 
 def hf_tokenizer(tokenizer_file: PathLike, eos_token: str | None = None):
     """A ``PreTrainedTokenizerFast`` of our ``tokenizer.json`` with EOS = BOS = pad = the end-of-text token."""
-    from moe_lit.evaluation.harness import load_tokenizer, resolve_eot_id
+    from moe_lit.data.tokenizer import load_tokenizer, resolve_eot_id
 
     transformers = require_transformers(moe=False)
-    tokenizer = load_tokenizer(tokenizer_file)
+    tokenizer = load_tokenizer(tokenizer_file, require_eos=False)
     eos = tokenizer.id_to_token(resolve_eot_id(tokenizer, eos_token))
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token=eos, pad_token=eos)
 

@@ -132,8 +132,9 @@ def tiny_data(tmp_path_factory):
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path, tiny_data):
+    from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference.sparsity import mean_loss, token_batches
-    from moe_lit.studies.measures import language_tokens, model_tokenizer
+    from moe_lit.studies.measures import language_tokens
     from moe_lit.studies.report import write_report
     from moe_lit.studies.study import run_study
 
@@ -152,7 +153,7 @@ def test_tiny_study_end_to_end(tmp_path, tiny_data):
     from moe_lit.checkpoint import load_model
 
     model = load_model(checkpoint)
-    tokens = language_tokens(tiny_data, "val", None, model_tokenizer(checkpoint, tiny_data), 64)
+    tokens = language_tokens(tiny_data, "val", None, model_tokenizer(checkpoint, data_dir=tiny_data), 64)
     dense_en = mean_loss(model, token_batches(tokens["en"], 17, 8))
     assert at[(0.0, "en")]["dense_loss"] == pytest.approx(dense_en, abs=1e-6)
     assert moe["eval_tokens_per_language"]["en"] == 3 * 16  # 64 tokens: 3 windows of 17 (16 scored each)
