@@ -1,13 +1,11 @@
 """Study kind ``pruning``: how much of an MoE's quality survives removing experts, per method?
 
-Per seed an MoE parent pretrains until its experts specialise; every child starts from its final
-weights and removes a fraction of each MoE layer's experts by one importance method of
-:mod:`moe_lit.convert.importance` (:func:`moe_lit.convert.recipes.prune_by_importance`, calibrated
-on the mix or on ``calibration_languages``), evaluated as it is and after a short LM-loss recovery.
-Retention (:mod:`moe_lit.evaluation.retention`) = original / pruned val loss per language against
-the same seed's reference (for a recovered model: the parent recovered the same way). Claims,
-paired by seed: MAESTRO retains more than the best other method at 50% removed, with less variance
-across languages (and tasks); a language calibrated alone retains itself better, the others worse.
+Per seed an MoE parent pretrains until its experts specialise; every child starts from its final weights and removes a
+fraction of each MoE layer's experts by one method of :mod:`moe_lit.convert.importance` (calibrated on the mix or on
+``calibration_languages``), evaluated as it is and after a short LM-loss recovery. Retention = original / pruned val
+loss per language against the seed's reference (a recovered model's: the parent recovered the same way). Claims,
+paired by seed: MAESTRO retains more than the best other method at 50% removed, with less variance across languages
+(and tasks); a language calibrated alone retains itself better, the others worse.
 """
 
 from __future__ import annotations
@@ -289,6 +287,9 @@ def _mean_except(per_language: dict[str, float], language: str) -> float:
 COLUMNS = {"retention (mean over languages)": ("mean", 4), "variance across languages": ("variance", 6)}
 TASK_COLUMNS = {"task retention (mean over tasks)": ("task_mean", 4), "variance across tasks": ("task_variance", 6)}
 TASK_COLUMNS["task variance across languages"] = ("task_language_variance", 6)
+PLOTS = {"mean": ("retention", "original / pruned val loss", "languages")}
+PLOTS["task_mean"] = ("task_retention", "above chance: pruned / original", "tasks")
+"""The retention plot of a mean: (file name, what the retention is, what the mean runs over)."""
 PER_LANGUAGE = (("Val-loss", "mean", "languages"), ("Task", "task_mean", "task_languages"))
 """The retention per language tables (and plots): (title, key of the mean, key of the per-language values)."""
 
@@ -352,18 +353,16 @@ def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     """Mean retention (``key``) per method, one panel per arm present, one marker per fraction, ± std over seeds."""
     fractions, methods = sorted({f for f, _, _ in values}), list(dict.fromkeys(m for _, _, m in values))
     arms = [arm for arm in ARMS if any(k[1] == arm for k in values)]
-    fig, axes = plots.panels(len(arms), 5.0, 4.0, sharey=True)
-    counts = []
+    (fig, axes), counts = plots.panels(len(arms), 5.0, 4.0, sharey=True), []
     for ax, arm in zip(axes, arms, strict=True):
         measured = {f: [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
         series = {f"{_label(f)} removed": [summarize(list(by.values())) for by in per] for f, per in measured.items()}
         title = f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})"
         counts += plots.categories(ax, methods, series, title=title, reference=(1.0, "1 = nothing lost"), rotation=30)
-    what = "original / pruned val loss" if key == "mean" else "above chance: pruned / original"
+    name, what, over = PLOTS[key]
     axes[0].set_ylabel(f"retention ({what})")
-    over = "languages" if key == "mean" else "tasks"
     fig.suptitle(f"Retention, mean over {over} ({spread_note(counts)})", fontsize=10)
-    return plots.save(fig, plots_dir, "retention" if key == "mean" else "task_retention")
+    return plots.save(fig, plots_dir, name)
 
 
 __all__ = ["PruningSpec", "analyse", "calibration_label", "expand", "measure_memory", "measure_tasks", "parse"]
