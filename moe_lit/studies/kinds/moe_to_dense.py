@@ -315,7 +315,7 @@ def _distill_claims(plan: dict[str, Any], distilled) -> list:
     first, baseline = f"distill/{(spec.get('distill') or [''])[0]}", distilled.get(f"distill/{BASELINE}")
     if first in distilled and baseline is not None:
         arms = (first, f"distill/{BASELINE}")
-        for when in ("before", "after"):
+        for when in WHEN:
             claim = Claim(f"{BEATS} at matched parameters, {when} distillation", "val loss", arms, LOWER)
             claims.append(claim.on(distilled[first][when], baseline[when]))
         suite = {s: v for s, v in distilled[first]["suite"].items() if not math.isnan(v)}
@@ -336,6 +336,8 @@ TABLES = (
     "Distilled children, same budget (mean ± std over seeds; languages: mean after)",
 )
 DISTILLED = {"val loss before": "before", "val loss after": "after", "suite acc - chance": "suite"}
+WHEN = ("before", "after")
+"""The distilled children's val loss before and after the distillation."""
 
 
 def _distilled_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -362,15 +364,14 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         for level, by_seed in sorted(marginal(values, factor).items())
     ]
     rows = [parents, screen_rows, marginal_rows, [_distilled_row(n, e) for n, e in distilled.items()]]
-    written = [p for p in (plot_screen(values, plots_dir), plot_distilled(distilled, plots_dir)) if p]
+    written = [plot_screen(values, plots_dir)] if values else []
+    written += [plot_distilled(distilled, plots_dir)] if distilled else []
     claims = _screen_claims(values) + _distill_claims(plan, distilled)
     return Analysis(claims=claims, tables=dict(zip(TABLES, rows, strict=True)), plots=written)
 
 
-def plot_screen(values: Screen, plots_dir: Path) -> Path | None:
+def plot_screen(values: Screen, plots_dir: Path) -> Path:
     """Screen val loss by score, one marker per grouping, one panel per scaling (± std over seeds)."""
-    if not values:
-        return None
     scores, groupings, scalings = (list(dict.fromkeys(k[i] for k in values)) for i in range(3))
     fig, axes = plots.panels(len(scalings), 4.5, 3.8, sharey=True)
     for ax, scaling in zip(axes, scalings, strict=True):
@@ -381,16 +382,10 @@ def plot_screen(values: Screen, plots_dir: Path) -> Path | None:
     return plots.save(fig, plots_dir, "screen")
 
 
-def plot_distilled(distilled, plots_dir: Path) -> Path | None:
+def plot_distilled(distilled, plots_dir: Path) -> Path:
     """Val loss before and after the same distillation budget per child (± std over seeds)."""
-    if not distilled:
-        return None
     fig, (ax,) = plots.panels(1, max(5.0, 1.1 * len(distilled)), 4.0)
-    series = {
-        f"{w} distillation": [summarize(list(e[w].values())) for e in distilled.values()]
-        for w in DISTILLED.values()
-        if w != "suite"
-    }
+    series = {f"{w} distillation": [summarize(list(e[w].values())) for e in distilled.values()] for w in WHEN}
     plots.categories(ax, list(distilled), series, "val loss", rotation=30)
     return plots.save(fig, plots_dir, "distilled")
 
