@@ -186,10 +186,11 @@ def _acc(quality: dict[str, Any] | None) -> str:
 
 
 def _retention(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """A pruned model's bits-per-byte and per-task above-chance accuracy retention against its source."""
+    """A pruned model's bits-per-byte (mean, per language) and per-task above-chance accuracy retention."""
     chance, tasks = source["suite"]["chance"], source["suite"]["tasks"]
     kept = {t: (a - chance[t]) / (tasks[t] - chance[t]) for t, a in r["suite"]["tasks"].items() if tasks[t] > chance[t]}
     row = {"point": config, "bpb retention": f"{source['bpb_mean'] / r['bpb_mean']:.4f}"}
+    row |= {f"bpb {lang}": f"{source['bpb'][lang] / v:.4f}" for lang, v in r["bpb"].items()}
     row |= {t.removeprefix("moe_lit_"): f"{v:.3f}" for t, v in kept.items()}
     return row | {"cross-task variance": f"{statistics.pvariance(kept.values()):.5f}" if kept else ""}
 
