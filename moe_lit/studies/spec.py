@@ -94,6 +94,12 @@ def choice(value: Any, name: str, allowed: Iterable[Any]) -> None:
     _require(value in allowed, name, f"got {value!r}, allowed values: {', '.join(map(str, allowed))}")
 
 
+def choices(values: Any, name: str, allowed: Iterable[Any]) -> None:
+    """Every one of ``values`` one of ``allowed`` (each checked by :func:`choice`)."""
+    for value in values:
+        choice(value, name, allowed)
+
+
 def label(value: Any, name: str) -> None:
     """A name used in point names: a non-empty string without '/'."""
     _require(
@@ -246,6 +252,7 @@ __all__ = [
     "boolean",
     "build",
     "choice",
+    "choices",
     "distinct",
     "int_in",
     "known_keys",

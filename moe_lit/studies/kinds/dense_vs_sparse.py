@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,11 +42,6 @@ REFERENCE_GROUPS = ("grid", "granularity")
 Row = dict[str, Any]
 
 
-def _modes(values: list, name: str) -> None:
-    for mode in values:
-        check.choice(mode, name, MATCH_MODES)
-
-
 @dataclass
 class BudgetSpec:
     """One active-parameter budget: the dense base model with a few fields changed."""
@@ -68,8 +64,7 @@ class GridSpec:
     num_experts: list[int | str] = field(default_factory=lambda: [DENSE, 4, 8, 16, 32])
     """Total routed experts E per MoE layer; the word ``dense`` adds the budget's dense model itself."""
     top_k: list[int] = field(default_factory=lambda: [2])
-    """Experts per token; with active matching the expert size is about d_ff / top_k (the
-    granularity axis); values >= num_experts are skipped (every expert active: no sparsity)."""
+    """Experts per token (expert size about d_ff / top_k with active matching); top_k >= num_experts is skipped."""
     match: list[str] = field(default_factory=lambda: ["active"])
     """Matching modes: active (MoE active params = dense params) | total (MoE total = dense total)."""
     moe: dict[str, Any] = field(default_factory=dict)
@@ -79,7 +74,7 @@ class GridSpec:
         why = f"entries must be 'dense' or integers >= 2, got {self.num_experts!r}"
         check.require(all(e == DENSE or check.is_int(e) and e >= 2 for e in list(self.num_experts)), "num_experts", why)
         check.ints(self.top_k, "top_k", 1)
-        _modes(self.match, "match")
+        check.choices(self.match, "match", MATCH_MODES)
         solved = {"num_experts", "expert_size", "top_k", "shared_expert_size"}
         allowed = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in solved]
         check.known_keys(self.moe, "moe", allowed, "or solved field(s)", "allowed")
@@ -123,7 +118,7 @@ class AblationSpec:
             ok = isinstance(variant, dict) and bool(variant) and set(variant) <= set(BALANCING_FIELDS)
             check.require(ok, f"balancing[{i}]", f"must be a mapping of {list(BALANCING_FIELDS)}, got {variant!r}")
         check.positives(self.capacity_factor, "capacity_factor", empty=True)
-        _modes(self.match, "match")
+        check.choices(self.match, "match", MATCH_MODES)
 
 
 @dataclass
@@ -139,8 +134,7 @@ class DenseVsSparseSpec:
     ablations: AblationSpec | None = None
     """Ablations at one budget; null = none."""
     margin: float | None = None
-    """Largest val-loss difference that counts as no effect, stated before the study runs (analysis
-    only): the equivalence margin of the claims of no effect; null: those claims are untestable."""
+    """Largest val-loss difference that counts as no effect (the TOST margin), stated before it runs; null: none."""
 
     def __post_init__(self) -> None:
         why = "the base model must be dense (moe: null); experts come from the grid"
@@ -294,10 +288,9 @@ def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
     for r in rows:
         if r["match"] == "active" and set(r["_groups"]) & set(REFERENCE_GROUPS) and r["num_experts"] > 1:
             out[r["budget"]][r["num_experts"]].append(r)
-    by_size = {
-        b: {e: sorted(v, key=lambda r: r["expert_size"]) for e, v in sorted(by_e.items())} for b, by_e in out.items()
-    }
-    return {b: by_e for b, by_e in by_size.items() if any(len(v) > 1 for v in by_e.values())}
+    sweeps = {b: by_e for b, by_e in out.items() if any(len(v) > 1 for v in by_e.values())}
+    by_size = itemgetter("expert_size")
+    return {b: {e: sorted(v, key=by_size) for e, v in sorted(by_e.items())} for b, by_e in sweeps.items()}
 
 
 def _best_sizes(by_e: dict[int, list[Row]]) -> dict[int, Row]:
