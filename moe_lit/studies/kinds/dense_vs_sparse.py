@@ -401,11 +401,10 @@ def expert_size_figure(rows: list[Row]):
         return None
     fig, axes = plots.panels(len(panels), 5.2, 4.2)
     for ax, (budget, by_e) in zip(axes, panels.items(), strict=True):
-        data = {
-            f"E={e} (top-k {', '.join(str(r['top_k']) for r in v)})": _line(v, "expert_size") for e, v in by_e.items()
-        }
+        data = {f"E={e} (top-k {', '.join(str(r['top_k']) for r in v)})": v for e, v in by_e.items()}
         title = f"{budget}: val loss vs expert size at {_short(next(iter(by_e.values()))[0]['active_params'])} active"
-        plots.lines(ax, data, "mean expert size F (top-k)", "final validation loss", title)
+        lines = {label: _line(v, "expert_size") for label, v in data.items()}
+        plots.lines(ax, lines, "mean expert size F (top-k)", "final validation loss", title)
         ax.set_xscale("log", base=2)
         by_k: dict[int, list[float]] = defaultdict(list)
         for r in (r for v in by_e.values() for r in v):
@@ -431,15 +430,12 @@ def ablation_figure(group: str, members: list[tuple[str, Row]], rows: list[Row],
     fig, (ax,) = plots.panels(1, 1.1 * len(points) + 2.0, 4.2)
     scale = (-effect, f"scale: best grid MoE minus dense, {-effect:+.4f}") if effect else None
     plots.differences(ax, labels, stats, sum(noises) / len(noises) if noises else None, scale)
-    ref = points[0][2]
-    versus = f"the same E at top-{ablation['top_k']}"
-    if group != "granularity":
-        versus = f"{ref['_groups'][group]} ({ref['config_name']}: {ref[LOSS]:.4f})"
+    ref, versus = points[0][2], f"the same E at top-{ablation['top_k']}"
+    versus = versus if group == "granularity" else f"{ref['_groups'][group]} ({ref['config_name']}: {ref[LOSS]:.4f})"
     ax.set_xlabel(AXES[group], fontsize=9)
     ax.set_ylabel(f"val loss minus {versus}\n(< 0: better than the reference)", fontsize=9)
-    matched = (
-        f"every point active-matched to the {ref['budget']} dense model ({_short(ref['active_params'])} active params)"
-    )
+    dense = f"the {ref['budget']} dense model ({_short(ref['active_params'])} active params)"
+    matched = f"every point active-matched to {dense}"
     if group == "matching":
         matched = "active-matched: the dense model's active params;\ntotal-matched: its total params (so fewer active)"
     ax.set_title(f"ablation: {group} ({ref['budget']}); {spread_note(s.n for s in stats)}\n{matched}", fontsize=8)
