@@ -266,7 +266,8 @@ def summary_rows(rows: list[Row]) -> list[Row]:
         item |= {"fwd FLOPs/tok": _short(r["flops_per_token"]), "tokens": _short(r.get("tokens", nan))}
         item["val loss"] = r[LOSS] if r["seeds"] == 1 else f"{r[LOSS]:.4f} ± {r['loss_std']:.4f}"
         item |= {lang.removeprefix(LANG_PREFIX): r.get(lang, nan) for lang in langs}
-        out.append(item | {"tok/s": round(r.get("tokens_per_s", nan)), "imbalance": r.get("load_imbalance", nan)})
+        item |= {"tok/s": round(r.get("tokens_per_s", nan)), "imbalance": r.get("load_imbalance", nan)}
+        out.append(item | {"dropped": r.get("dropped_fraction", nan)})
     return out
 
 
@@ -331,13 +332,9 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
         pairs = [(moes[-1], pts[0], "dense")] if moes and pts[0]["num_experts"] == 1 else []
         for a, b, what in pairs + ([(moes[-1], moes[0], "the smallest MoE")] if len(moes) > 1 else []):
             tests.append((f"{where} the most total params beat {what}", LOWER, None, a, b))
-    for budget, by_e in expert_size_lines(rows).items():
-        best = _best_sizes(by_e)
-        first = next(iter(best.values()), None)
-        for e, own in list(best.items())[1:]:
-            if (same := next((r for r in by_e[e] if r["top_k"] == first["top_k"]), None)) not in (None, own):
-                text = f"{budget}, E{e}: the best expert size does not move with E"
-                tests.append((text, EQUIVALENT, margin, same, own))
+    granularity = [
+        claim for budget, by_e in expert_size_lines(rows).items() for claim in _size_effects(budget, by_e, margin)
+    ]
     for group, members in ablation_bars(rows).items() if ablation else ():
         for label, r, ref in _compared(group, members, rows, ablation):
             if group in SMALL:
@@ -347,7 +344,30 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
     return [
         Claim(text, "val loss", (a["config_name"], b["config_name"]), direction, m).on(_losses(a), _losses(b))
         for text, direction, m, a, b in tests
-    ]
+    ] + granularity
+
+
+def _size_effects(budget: str, by_e: dict[int, list[Row]], margin: float | None) -> list:
+    """ "The best expert size does not move with E" as a paired interaction: per seed, the loss at
+    the smallest minus the largest top-k both E ran (a smaller minus a larger expert size) is the
+    same at each E as at the smallest E, within the margin."""
+    by_k = {e: {r["top_k"]: r for r in pts} for e, pts in by_e.items()}
+    first, *others = by_k
+    claims = []
+    for e in others:
+        if len(shared := sorted(set(by_k[first]) & set(by_k[e]))) < 2:
+            continue
+        lo, hi = shared[0], shared[-1]
+        text = f"{budget}: E{e}'s top-{lo} vs top-{hi} effect is E{first}'s (the best expert size does not move with E)"
+        names = (f"E{e}: k{lo} - k{hi}", f"E{first}: k{lo} - k{hi}")
+        effect = {x: _difference_by_seed(by_k[x][lo], by_k[x][hi]) for x in (e, first)}
+        claims.append(Claim(text, "val loss", names, EQUIVALENT, margin).on(effect[e], effect[first]))
+    return claims
+
+
+def _difference_by_seed(a: Row, b: Row) -> dict[int, float]:
+    la, lb = _losses(a), _losses(b)
+    return {seed: la[seed] - lb[seed] for seed in la.keys() & lb.keys()}
 
 
 def findings(rows: list[Row]) -> list[str]:

@@ -241,3 +241,32 @@ def test_matching_ablation_states_what_was_matched():
     assert not ax.patches  # one seed: no noise band, but the study's main effect as the scale
     assert [-0.1, -0.1] in [list(line.get_ydata()) for line in ax.lines]
     _close(fig)
+
+
+def _granularity_rows(e32_k4_shift: float):
+    """M: E8 and E32 at top-2 and top-4 over 3 seeds; top-4 is 0.05 better at E8 and by
+    0.05 - ``e32_k4_shift`` at E32, with seed noise shared by the arms of a seed."""
+    from moe_lit.studies.report import aggregate
+
+    noise = {0: 0.0, 1: 0.03, 2: -0.02}
+    records = []
+    for seed, n in noise.items():
+        records += [
+            _record("M/E8k2", seed, 3.70 + n, {"grid": "E8k2"}, num_experts=8),
+            _record("M/E8k4", seed, 3.65 + n + 0.002 * seed, {"grid": "E8k4"}, num_experts=8, top_k=4),
+            _record("M/E32k2", seed, 3.60 + n, {"grid": "E32k2"}, num_experts=32),
+            _record("M/E32k4", seed, 3.55 + n + e32_k4_shift - 0.001 * seed, {"grid": "E32k4"}, 32, 4),
+        ]
+    return aggregate(records)
+
+
+@pytest.mark.parametrize("shift, verdict", [(0.0, "reproduced"), (0.2, "contradicted")])
+def test_the_expert_size_claim_is_a_paired_interaction_of_top_k_and_e(shift, verdict):
+    from moe_lit.studies.kinds.dense_vs_sparse import claims
+    from moe_lit.studies.verdicts import judge
+
+    (evidence,) = [c for c in claims(_granularity_rows(shift), margin=0.03) if "expert size" in c.claim.text]
+    assert evidence.claim.text.startswith("M: E32's top-2 vs top-4 effect is E8's")
+    assert evidence.difference.paired and evidence.difference.estimate == pytest.approx(0.003 - shift, abs=1e-9)
+    (judged,) = judge([evidence])
+    assert judged.word == verdict
