@@ -34,12 +34,13 @@ class ConfigError(MoeLitError, ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
-def refuse_unknown_keys(data: Any, known: Any, section: str) -> None:
-    """The one check of a config mapping's keys: a ConfigError naming ``section``, the unknown keys
-    and the allowed ones (``known``: field names, or a dataclass whose fields they are)."""
+def refuse_unknown_keys(data: Any, known: Any, section: str, what: str = "key(s)", label: str = "allowed keys") -> None:
+    """The one check of a config mapping's keys (or of any names): a ConfigError
+    ``<section>: unknown <what> [...], <label>: [...]`` (``known``: the allowed names, or a
+    dataclass whose fields they are)."""
     allowed = [f.name for f in dataclasses.fields(known)] if dataclasses.is_dataclass(known) else list(known)
     if unknown := sorted(set(data) - set(allowed)):
-        raise ConfigError(f"{section}: unknown key(s) {unknown}, allowed keys: {allowed}")
+        raise ConfigError(f"{section}: unknown {what} {unknown}, {label}: {allowed}")
 
 
 def _require(condition: bool, field_name: str, message: str) -> None:

@@ -34,7 +34,7 @@ import yaml
 
 from moe_lit.accounting import markdown_table
 from moe_lit.checkpoint import export_model, load_model
-from moe_lit.config import ModelConfig
+from moe_lit.config import ModelConfig, refuse_unknown_keys
 from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text, check_output
@@ -202,9 +202,7 @@ def load_module_config(path: Path) -> tuple[ModelConfig, OptimConfig]:
     """The ``model`` and ``optim`` sections of a ``configs/model/*.yaml`` file."""
     doc = yaml.safe_load(path.read_text())
     optim = doc.get("optim") or {}
-    unknown = sorted(set(optim) - {f.name for f in dataclasses.fields(OptimConfig)})
-    if unknown:
-        raise MoeLitError(f"{path}: optim: unknown key(s) {unknown}")
+    refuse_unknown_keys(optim, OptimConfig, f"{path}: optim")
     return ModelConfig.from_yaml(path), OptimConfig(**optim)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool
+from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool, refuse_unknown_keys
 
 T = TypeVar("T")
 SPLITS = ("train", "val", "test")
@@ -32,9 +32,9 @@ def require(ok: bool, name: str, message: str) -> None:
 def known_keys(
     keys: Iterable[str], name: str, allowed: list[str], what: str = "key(s)", label: str = "allowed keys"
 ) -> None:
-    """Every one of ``keys`` in ``allowed``: ``<name>: unknown <what> [...], <label>: [...]``."""
-    unknown = sorted(set(keys) - set(allowed))
-    _require(not unknown, name, f"unknown {what} {unknown}, {label}: {allowed}")
+    """Every one of ``keys`` in ``allowed``: ``<name>: unknown <what> [...], <label>: [...]``
+    (:func:`moe_lit.config.refuse_unknown_keys`)."""
+    refuse_unknown_keys(keys, allowed, name, what, label)
 
 
 def is_int(value: Any) -> bool:
@@ -235,9 +235,7 @@ def parser(cls: type[T], required: tuple[str, ...] = ()) -> Callable[[dict[str, 
 
     def parse(fields: dict[str, Any], header: Any) -> T:
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        unknown = sorted(set(fields) - set(names))
-        if unknown:
-            raise ConfigError(f"study: unknown key(s) {unknown}, allowed keys: {names} (and the header's)")
+        refuse_unknown_keys(fields, names, "study", label="allowed keys (besides the header's)")
         for key in required:
             if key not in fields:
                 raise ConfigError(f"{key}: is required")
