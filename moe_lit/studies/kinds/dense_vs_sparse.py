@@ -359,7 +359,7 @@ def _size_effects(budget: str, by_e: dict[int, list[Row]], margin: float | None)
             continue
         lo, hi = shared[0], shared[-1]
         text = f"{budget}: E{e}'s top-{lo} vs top-{hi} effect is E{first}'s (the best expert size does not move with E)"
-        names = (f"E{e}: k{lo} - k{hi}", f"E{first}: k{lo} - k{hi}")
+        names = (f"(E{e}: k{lo} - k{hi})", f"(E{first}: k{lo} - k{hi})")
         effect = {x: _difference_by_seed(by_k[x][lo], by_k[x][hi]) for x in (e, first)}
         claims.append(Claim(text, "val loss", names, EQUIVALENT, margin).on(effect[e], effect[first]))
     return claims

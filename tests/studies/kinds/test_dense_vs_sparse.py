@@ -83,13 +83,14 @@ def test_matched_configs_hit_their_budget():
 
 def test_shipped_studies_load_and_expand():
     tiny = load_study(STUDIES / "dense_vs_sparse.yaml").points
-    assert len(tiny) == 27
-    assert {p.model.moe.num_experts if p.model.moe else 1 for p in tiny if "grid" in p.info["groups"]} == {
+    assert len(tiny) == 14 * 4  # 14 configurations x 4 seeds
+    grid = [p for p in tiny if "grid" in p.info["groups"]]
+    assert {(p.model.moe.num_experts, p.model.moe.top_k) if p.model.moe else 1 for p in grid} == {
         1,
-        4,
-        8,
-        16,
-        32,
+        (8, 2),
+        (8, 4),
+        (32, 2),
+        (32, 4),
     }
     gpu = load_study(STUDIES / "dense_vs_sparse_gpu.yaml").points
     assert len(gpu) > len(tiny)
