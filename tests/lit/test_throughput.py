@@ -31,6 +31,6 @@ def test_eager_vs_compiled_times_copies_and_leaves_the_models_alone():
     assert set(timed) == {"moe", "dense"}
     for name, row in timed.items():
         assert row["eager_tokens_per_s"] > 0 and row["compiled_tokens_per_s"] > 0 and row["compiled_speedup"] > 0
-        assert row["compile_s"] > 0  # the compiled copy's first steps traced and generated code
+        assert row["compile_s"] >= 0  # the first steps beyond the median step: 0 when a warm cache made compiling free
         for key, value in models[name].state_dict().items():
             assert torch.equal(value, before[name][key]), key
