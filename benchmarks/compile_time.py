@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.compile_time [--steps 500] [--model configs/model/tiny-moe.yaml]
 
 Three fresh processes train the demo's model (``configs/model/tiny-moe.yaml``, the demo's data,
-seq 128, batch 16, no validation) for ``--steps`` steps with :func:`moe_lit.lit.runner.train_run`:
+seq 128, batch 16, no validation) for ``--steps`` steps with :func:`moe_lit.lit.run.train_run`:
 
 1. ``eager``;
 2. ``compiled_cold``: ``train.compile: true`` with an empty inductor cache (a new temporary
@@ -39,8 +39,8 @@ def child(args: argparse.Namespace) -> None:
     from torch._dynamo.utils import counters
 
     from moe_lit.commands.demo import load_module_config, prepare_default_data
+    from moe_lit.lit.run import train_run
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
-    from moe_lit.lit.runner import train_run
 
     set_threads(args.threads)
     model_cfg, optim = load_module_config(args.model)

@@ -59,7 +59,7 @@ def prepare(text_dir: Path, out: Path) -> Path:
     cmd = [
         sys.executable,
         "-m",
-        "moe_lit.cli",
+        "moe_lit.console_script",
         "data",
         "prepare",
         "--source",

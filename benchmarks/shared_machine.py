@@ -69,7 +69,14 @@ def synthetic_data() -> Path:
 
 def fit(data: str | None, steps: int, env: dict[str, str], out: Path) -> float:
     """Wall seconds of one ``moe-lit fit`` run in a fresh process."""
-    argv = [sys.executable, "-m", "moe_lit.cli", "fit", "--config", str(CONFIGS_DIR / "experiments/tiny-moe.yaml")]
+    argv = [
+        sys.executable,
+        "-m",
+        "moe_lit.console_script",
+        "fit",
+        "--config",
+        str(CONFIGS_DIR / "experiments/tiny-moe.yaml"),
+    ]
     argv += ["--train.max_steps", str(steps), "--trainer.val_check_interval", str(steps), "--out", str(out)]
     argv += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--force"]
     argv += ["--data.data_dir", data] if data else []

@@ -17,7 +17,7 @@ Private API -> the function that reaches it:
 * ``ModelParallelStrategy._save_distributed_checkpoint`` -> :func:`saves_distributed_checkpoint`
 * ``FSDPStrategy._state_dict_type`` -> :func:`fsdp_state_dict_type`
 * ``LightningModule._trainer`` (the public ``trainer`` raises when detached) -> :func:`attached_trainer`
-* ``LightningCLI._parse_ckpt_path`` (a hook ``lit/cli.py`` overrides) -> :func:`require_tested` there
+* ``LightningCLI._parse_ckpt_path`` (a hook ``lit/lightning_cli.py`` overrides) -> :func:`require_tested` there
 * ``lm_eval.tasks._yaml_loader.load_yaml`` -> :func:`load_task_yaml`
 """
 

@@ -106,11 +106,11 @@ TINY_FIT=(--config configs/experiments/tiny-moe.yaml --data.data_dir "$MATRIX/da
   --data.val_batches 2 --trainer.enable_progress_bar false --trainer.log_every_n_steps 1 --train.max_steps 20
   --checkpoint.every_n_train_steps 10 --checkpoint.save_top_k -1)
 for trainer in ddp fsdp2; do
-  timeout 45 "$PY" -m moe_lit.cli fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
+  timeout 45 "$PY" -m moe_lit.console_script fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
     > "$OUT_DIR/fit-$trainer.log" 2>&1
   echo "fit $trainer exit $?"
   step10=$(ls "$MATRIX/$trainer"/checkpoints/*step=10.ckpt 2>/dev/null | head -n 1)
-  timeout 30 "$PY" -m moe_lit.cli fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
+  timeout 30 "$PY" -m moe_lit.console_script fit "${TINY_FIT[@]}" --trainer "configs/trainer/$trainer.yaml" --out "$MATRIX/$trainer" \
     --ckpt_path "$step10" > "$OUT_DIR/fit-$trainer-resume.log" 2>&1
   echo "fit $trainer resume exit $?"
   tail -n 2 "$OUT_DIR/fit-$trainer.log"

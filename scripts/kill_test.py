@@ -59,7 +59,7 @@ def prepare_command(corpus: Path, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "moe_lit.cli",
+        "moe_lit.console_script",
         "data",
         "prepare",
         "--source",
@@ -96,7 +96,7 @@ def fit_command(data: Path, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "moe_lit.cli",
+        "moe_lit.console_script",
         "fit",
         "--config",
         str(REPO / "configs/experiments/tiny-moe.yaml"),
@@ -148,7 +148,18 @@ STUDY_FIELDS = ("status", "val_loss", "val_loss_per_language", "curve", "steps")
 
 
 def study_command(spec: Path, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "moe_lit.cli", "study", "run", str(spec), "--data", str(data), "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "moe_lit.console_script",
+        "study",
+        "run",
+        str(spec),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+    ]
 
 
 def study_result(out: Path) -> dict[str, dict]:

@@ -17,7 +17,8 @@ def _contract() -> dict:
 
 
 def _doc_layers(text: str) -> list[list[str]]:
-    """The package cell of every table row, as the contract's module names (``moe_lit/cli.py`` -> ``cli``)."""
+    """The package cell of every table row, as the contract's module names
+    (``moe_lit/console_script.py`` -> ``console_script``)."""
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| layer ")]
     cells = [re.split(r"(?<!\\)\|", row)[2] for row in rows]
     return [[Path(path.rstrip("/")).stem for path in re.findall(r"`([^`]+)`", cell)] for cell in cells]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoint
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from tests.helpers.checkpoints import CASES, bad_checkpoint, lightning_checkpoint

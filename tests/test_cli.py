@@ -6,7 +6,7 @@ from importlib.metadata import version
 
 import pytest
 
-from moe_lit.cli import COMMANDS, PASSTHROUGH_COMMANDS, ArgumentParser, main
+from moe_lit.console_script import COMMANDS, PASSTHROUGH_COMMANDS, ArgumentParser, main
 
 OWN_COMMANDS = [name for name in COMMANDS if name not in PASSTHROUGH_COMMANDS]
 
@@ -66,7 +66,7 @@ def test_help_shows_defaults_but_not_empty_ones(capsys):
 
 
 def test_top_level_help_names_every_subcommand_of_every_command(capsys):
-    from moe_lit.cli import ACTIONS
+    from moe_lit.console_script import ACTIONS
 
     for name in OWN_COMMANDS:
         parser = ArgumentParser(prog=f"moe-lit {name}")

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lit.cli import ACTIONS, COMMANDS, LIGHTNING_SUBCOMMANDS, main
+from moe_lit.console_script import ACTIONS, COMMANDS, LIGHTNING_SUBCOMMANDS, main
 from tests.helpers.corpus import prepare_corpus
 from tests.helpers.doc_commands import DOCS, DocCommand, doc_commands
 from tests.helpers.paths import REPO
@@ -346,7 +346,7 @@ def _check_other(cmd: DocCommand, monkeypatch, capsys) -> None:
         _parse(args, monkeypatch, capsys)
     elif program == "torchrun":
         module = args.index("-m")
-        assert args[module + 1] == "moe_lit.cli", cmd
+        assert args[module + 1] == "moe_lit.console_script", cmd
         _parse(["moe-lit", *args[module + 2 :]], monkeypatch, capsys)
     else:
         pytest.fail(f"{cmd}: unknown program {program!r}; say how the docs harness checks it")

@@ -1,7 +1,7 @@
 """Every Python call the docs quote names a moe_lit function or class that accepts it as quoted.
 
 A quoted call is an inline code span that is a call (``dense_to_moe(model, "granular", E, k,
-granularity=G)``, ``moe_lit.lit.runner.train_run(model_cfg, run, ...)``, ``Transformer.routing_stats()``)
+granularity=G)``, ``moe_lit.lit.run.train_run(model_cfg, run, ...)``, ``Transformer.routing_stats()``)
 or any call in a fenced ``python`` block; every ``from moe_lit... import`` anywhere in a doc (blocks,
 ``python -c`` lines) and every inline ``moe_lit.a.b`` name must import. A callee resolves by its dotted
 path (``moe_lit.x.y``), else by the moe_lit class or module its first part names (``RunConfig.from_experiment``,

@@ -28,7 +28,7 @@ CHECKS = """
 import json, sys
 from pathlib import Path
 import moe_lit
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.commands import demo
 from moe_lit.data.layout import default_data_dir
 from moe_lit.evaluation.tasks import TEMPLATES_DIR
@@ -126,7 +126,7 @@ TOUR = [
 ]
 TOUR_SCRIPT = """
 import json, sys
-from moe_lit.cli import main
+from moe_lit.console_script import main
 
 codes = []
 for argv in json.loads(sys.argv[1]):

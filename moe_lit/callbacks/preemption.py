@@ -72,12 +72,12 @@ class Interrupted(SystemExit):
 
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The command that started this process, as a shell line (``moe-lit ...`` for the console
-    script and ``python -m moe_lit.cli``, which spawned study workers inherit)."""
+    script and ``python -m moe_lit.console_script``, which spawned study workers inherit)."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return ""
     program = Path(argv[0])
-    if program.name == "moe-lit" or program.parts[-2:] == ("moe_lit", "cli.py"):
+    if program.name == "moe-lit" or program.parts[-2:] == ("moe_lit", "console_script.py"):
         return shlex.join(["moe-lit", *argv[1:]])
     return shlex.join([Path(sys.executable).name, *argv])
 

@@ -44,7 +44,7 @@ from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
     from moe_lit.callbacks.preemption import Preemption
-    from moe_lit.lit.runner import RunResult
+    from moe_lit.lit.run import RunResult
 
 MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
@@ -160,7 +160,7 @@ def train_model(
 ) -> RunResult:
     """One model's run in ``<work-dir>/<name>``: reused with ``--resume`` when it finished, continued
     when it was interrupted, else trained afresh; its result saved beside it."""
-    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT, RunResult, train_run
+    from moe_lit.lit.run import CHECKPOINT_DIR, LAST_CHECKPOINT, RunResult, train_run
 
     run_dir = args.work_dir / name
     result_file, last = run_dir / RESULT_FILE, run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT

@@ -2,7 +2,7 @@
 
 The student (``--student``, a ``.ckpt`` or exported dir, e.g. the output of ``convert
 moe-to-dense``) starts from its weights with a fresh optimizer; the teacher (``--teacher``) stays
-frozen. Training is :func:`~moe_lit.lit.runner.train_run` with a
+frozen. Training is :func:`~moe_lit.lit.run.train_run` with a
 :class:`~moe_lit.lit.distill.DistillModule` (forward KL at ``--temperature`` mixed with the LM
 loss), so logs, checkpoints and validation are those of every other run. ``--out`` receives
 ``metrics.csv``, ``checkpoints/``, ``model/`` (the distilled student, exported with the student's
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, load_model
     from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json, check_output
+    from moe_lit.lit.run import train_run
     from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
-    from moe_lit.lit.runner import train_run
 
     for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
         if getattr(args, name) < 1:

@@ -51,6 +51,6 @@ def _runs_evaluation(args: list[str]) -> bool:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except MoeLitError as exc:  # as moe_lit.cli prints it (a command module never imports the CLI above it)
+    except MoeLitError as exc:  # as moe_lit.console_script prints it (a command module never imports the CLI above it)
         print(f"python -m moe_lit.evaluation.lm_eval_cli: error: {exc}", file=sys.stderr)
         sys.exit(2)

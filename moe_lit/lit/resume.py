@@ -1,6 +1,6 @@
 """Rerunning into a run directory: continue it (``--resume``) or replace it (``--force``).
 
-``moe-lit fit`` writes one run directory (``moe_lit.lit.cli``); a second run of the same command
+``moe-lit fit`` writes one run directory (``moe_lit.lit.lightning_cli``); a second run of the same command
 finds it. :func:`existing_run_message` is the refusal that says which of the two flags the user
 probably wants, read from the run's ``checkpoints/last.ckpt``: a run that stopped before its last
 step (an interrupt, a crash) is continued with ``--resume``; a finished one, or one without a

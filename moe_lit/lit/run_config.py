@@ -7,7 +7,7 @@
 
 The LightningCLI experiment YAMLs use the same sections and names (``data:``, ``train:``,
 ``trainer:``; ``optim`` sits at ``model.optim`` there because it is an argument of the module), so
-one YAML feeds ``moe-lit fit`` and :func:`moe_lit.lit.runner.train_run`
+one YAML feeds ``moe-lit fit`` and :func:`moe_lit.lit.run.train_run`
 (:meth:`RunConfig.from_experiment`). The demo and every study kind build a ``RunConfig``.
 """
 

@@ -6,7 +6,7 @@ spec into :class:`Point` s (``expand``) and the finished records into tables, fi
 
 * a **point** is one small pipeline: start (from scratch, or from a parent point's checkpoint at
   a step: ``resume`` keeps the whole trainer state, ``init`` only the weights) -> optional
-  transform (a pure function of :mod:`moe_lit.convert`) -> train (:func:`~moe_lit.lit.runner.train_run`
+  transform (a pure function of :mod:`moe_lit.convert`) -> train (:func:`~moe_lit.lit.run.train_run`
   with the point's callbacks and, optionally, its own LightningModule, e.g. a distillation module
   whose frozen teacher is the parent's checkpoint) -> optional measurement. Its hash covers
   everything that determines it (model, run config, seed, start incl. the parent's hash,
@@ -265,7 +265,7 @@ def run_dir(out_dir: Path, point: Point) -> Path:
 
 def fork_checkpoint(out_dir: Path, parent: Point, step: int | None) -> Path:
     """Where a parent keeps the checkpoint a child starts from."""
-    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
+    from moe_lit.lit.run import CHECKPOINT_DIR, LAST_CHECKPOINT
 
     name = LAST_CHECKPOINT if step is None else f"fork-step={step}.ckpt"
     return run_dir(out_dir, parent) / CHECKPOINT_DIR / name
@@ -320,8 +320,8 @@ def _result_fields(result: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- one point
 def default_train_fn() -> TrainFn:
-    """:func:`moe_lit.lit.runner.train_run`, imported only when a real run starts."""
-    from moe_lit.lit.runner import train_run
+    """:func:`moe_lit.lit.run.train_run`, imported only when a real run starts."""
+    from moe_lit.lit.run import train_run
 
     return train_run
 
@@ -443,7 +443,7 @@ def interrupted_checkpoint(out_dir: Path, point: Point) -> Path | None:
     """The ``last.ckpt`` of a point that stopped without a record (a signal, a killed runner): its
     run continues from there. None when there is none or the point has a record (a failed point is
     retried from its start)."""
-    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
+    from moe_lit.lit.run import CHECKPOINT_DIR, LAST_CHECKPOINT
 
     checkpoint = run_dir(out_dir, point) / CHECKPOINT_DIR / LAST_CHECKPOINT
     return checkpoint if checkpoint.is_file() and read_record(record_path(out_dir, point)) is None else None

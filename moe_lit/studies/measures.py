@@ -82,8 +82,8 @@ def validation_batches(run) -> dict[str, list]:
 def start_validation(point: Point, run_dir: Path) -> dict[str, Any]:
     """Validation loss (overall and per language) of a transformed point's start weights (the model
     the engine wrote under ``run_dir/TRANSFORMED_START``) before training, by a 0-step
-    :func:`~moe_lit.lit.runner.train_run` on the run's validation batches."""
-    from moe_lit.lit.runner import train_run
+    :func:`~moe_lit.lit.run.train_run` on the run's validation batches."""
+    from moe_lit.lit.run import train_run
 
     start = Path(run_dir) / TRANSFORMED_START
     converted = train_run(

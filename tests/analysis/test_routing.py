@@ -12,7 +12,7 @@ from moe_lit.analysis.routing import (
     js_divergence,
     verdict,
 )
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.evaluation.routing_trace import RoutingTrace
 from tests.helpers.corpus import LANGUAGES, PARAGRAPHS
 

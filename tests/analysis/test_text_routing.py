@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer
 
 from moe_lit.checkpoint import export_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.evaluation.routing_trace import routing_trace
 from moe_lit.model import Transformer
 from tests.helpers.models import tiny

@@ -6,8 +6,8 @@ import torch
 
 from moe_lit.accounting import forward_flops_per_token
 from moe_lit.checkpoint import export_model, load_config
-from moe_lit.cli import main
 from moe_lit.config import ModelConfig
+from moe_lit.console_script import main
 from moe_lit.model import Transformer
 from tests.helpers.checkpoints import lightning_checkpoint
 from tests.helpers.models import tiny

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model, load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.convert.moe_to_dense import MoeToDenseConfig, moe_to_dense
 from moe_lit.data.prepare import PrepareConfig, prepare
 from moe_lit.evaluation.routing_trace import routing_trace

@@ -1,6 +1,6 @@
 """``moe-lit study``: a record that is there but unreadable is one line naming it."""
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.studies.study import parse_study, run_study
 from tests.helpers.studies import small_spec
 from tests.studies import fakes

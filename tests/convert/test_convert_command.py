@@ -1,7 +1,7 @@
 import torch
 
 from moe_lit.checkpoint import export_model, load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.model import Transformer
 from tests.helpers.models import tiny
 

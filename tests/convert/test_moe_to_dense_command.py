@@ -7,7 +7,7 @@ import torch
 
 from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 
 
 def _convert(exported, prepared_dir, out, *extra):

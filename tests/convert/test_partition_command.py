@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model, load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.model import Transformer
 from tests.helpers.corpus import write_corpus
 from tests.helpers.models import tiny

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.evaluation.routing_trace import routing_trace
 
 

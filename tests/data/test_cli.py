@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.data.debian import ensure_package_lists
 from moe_lit.errors import MoeLitError
 
@@ -118,7 +118,7 @@ def test_hf_source_offline(tmp_path):
         [
             sys.executable,
             "-m",
-            "moe_lit.cli",
+            "moe_lit.console_script",
             "data",
             "prepare",
             "--source",

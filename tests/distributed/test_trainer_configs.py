@@ -21,7 +21,7 @@ import pytest
 import yaml
 from lightning.pytorch.strategies import Strategy
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from tests.helpers.cli_runs import TINY
 from tests.helpers.paths import CONFIGS, EXPERIMENT
 

@@ -4,7 +4,7 @@ import lm_eval.api.model
 import lm_eval.api.task
 from tqdm import tqdm
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.evaluation.harness import scoring_bars_only
 
 

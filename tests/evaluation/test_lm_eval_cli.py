@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.evaluation.tasks import render_suite
 
 

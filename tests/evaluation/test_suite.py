@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.errors import MoeLitError
 from moe_lit.evaluation.suite import suite_scores
 from tests.helpers.corpus import LANGUAGES

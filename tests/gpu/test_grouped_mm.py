@@ -79,6 +79,8 @@ def test_auto_geometry():
     uniform, hetero = ExpertLayout.of([16] * E), ExpertLayout.of([8, 16, 16, 24])
     cuda = torch.device("cuda")  # only the device *type* matters here: nothing runs
     assert choose_geometry("auto", uniform, D, torch.float32, CPU) == "looped"
+    assert choose_geometry("auto", uniform, D, torch.bfloat16, CPU) == "batched"  # one bmm, not E small bf16 GEMMs
+    assert choose_geometry("auto", hetero, D, torch.bfloat16, CPU) == "looped"
     assert choose_geometry("auto", uniform, D, torch.bfloat16, cuda) == "grouped"
     assert choose_geometry("auto", uniform, D, torch.float32, cuda) == "batched"  # CUDA grouped GEMM: bf16 only
     assert choose_geometry("auto", ExpertLayout.of([6] * E), D, torch.bfloat16, cuda) == "batched"  # unaligned

@@ -1,6 +1,6 @@
 """``moe-lit fit`` on tiny prepared data: the flags of a tiny MoE run and the call."""
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from tests.helpers.paths import EXPERIMENT
 
 TINY = [

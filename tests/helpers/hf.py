@@ -82,7 +82,7 @@ def imported_llama(out, vocab_size: int, seq_len: int = 16, **overrides):
     """A random tiny Llama (:func:`hf_model`, 3 layers, FFN width 64, tied embeddings) saved as
     transformers saves it and imported by ``moe-lit convert import-hf``: the moe_lit model directory
     ``out/model`` (no tokenizer: studies then read the data's), a stand-in for an imported SmolLM2."""
-    from moe_lit.cli import main
+    from moe_lit.console_script import main
 
     fields = dict(vocab_size=vocab_size, num_hidden_layers=3, intermediate_size=64, max_position_embeddings=64)
     hf_model("llama", tie_word_embeddings=True, **{**fields, **overrides}).save_pretrained(out / "hf")

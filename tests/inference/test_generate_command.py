@@ -1,7 +1,7 @@
 import pytest
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.inference import generate
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from tests.helpers.paths import EXPERIMENT, REPO
 
 
@@ -87,7 +87,7 @@ def test_help_shows_the_dataclass_field_docstrings(capsys):
     ],
 )
 def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):
-    from moe_lit.lit.cli import config_error_line
+    from moe_lit.lit.lightning_cli import config_error_line
 
     assert config_error_line(message) == line
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model, load_model, read_lightning_checkpoint
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.data.layout import read_meta
 from moe_lit.model import Transformer
 from tests.helpers.cli_runs import fit as _fit

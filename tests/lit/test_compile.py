@@ -15,12 +15,12 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from moe_lit.callbacks.compile import CompileBlocks, compile_cost
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
-from moe_lit.cli import main
 from moe_lit.config import ConfigError
+from moe_lit.console_script import main
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.run import _trainer_kwargs
 from moe_lit.lit.run_config import RunConfig, TrainConfig
-from moe_lit.lit.runner import _trainer_kwargs
 from moe_lit.model import Transformer
 from moe_lit.model.compile import INDUCTOR_CACHE_ENV, compile_blocks, is_compiled, use_inductor_cache_dir
 from tests.helpers.models import tiny

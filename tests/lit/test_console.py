@@ -102,7 +102,7 @@ def test_validate_prints_one_table_with_a_row_per_language(prepared, tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert _fit(prepared, "--trainer.max_steps", "1") == 0
     capsys.readouterr()
-    from moe_lit.cli import main
+    from moe_lit.console_script import main
 
     argv = ["validate", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, "--ckpt_path", LAST]
     assert main(argv) == 0
@@ -155,8 +155,8 @@ def test_step_metrics_show_losses_lr_throughput_and_load_imbalance():
 
 
 def test_train_run_prints_no_lightning_notices(prepared, tmp_path, lightning_info):
+    from moe_lit.lit.run import train_run
     from moe_lit.lit.run_config import RunConfig
-    from moe_lit.lit.runner import train_run
     from tests.helpers.models import tiny
 
     run = RunConfig.from_dict(
@@ -247,7 +247,11 @@ def test_fit_into_a_log_prints_step_lines_and_no_escape_codes(prepared, tmp_path
     argv = ["fit", "--config", EXPERIMENT, "--data.data_dir", str(prepared), *TINY, "--trainer.max_steps", "3"]
     argv = [arg for arg in argv if arg not in ("--trainer.enable_progress_bar", "false")]
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_lit.cli", *argv], cwd=tmp_path, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "moe_lit.console_script", *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split("  ")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"], proc.stdout
@@ -261,6 +265,8 @@ def test_data_prepare_into_a_log_writes_no_escape_codes_and_no_blank_lines(tmp_p
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=20)
     argv = ["data", "prepare", "--source", str(corpus), "--out", str(tmp_path / "data"), "--vocab-size", "300"]
-    proc = subprocess.run([sys.executable, "-m", "moe_lit.cli", *argv], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_lit.console_script", *argv], capture_output=True, text=True, check=True
+    )
     assert "\x1b" not in proc.stdout + proc.stderr and "\r" not in proc.stdout + proc.stderr
     assert "" not in proc.stdout.splitlines()[:3], proc.stdout  # the tokenizer's bars printed blank lines

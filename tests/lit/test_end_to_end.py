@@ -7,10 +7,10 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.run import read_metrics, train_run
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
-from moe_lit.lit.runner import read_metrics, train_run
 from tests.helpers.corpus import prepare_corpus
 from tests.helpers.models import tiny
 from tests.helpers.paths import EXPERIMENT

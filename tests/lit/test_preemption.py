@@ -17,11 +17,11 @@ import yaml
 
 from moe_lit.callbacks.preemption import Interrupted, Preemption, command_line
 from moe_lit.checkpoint import read_lightning_checkpoint
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.resume import existing_run_message, fit_resume_command
-from moe_lit.lit.runner import read_metrics
+from moe_lit.lit.run import read_metrics
 from moe_lit.resources import CONFIGS_DIR
 from tests.helpers.cli_runs import TINY
 from tests.helpers.cli_runs import fit as _fit
@@ -112,10 +112,12 @@ def _rows(path) -> dict[int, float]:
 
 
 def _signal_when_checkpointed(argv, cwd, checkpoints, timeout_s=300.0) -> tuple[int, str]:
-    """Start ``python -m moe_lit.cli *argv``, SIGTERM it once a ``last.ckpt`` matches ``checkpoints``
+    """Start ``python -m moe_lit.console_script *argv``, SIGTERM it once a ``last.ckpt`` matches ``checkpoints``
     (it checkpoints every step), and return its exit status and stderr."""
     with open(cwd / "stderr.txt", "w") as err, open(cwd / "stdout.txt", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "moe_lit.cli", *argv], cwd=cwd, stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_lit.console_script", *argv], cwd=cwd, stdout=out, stderr=err
+        )
         deadline = time.monotonic() + timeout_s
         while not list(cwd.glob(checkpoints)) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -268,7 +270,7 @@ def test_demo_resume_needs_an_earlier_demo_with_the_same_settings(tmp_path, monk
     check_work_dir(args, {"tokens": 100})
     with pytest.raises(MoeLitError, match=r"ran with other settings \(tokens\)"):
         check_work_dir(args, {"tokens": 200})
-    monkeypatch.setattr(sys, "argv", ["/checkout/moe_lit/cli.py", "demo", "--force"])  # make demo
+    monkeypatch.setattr(sys, "argv", ["/checkout/moe_lit/console_script.py", "demo", "--force"])  # make demo
     assert resume_command() == "moe-lit demo --force --resume"
 
 

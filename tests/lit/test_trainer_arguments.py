@@ -4,9 +4,9 @@
 import lightning.pytorch as pl
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
+from moe_lit.lit.run import train_run
 from moe_lit.lit.run_config import RunConfig
-from moe_lit.lit.runner import train_run
 from moe_lit.resources import CONFIGS_DIR
 
 EXPERIMENTS = sorted((CONFIGS_DIR / "experiments").glob("*.yaml"))

@@ -83,7 +83,7 @@ def module_probe(cfg, optim, parent=None, tag=""):
 
 def train_with_module(model_cfg, run, out_dir, callbacks=(), resume_from=None, init_from=None, module_factory=None):
     """fake_train that also builds the module (when given) and writes the final checkpoint a child starts from."""
-    from moe_lit.lit.runner import CHECKPOINT_DIR, LAST_CHECKPOINT
+    from moe_lit.lit.run import CHECKPOINT_DIR, LAST_CHECKPOINT
 
     result = fake_train(model_cfg, run, out_dir, callbacks, resume_from, init_from)
     (Path(out_dir) / CHECKPOINT_DIR).mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.studies.study import parse_study, run_study
 from tests.helpers.paths import STUDIES
 from tests.helpers.studies import small_spec

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow  # plots are drawn again too

@@ -39,13 +39,15 @@ def grouped_gemm_fits(layout: ExpertLayout, d_model: int, dtype: torch.dtype, de
 def choose_geometry(
     strategy: Strategy, layout: ExpertLayout, d_model: int, dtype: torch.dtype, device: torch.device
 ) -> Geometry:
-    """The slot geometry for ``strategy``; ``auto``: the loop on CPU and for unequal sizes, else grouped
-    GEMMs where they fit, else padded ``bmm`` chunks.
+    """The slot geometry for ``strategy``; ``auto``: the loop for unequal sizes and for float32 on CPU,
+    padded ``bmm`` chunks for bf16 on CPU, else grouped GEMMs where they fit, else ``bmm`` chunks.
 
-    NOTE: on CPU the loop of per-expert GEMMs is the fastest geometry (``python -m
-    benchmarks.moe_layer``; its numbers are in docs/performance.md and benchmarks/results/): it does
-    no padding, and torch's CPU grouped GEMM is itself a loop over the experts. On GPUs one grouped
-    GEMM replaces a kernel launch per expert.
+    NOTE: on CPU in float32 the loop of per-expert GEMMs is as fast as any geometry (``python -m
+    benchmarks.moe_layer``; docs/performance.md): it does no padding, and torch's CPU grouped GEMM is
+    itself a loop over the experts. A bf16 GEMM of a few hundred rows pays a fixed cost per call that
+    the loop pays once per expert and matmul, so under bf16 one ``bmm`` over all chunks is faster
+    (``python -m benchmarks.moe_layer --precision bf16``). On GPUs one grouped GEMM replaces a
+    kernel launch per expert.
     """
     grouped_fits = grouped_gemm_fits(layout, d_model, dtype, device)
     if strategy != "auto":
@@ -55,8 +57,10 @@ def choose_geometry(
                 "and bf16 on CUDA; use 'auto'"
             )
         return strategy
-    if not layout.uniform or device.type == "cpu":
+    if not layout.uniform or (device.type == "cpu" and dtype != torch.bfloat16):
         return "looped"
+    if device.type == "cpu":
+        return "batched"
     return "grouped" if grouped_fits else "batched"
 
 

@@ -9,7 +9,7 @@ import torch
 
 from moe_lit.accounting import count_config_params
 from moe_lit.checkpoint import export_model, load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.convert.hf import from_hf, to_hf
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.data.tokenizer import EOS, train_tokenizer
 from tests.helpers.hf import hf_model, tokens
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.convert.hf import from_hf
 from moe_lit.errors import MoeLitError
 from tests.helpers.hf import FAMILY_NAMES, hf_model, tokens

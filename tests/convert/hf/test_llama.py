@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import load_model
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.convert import dense_to_moe
 from moe_lit.errors import MoeLitError
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moe_lit.accounting import count_config_params
-from moe_lit.cli import main
+from moe_lit.console_script import main
 from moe_lit.convert.hf import config_from_hf
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from moe_lit.checkpoint import export_model
-from moe_lit.cli import main
 from moe_lit.config import ModelConfig
+from moe_lit.console_script import main
 from moe_lit.convert.hf import FAMILIES, from_hf
 from moe_lit.convert.hf.core import HF_ALIGN, config_features
 from moe_lit.inference.generate import generate

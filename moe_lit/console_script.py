@@ -1,6 +1,6 @@
 """The ``moe-lit`` console script.
 
-``moe-lit fit|validate|test ...`` goes to LightningCLI (see ``moe_lit.lit.cli``); every other
+``moe-lit fit|validate|test ...`` goes to LightningCLI (see ``moe_lit.lit.lightning_cli``); every other
 subcommand is registered in ``COMMANDS`` as ``name -> (module, help)``. A command module exposes
 ``configure(parser)`` and ``run(args) -> int`` (one of ``PASSTHROUGH_COMMANDS``, another tool's
 CLI, exposes ``main(argv) -> int`` instead) and is imported only when it runs, so optional
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], [packaged_config(arg) for arg in argv[1:]]
     try:
         if command in LIGHTNING_SUBCOMMANDS:
-            from moe_lit.lit.cli import run_lightning_cli
+            from moe_lit.lit.lightning_cli import run_lightning_cli
 
             return run_lightning_cli([command, *rest])
         if command not in COMMANDS:

@@ -80,7 +80,7 @@ from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.resume import existing_run_message, fit_resume_command, requeued_run, resume_checkpoint
-from moe_lit.lit.runner import throughput_monitor
+from moe_lit.lit.run import throughput_monitor
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves itself (``last``: the newest checkpoint of the run's
