@@ -1,9 +1,10 @@
 """Load and export models: Lightning ``.ckpt`` files and exported directories.
 
-:func:`load_config` is the one resolver of a model given on the command line: a model YAML, an
-experiment YAML (``moe-lit fit --config``), a ``.ckpt``, an exported directory (ours, or a
-transformers one). :func:`load_model` needs weights, so it takes the last two; a YAML is a one-line
-error saying what to pass.
+:func:`load_config` is the one resolver of a model of ours: a model YAML, an experiment YAML
+(``moe-lit fit --config``), a ``.ckpt``, an exported directory. :func:`load_model` needs weights, so
+it takes the last two; a YAML is a one-line error saying what to pass. A transformers directory is
+read one layer up (:mod:`moe_lit.convert.model_input`, which the commands use); here it is a
+one-line error saying so.
 
 An exported directory holds ``config.json`` (the ``ModelConfig``), ``model.safetensors`` (the
 ``Transformer`` state dict, MegaBlocks expert layout) and, when known, ``tokenizer.json``.
@@ -138,11 +139,7 @@ def load_config(path: str | Path) -> ModelConfig:
     if path.is_file() and path.name == CONFIG_FILE:
         path = path.parent
     if path.is_dir():
-        if _is_transformers_dir(path):
-            from moe_lit.convert.hf import hf_config_dir_to_ours
-
-            return hf_config_dir_to_ours(path)
-        return _exported_config(path)
+        return _exported_config(_ours(path))
     if path.suffix in YAML_SUFFIXES:
         return _yaml_config(path)
     return checkpoint_config(read_lightning_checkpoint(path), path)
@@ -193,12 +190,23 @@ def _read_yaml(path: Path) -> Any:
         raise MoeLitError(f"{path}: not valid YAML ({_first_line(exc)})") from exc
 
 
-def _is_transformers_dir(directory: Path) -> bool:
-    """A transformers model directory: its ``config.json`` names a ``model_type``."""
+def is_transformers_dir(path: Path) -> bool:
+    """A transformers model directory (or its ``config.json``): the config names a ``model_type``."""
+    directory = path.parent if path.name == CONFIG_FILE else path
     try:
         return "model_type" in json.loads((directory / CONFIG_FILE).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
+
+
+def _ours(directory: Path) -> Path:
+    """``directory``, unless it is a transformers one (a one-line error naming the loader that reads it)."""
+    if is_transformers_dir(directory):
+        raise MoeLitError(
+            f"checkpoint {directory}: a transformers directory; read it with moe_lit.convert.model_input "
+            "(as every moe-lit command does) or import it with moe-lit convert import-hf"
+        )
+    return directory
 
 
 def resolve_device(device: str) -> str:
@@ -217,19 +225,14 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(path: str | Path, map_location: str = "cpu"):
-    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory (ours, or a
-    transformers one of a supported family, imported as ``moe-lit convert import-hf`` does), on
+    """Rebuild the Transformer stored in a ``.ckpt`` file or an exported directory of ours, on
     ``map_location`` (a device name or ``auto``, see :func:`resolve_device`)."""
     from moe_lit.model import Transformer
 
     map_location = resolve_device(map_location)
     path = _existing(path)
-    if path.is_dir() and _is_transformers_dir(path):
-        from moe_lit.convert.hf import from_hf
-
-        return from_hf(path).to(map_location).eval()  # imported on the fly (convert import-hf keeps it)
     if path.is_dir():
-        cfg = _exported_config(path)
+        cfg = _exported_config(_ours(path))
         state = _exported_weights(path / WEIGHTS_FILE, map_location)
     else:
         ckpt = read_lightning_checkpoint(path)

@@ -1,6 +1,6 @@
 """``moe-lit accounting``: parameter / FLOP table of one or more models, optionally matched.
 
-A ``--config`` is anything :func:`moe_lit.checkpoint.load_config` resolves: a model YAML, an
+A ``--config`` is anything :func:`moe_lit.convert.model_input.load_any_config` resolves: a model YAML, an
 experiment YAML, a Lightning ``.ckpt`` or a model directory (one of ours, ``moe-lit convert``
 output, or a transformers one: ``moe-lit export`` output or a downloaded checkpoint of a supported
 family). FLOPs per token depend on the sequence length (attention); each row states the one it
@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from moe_lit.accounting import accounting_rows, markdown_table, matched_moe_config
-from moe_lit.checkpoint import load_config
 from moe_lit.config import ModelConfig
+from moe_lit.convert.model_input import load_any_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configs: dict[str, ModelConfig] = {}
     for label, path in zip(row_labels(args.config), args.config, strict=True):
-        cfg = load_config(path)
+        cfg = load_any_config(path)
         cfg = cfg.replace(seq_len=args.seq_len) if args.seq_len else cfg
         configs[label] = cfg
         if args.match:

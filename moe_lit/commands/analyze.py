@@ -49,11 +49,11 @@ def _run_text(args: argparse.Namespace) -> int:
     import json
 
     from moe_lit.analysis.text_routing import route_text, routes_table, token_routes
-    from moe_lit.checkpoint import load_model
+    from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import model_tokenizer
 
     tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
-    model = load_model(args.checkpoint, map_location=args.device)
+    model = load_any_model(args.checkpoint, map_location=args.device)
     rows = token_routes(route_text(model, tokenizer, args.text), tokenizer)
     print(json.dumps(rows, ensure_ascii=False) if args.json else routes_table(rows))
     return 0
@@ -87,13 +87,13 @@ def run(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace, cfg):
     """Route the parallel test documents of every language: ``(trace, languages, data dir)``."""
     from moe_lit.analysis.routing import tokenize_documents, trace_languages
-    from moe_lit.checkpoint import load_model
+    from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import model_tokenizer, resolve_eot_id
     from moe_lit.evaluation.tasks import read_parallel, resolve_data_dir
 
     data_dir = resolve_data_dir(args.checkpoint, args.data)
     tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
-    model = load_model(args.checkpoint, map_location=args.device)
+    model = load_any_model(args.checkpoint, map_location=args.device)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; routing needs MoE layers")
     parallel = read_parallel(data_dir, args.split)

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from moe_lit.accounting import count_model_params
-from moe_lit.checkpoint import export_model, load_model
+from moe_lit.checkpoint import export_model
 from moe_lit.config import BALANCING
 from moe_lit.convert.dense_to_moe import RECIPES
+from moe_lit.convert.model_input import load_any_model
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
 from moe_lit.data.tokenizer import find_tokenizer, model_tokenizer
 from moe_lit.errors import MoeLitError
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         from moe_lit.convert.dense_to_moe import dense_to_moe
 
         model = dense_to_moe(
-            load_model(args.checkpoint),
+            load_any_model(args.checkpoint),
             args.recipe,
             args.num_experts,
             args.top_k,
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         from moe_lit.convert.expand import expand_experts
 
         model = expand_experts(
-            load_model(args.checkpoint),
+            load_any_model(args.checkpoint),
             factor=args.factor,
             counts=args.counts,
             noise=args.noise,
@@ -251,7 +252,7 @@ def _run_prune(args: argparse.Namespace) -> int:
     from moe_lit.io import atomic_write_json
 
     maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
-    model = load_model(args.checkpoint)
+    model = load_any_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; pruning needs MoE layers")
     check_prune_budget(args, model.config)
@@ -324,7 +325,7 @@ def _run_moe_to_dense(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.feature_tokens,
     )
-    model = load_model(args.checkpoint)
+    model = load_any_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; moe-to-dense needs MoE layers")
     check_convertible(model, cfg)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_lit.convert.recipes import PRUNING, calibration_batches, partition_dense
+from moe_lit.convert.recipes import PRUNING, partition_dense
 from moe_lit.errors import MoeLitError
 
 PARTITION_FILE = "partition.json"
@@ -23,12 +23,15 @@ PARTITION_FILE = "partition.json"
 
 def run_partition(args: argparse.Namespace) -> int:
     from moe_lit.accounting import count_model_params
-    from moe_lit.checkpoint import export_model, load_model
+    from moe_lit.checkpoint import export_model
+    from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json
+    from moe_lit.lit.datamodule import calibration_batches
+    from moe_lit.lit.distill import fit_dot_moe
 
     _check_arguments(args)
-    dense = load_model(args.checkpoint)
+    dense = load_any_model(args.checkpoint)
     if dense.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is already an MoE; partition needs a dense model")
     batches = (
@@ -50,6 +53,7 @@ def run_partition(args: argparse.Namespace) -> int:
         train_dense=args.train_dense,
         balancing=args.balancing,
         seed=args.seed,
+        fit=fit_dot_moe,
     )
     export_model(model, args.out, find_tokenizer(args.checkpoint))
     params = count_model_params(model)
@@ -93,4 +97,4 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
 
 
-__all__ = ["PARTITION_FILE", "calibration_batches", "partition_dense", "run_partition"]
+__all__ = ["PARTITION_FILE", "partition_dense", "run_partition"]

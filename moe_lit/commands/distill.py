@@ -55,6 +55,7 @@ def distill_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: Disti
 
 def run(args: argparse.Namespace) -> int:
     from moe_lit.checkpoint import export_model, load_model
+    from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json, check_output
     from moe_lit.lit.run import train_run
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.force and args.out.exists():
         # NOTE: a run directory is appended to (metrics, checkpoints): replacing one means removing it.
         shutil.rmtree(args.out) if args.out.is_dir() else args.out.unlink()
-    teacher = load_model(args.teacher)
+    teacher = load_any_model(args.teacher)
     if args.seq_len > teacher.config.seq_len:
         raise MoeLitError(f"--seq-len: {args.seq_len} exceeds the teacher's seq_len {teacher.config.seq_len}")
     steps = max(1, args.tokens // (args.seq_len * args.batch_size))
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         train=TrainConfig(max_tokens=args.tokens, val_every=max(1, steps // args.evals), seed=args.seed),
     )
     factory = partial(distill_module, teacher=teacher, distill=distill)
-    student = load_model(args.student)
+    student = load_any_model(args.student)
     result = train_run(student.config, run_cfg, args.out, init_from=args.student, module_factory=factory)
     trained = load_model(Path(result.checkpoint))
     export_model(trained, args.out / MODEL_DIR, find_tokenizer(args.student))

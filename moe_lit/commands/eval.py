@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """Render the tasks into a temporary dir and run the harness: ``(results, suite manifest)``."""
+    from moe_lit.convert.model_input import load_any_model
+    from moe_lit.data.tokenizer import find_tokenizer, model_tokenizer
     from moe_lit.evaluation.harness import MoeLitLM, evaluate
     from moe_lit.evaluation.tasks import SUITE_MANIFEST, SUITE_PREFIX, resolve_data_dir, resolve_tasks
 
@@ -77,9 +79,10 @@ def _evaluate(args: argparse.Namespace) -> tuple[dict, dict | None]:
     with tempfile.TemporaryDirectory(prefix="moe_lit_tasks_") as work:
         data_dir = resolve_data_dir(args.checkpoint, args.data) if needs_data else None
         names, manager = resolve_tasks(tasks, Path(work), data_dir=data_dir, task_data=task_data)
+        # NOTE: the command loads the model (a transformers directory too), the harness takes it in memory.
         lm = MoeLitLM(
-            checkpoint=args.checkpoint,
-            tokenizer=args.tokenizer,
+            model=load_any_model(args.checkpoint, map_location=args.device),
+            tokenizer=args.tokenizer or find_tokenizer(args.checkpoint) or model_tokenizer(args.checkpoint),
             batch_size=args.batch_size,
             device=args.device,
             sparsity=args.sparsity,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_lit.checkpoint import load_model
 from moe_lit.convert.hf.export import DTYPES, export_hf
 from moe_lit.convert.hf.families import FAMILIES
+from moe_lit.convert.model_input import load_any_model
 from moe_lit.data.tokenizer import find_tokenizer
 from moe_lit.io import check_output
 
@@ -34,7 +34,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     tokenizer = args.tokenizer or find_tokenizer(args.checkpoint)
     check_output(args.out, {"--checkpoint": args.checkpoint, "--tokenizer": tokenizer}, args.force)
-    model = load_model(args.checkpoint)
+    model = load_any_model(args.checkpoint)
     export_hf(
         model,
         args.format,

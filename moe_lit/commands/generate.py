@@ -60,14 +60,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lit.checkpoint import load_model
+    from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference import generate, stream
 
     if args.stream and len(args.prompt) != 1:
         raise MoeLitError(f"--stream: prints one prompt as it grows; got {len(args.prompt)} --prompt")
     tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
-    model = sparse_from_args(load_model(args.checkpoint, map_location=args.device), tokenizer, args)
+    model = sparse_from_args(load_any_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
     options = {
         "max_new_tokens": args.max_new_tokens,

@@ -7,7 +7,9 @@ pure transform of :mod:`moe_lit.convert` (the source model is left untouched):
   ``partition`` kind: a neuron assignment (random | kmeans | coactivation) with a router (centroid |
   trained | random), DOT-MoE (the split and the routers learned with the dense model as teacher),
   or the structured-pruning baseline at the same active width (``pruning``: a dense model keeping
-  each FFN's d_ff * k / E most active neurons), on the training stream (:func:`calibration_batches`);
+  each FFN's d_ff * k / E most active neurons), on the batches of a training stream
+  (:func:`moe_lit.lit.datamodule.calibration_batches`); DOT-MoE's training is passed in (``fit``:
+  :func:`moe_lit.lit.distill.fit_dot_moe`), so this layer builds no Lightning object;
 * :func:`prune_by_importance`: an MoE with a fraction of every layer's experts removed, ranked by
   an importance method on routed calibration text (the ``pruning`` kind);
 * :func:`moe_to_dense_on_text` and :func:`prune_dense_to_width`: an MoE turned into a dense FFN of
@@ -18,7 +20,7 @@ The calibration text of the last three is the parallel text of one split (:func:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ from moe_lit.errors import MoeLitError
 
 PRUNING = "pruning"
 """The structured-pruning baseline: a dense model cut to the active width d_ff * k / E (no experts)."""
+FitDotMoE = Callable[[Any, Any, list[torch.Tensor], Any, float], Any]
+"""``fit(dense, student, batches, DotMoEConfig, lr)``: trains a DOT-MoE student in place, one optimizer
+step a batch, the dense model its teacher (:func:`moe_lit.lit.distill.fit_dot_moe`)."""
 
 
 def partition_dense(
@@ -47,12 +52,13 @@ def partition_dense(
     train_dense: bool = False,
     balancing: str = "aux_loss",
     seed: int = 0,
+    fit: FitDotMoE | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(the MoE, what was done) for a dense model: the conversion of ``moe-lit convert partition``
     (its options, without the files), also the transform of the ``partition`` study kind.
-    ``batches``: the calibration / DOT-MoE training stream (:func:`calibration_batches`)."""
+    ``batches``: the calibration / DOT-MoE training stream; ``fit``: DOT-MoE's training."""
     if method == "dot_moe":
-        return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed)
+        return _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed, fit)
     if method == PRUNING:
         return _pruning(dense, num_experts, top_k, batches, calibration_tokens)
     return _heuristic(
@@ -67,20 +73,6 @@ def partition_dense(
         balancing,
         seed,
     )
-
-
-def calibration_batches(data_dir, cfg, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    """The training stream of the prepared ``data_dir``, at the model's sequence length."""
-    # NOTE: the one reader of prepared training streams lives with the Lightning datamodule.
-    from moe_lit.lit.datamodule import MoEDataModule
-
-    datamodule = MoEDataModule(str(data_dir), seq_len=cfg.seq_len, batch_size=batch_size, seed=seed)
-    if datamodule.vocab_size != cfg.vocab_size:
-        raise MoeLitError(
-            f"--calibration: its tokenizer has {datamodule.vocab_size} tokens, the model {cfg.vocab_size}; "
-            "prepare the data with the model's tokenizer"
-        )
-    return iter(datamodule.train_dataloader())
 
 
 def _take(batches: Iterator[torch.Tensor], tokens: int) -> list[torch.Tensor]:
@@ -130,18 +122,17 @@ def _pruning(dense, num_experts, top_k, batches, calibration_tokens):
     }
 
 
-def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed):
+def _dot_moe(dense, num_experts, top_k, batches, train_tokens, lr, train_dense, balancing, seed, fit):
     from moe_lit.convert.dot_moe import DotMoEConfig, dot_moe_student, export_dot_moe
-    from moe_lit.lit.distill import fit_dot_moe
-    from moe_lit.lit.optim import OptimConfig
 
     if batches is None:
         raise MoeLitError("calibration: method dot_moe needs training batches (calibration_batches of a prepared dir)")
+    if fit is None:
+        raise MoeLitError("fit: method dot_moe needs its training function (moe_lit.lit.distill.fit_dot_moe)")
     cfg = DotMoEConfig(train_dense=train_dense)
     student = dot_moe_student(dense, num_experts, top_k, cfg, seed, balancing=balancing)
     taken = _take(batches, train_tokens)
-    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
-    fit_dot_moe(dense, student, taken, cfg, optim)
+    fit(dense, student, taken, cfg, lr)
     tokens = sum(b[:, 1:].numel() for b in taken)
     record = {
         "router": "learned",
@@ -232,7 +223,7 @@ def prune_dense_to_width(model, width: int, data_dir: str, calibration_tokens: i
 
 __all__ = [
     "PRUNING",
-    "calibration_batches",
+    "FitDotMoE",
     "calibration_text",
     "moe_to_dense_on_text",
     "partition_dense",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +197,18 @@ class MoEDataModule(LightningDataModule):
             self._train_loader.load_state_dict(state)
         else:
             self._train_state = state
+
+
+def calibration_batches(data_dir, cfg, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """The training stream of the prepared ``data_dir`` at the model's (``cfg``'s) sequence length:
+    the calibration and DOT-MoE batches of :func:`moe_lit.convert.recipes.partition_dense`."""
+    datamodule = MoEDataModule(str(data_dir), seq_len=cfg.seq_len, batch_size=batch_size, seed=seed)
+    if datamodule.vocab_size != cfg.vocab_size:
+        raise MoeLitError(
+            f"--calibration: its tokenizer has {datamodule.vocab_size} tokens, the model {cfg.vocab_size}; "
+            "prepare the data with the model's tokenizer"
+        )
+    return iter(datamodule.train_dataloader())
 
 
 def _require_int(value: Any, name: str, minimum: int) -> None:

@@ -95,9 +95,9 @@ class DistillModule(MoELitModule):
         self.distill_config = distill if isinstance(distill, DistillConfig) else DistillConfig(**distill)
         self.teacher: nn.Module | None = None
         if teacher is not None:
-            from moe_lit.checkpoint import load_model
+            from moe_lit.convert.model_input import load_any_model
 
-            self.set_teacher(load_model(Path(teacher)))
+            self.set_teacher(load_any_model(Path(teacher)))
 
     @classmethod
     def from_models(
@@ -175,19 +175,19 @@ def fit_dot_moe(
     student: Transformer,
     batches: list[torch.Tensor],
     cfg: DotMoEConfig = DotMoEConfig(),  # noqa: B008 - never mutated
-    optim: OptimConfig | None = None,
+    lr: float = 1e-2,
     distill: DistillConfig | None = None,
 ) -> Transformer:
     """Train ``student`` in place on ``batches`` (one optimizer step each) with ``dense`` as teacher.
 
     ``student`` is a DOT-MoE student (:func:`~moe_lit.convert.dot_moe.dot_moe_student`), its Sinkhorn
-    temperature annealed by :class:`~moe_lit.convert.dot_moe.SinkhornAnnealing`. ``optim`` /
-    ``distill`` default to ``OptimConfig(lr=1e-2, warmup_steps=0, schedule='constant')`` and
-    ``DistillConfig()``. Returns the student (in eval mode).
+    temperature annealed by :class:`~moe_lit.convert.dot_moe.SinkhornAnnealing`, at the constant
+    learning rate ``lr`` (no warmup); ``distill`` defaults to ``DistillConfig()``. Returns the student
+    (in eval mode). It is the ``fit`` of :func:`moe_lit.convert.recipes.partition_dense`.
     """
     if not batches:
         raise MoeLitError("fit_dot_moe: no training batches")
-    optim = optim or OptimConfig(lr=1e-2, warmup_steps=0, schedule="constant")
+    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
     module = DistillModule.from_models(student, dense, optim, distill or DistillConfig())
     trainer = pl.Trainer(
         accelerator="cpu" if next(dense.parameters()).device.type == "cpu" else "auto",

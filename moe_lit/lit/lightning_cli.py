@@ -71,8 +71,9 @@ from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.preemption import Preemption, exit_status
 from moe_lit.callbacks.threads import ThreadShare
-from moe_lit.checkpoint import checkpoint_config, load_config, load_model, read_lightning_checkpoint
+from moe_lit.checkpoint import checkpoint_config, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
+from moe_lit.convert.model_input import load_any_config, load_any_model
 from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output
 from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
@@ -168,7 +169,7 @@ class MoELightningCLI(LightningCLI):
             if Path(ckpt_path).is_dir():
                 # NOTE: Lightning resumes from files only; an export's config goes in the model
                 # section here and its weights into the module before the run (_start_from_export).
-                self.exported, section["ckpt_path"], trained = Path(ckpt_path), None, load_config(ckpt_path)
+                self.exported, section["ckpt_path"], trained = Path(ckpt_path), None, load_any_config(ckpt_path)
                 model = {"model": {"model": trained.to_dict()}}
                 self.config = self.parser.parse_object({self.config["subcommand"]: model}, self.config)
             else:
@@ -280,7 +281,7 @@ class MoELightningCLI(LightningCLI):
         if self.exported is None:
             return
         try:
-            self.model.model.load_state_dict(load_model(self.exported).state_dict())
+            self.model.model.load_state_dict(load_any_model(self.exported).state_dict())
         except RuntimeError as exc:
             raise MoeLitError(
                 f"--ckpt_path: the weights of {self.exported} do not fit the configured model (is data.vocab_size "

@@ -216,9 +216,9 @@ def _initial_module(
     cfg = model_cfg.replace(vocab_size=vocab_size, seq_len=run.data.seq_len)
     if init_from is None:
         return module_factory(cfg, run.optim)
-    from moe_lit.checkpoint import load_model
+    from moe_lit.convert.model_input import load_any_model
 
-    model = load_model(init_from)
+    model = load_any_model(init_from)
     if model.config.vocab_size != vocab_size:
         raise MoeLitError(
             f"init_from: {init_from} has vocab_size {model.config.vocab_size} but the data has {vocab_size}"

@@ -112,9 +112,9 @@ def test_dot_moe_trains_on_the_token_budget_and_exports(dense_dir, prepared, tmp
 
 
 def test_pruning_is_the_dense_baseline_at_the_active_width(dense_dir, prepared, tmp_path, capsys):
-    from moe_lit.commands.convert_partition import calibration_batches
     from moe_lit.convert.calibration import ffn_inputs
     from moe_lit.convert.prune_dense import prune_dense_ffn
+    from moe_lit.lit.datamodule import calibration_batches
 
     path, dense = dense_dir
     args = ["--method", "pruning", "--top-k", "1", "--calibration", str(prepared), "--calibration-tokens", "64"]

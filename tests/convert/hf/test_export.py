@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from moe_lit.accounting import count_config_params
-from moe_lit.checkpoint import export_model, load_model
+from moe_lit.checkpoint import export_model, load_config, load_model
 from moe_lit.console_script import main
 from moe_lit.convert.hf import from_hf, to_hf
+from moe_lit.convert.model_input import load_any_model
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from tests.helpers.hf import hf_experts, tokens
@@ -103,7 +104,11 @@ def test_export_writes_tokenizer_generation_config_and_shards(tmp_path, word_tok
     assert main(["accounting", "--config", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
     # every model-taking command reads a transformers dir as import-hf would
     idx = torch.randint(0, 97, (1, 8))
-    assert torch.equal(load_model(tmp_path / "hf")(idx).logits_BLV, from_hf(tmp_path / "hf")(idx).logits_BLV)
+    assert torch.equal(load_any_model(tmp_path / "hf")(idx).logits_BLV, from_hf(tmp_path / "hf")(idx).logits_BLV)
+    # the layer below the HF import names the loader that reads it
+    for load in (load_config, load_model):
+        with pytest.raises(MoeLitError, match="a transformers directory; read it with moe_lit.convert.model_input"):
+            load(tmp_path / "hf")
 
 
 def test_export_refuses_a_non_empty_out_unless_forced(tmp_path, word_tokenizer, capsys):
