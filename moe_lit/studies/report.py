@@ -63,7 +63,7 @@ TAIL = ("tokens_per_s", "load_imbalance", "wall_s", "study_wall_s", "error")
 DROPPED = ("model", "traceback", "val_loss_per_language")
 
 
-def load_study(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def read_results(out_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(plan, records): ``study.json`` and the records of the finished points, in plan order."""
     out_dir = Path(out_dir)
     plan = study_from_plan(out_dir)
@@ -208,7 +208,7 @@ def write_report(out_dir: Path, readme: Path | None = None, force: bool = False)
     """Write runs.csv, summary.md and plots/ under ``out_dir`` (and fill the study's block in
     ``readme`` when given); returns the paths written."""
     out_dir = Path(out_dir)
-    plan, records = load_study(out_dir)
+    plan, records = read_results(out_dir)
     finished = sum(r["status"] == STATUS_OK for r in records)
     _refuse_fewer(out_dir, finished, force)
     analysis = kind_module(plan.get("kind", "dense_vs_sparse")).analyse(plan, records, out_dir / PLOTS_DIR)
@@ -229,7 +229,7 @@ def write_report(out_dir: Path, readme: Path | None = None, force: bool = False)
 __all__ = [
     "aggregate",
     "flat_row",
-    "load_study",
+    "read_results",
     "runs_csv",
     "summary_markdown",
     "update_readme",

@@ -4,7 +4,7 @@ import pytest
 
 from moe_lit.errors import MoeLitError
 from moe_lit.studies.kinds.dense_vs_sparse import claims, findings
-from moe_lit.studies.report import aggregate, load_study, write_report
+from moe_lit.studies.report import aggregate, read_results, write_report
 from moe_lit.studies.study import parse_study, run_study
 from moe_lit.studies.verdicts import NO_MARGIN, judge
 from tests.helpers.studies import small_spec
@@ -78,7 +78,7 @@ def test_summary_and_plots(study_dir):
 
 
 def test_claims_and_findings_of_the_seed_with_numbers(study_dir):
-    plan, records = load_study(study_dir)
+    plan, records = read_results(study_dir)
     rows = aggregate(records)
     lines = findings(rows)
 

@@ -188,7 +188,7 @@ def _acc(quality: dict[str, Any] | None) -> str:
     return f"{quality['task_acc']:.4f} ± {quality['task_acc_se']:.4f} ({quality['task_items']})" if quality else ""
 
 
-def _retention(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+def _retention_row(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
     """A pruned model's bits-per-byte (mean, per language) and per-task above-chance accuracy retention."""
     chance, tasks = source["suite"]["chance"], source["suite"]["tasks"]
     kept = {t: (a - chance[t]) / (tasks[t] - chance[t]) for t, a in r["suite"]["tasks"].items() if tasks[t] > chance[t]}
@@ -244,7 +244,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     sparse = [{"point": c} | {k: r.get(k) for k in keys} for c, r in arms.items() if r.get("stage") == "sparsity"]
     tables = {f"Every model of the chain (seed {seed}; task acc over the suite's items, item-level SE)": models}
     source, pruned = arms.get(plan["spec"]["prune_source"]), [(c, r) for c, r in arms.items() if r["stage"] == "prune"]
-    tables["Pruned: retention against the prune source"] = [_retention(c, r, source) for c, r in pruned if source]
+    tables["Pruned: retention against the prune source"] = [_retention_row(c, r, source) for c, r in pruned if source]
     tables["Intra-expert activation sparsity of the prune source (per-layer thresholds)"] = sparse
     claims = _claims(arms, plan["spec"])
     apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]

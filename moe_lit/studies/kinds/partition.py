@@ -232,7 +232,7 @@ def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any
 
 
 # ----------------------------------------------------------------------------- analysis
-def retention(loss: float, dense_loss: float, vocab_size: int) -> float:
+def chance_retention(loss: float, dense_loss: float, vocab_size: int) -> float:
     """Share of the dense model's loss reduction below the uniform prediction (ln V) that is kept."""
     chance = math.log(vocab_size)
     return (chance - loss) / (chance - dense_loss)
@@ -249,7 +249,7 @@ def _per_config(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str
     for record in (r for r in select(records, phase="recovered") if r["seed"] in dense):
         seed, ref, loss = record["seed"], dense[record["seed"]], record["val_loss"]
         values = {"record": record, "loss": loss, "gap": loss - ref["val_loss"]}
-        values |= {"retention": retention(loss, ref["val_loss"], vocab)}
+        values |= {"retention": chance_retention(loss, ref["val_loss"], vocab)}
         before = record.get("val_loss_converted")
         if before is None and record["method"] == DENSE and seed in pretrain:
             before = pretrain[seed]["val_loss"]
@@ -338,4 +338,4 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 
 
-__all__ = ["PartitionSpec", "analyse", "convert", "expand", "measure_converted", "parse", "retention"]
+__all__ = ["PartitionSpec", "analyse", "chance_retention", "convert", "expand", "measure_converted", "parse"]

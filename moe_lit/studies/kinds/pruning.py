@@ -202,7 +202,7 @@ Key = tuple[float, str, str, str]
 NAN_TASKS = {"task_mean": math.nan, "task_variance": math.nan, "task_language_variance": math.nan, "task_languages": {}}
 
 
-def _retention(original: dict[str, Any], pruned: dict[str, Any], margin: float) -> dict[str, Any]:
+def _retention_fields(original: dict[str, Any], pruned: dict[str, Any], margin: float) -> dict[str, Any]:
     """Val-loss retention (mean, variance across languages, per language) and task retention above
     chance (:func:`~moe_lit.evaluation.retention.suite_retention`); NaN where not measured."""
     from moe_lit.evaluation.retention import retention, suite_retention
@@ -229,7 +229,7 @@ def retention_values(records: list[dict[str, Any]], task_margin: float = 0.0) ->
     items = []
     for record in ok.values():
         if record.get("arm") in ARMS and (reference := ok.get(record.get("reference") or "")) is not None:
-            measured = {"val_loss": record["val_loss"], **_retention(reference, record, task_margin)}
+            measured = {"val_loss": record["val_loss"], **_retention_fields(reference, record, task_margin)}
             key = (record["fraction"], record["arm"], record["method"], record.get("calibration", "mix"))
             items.append((key, record["seed"], measured))
     return dict(sorted(collect(items).items()))

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from moe_lit.config import ConfigError
-from moe_lit.studies.kinds.partition import analyse, retention
+from moe_lit.studies.kinds.partition import analyse, chance_retention
 from moe_lit.studies.study import parse_study
 from moe_lit.studies.verdicts import NOT_DETECTED, UNTESTABLE, judge
 from tests.helpers.corpus import prepare_corpus
@@ -206,8 +206,8 @@ def test_gap_retention_orderings_and_plot_from_hand_made_records(tmp_path):
     assert rows["dense/recovered"]["gap before recovery"] == "0.0000 ± 0.0000 (n=2)"
     assert rows["E8k4/coactivation+trained"]["gap before recovery"] == ""
     chance = math.log(300)
-    assert retention(4.2, 3.9, 300) == pytest.approx((chance - 4.2) / (chance - 3.9))
-    r0, r1 = retention(4.5, 3.9, 300), retention(4.52, 3.92, 300)
+    assert chance_retention(4.2, 3.9, 300) == pytest.approx((chance - 4.2) / (chance - 3.9))
+    r0, r1 = chance_retention(4.5, 3.9, 300), chance_retention(4.52, 3.92, 300)
     assert rows["E8k4/random+random"]["retention"] == f"{(r0 + r1) / 2:.4f} ± {abs(r0 - r1) / math.sqrt(2):.4f} (n=2)"
     assert rows["E8k4/dot_moe"]["val loss"] == "4.0200 ± 0.0283 (n=2)"  # the failed seed is left out
     assert rows["E8k4/kmeans+centroid"]["task acc"] == "0.6300 ± 0.0424 (n=2)"
