@@ -1,15 +1,13 @@
 """Study kind ``language_expansion``: does an MoE add languages without the interference of a dense model?
 
-Per seed: a dense model and its active-matched MoE pretrain on the base languages (the new ones
-are validated on, never trained on); each then continues from its weights (fresh optimizer and
-schedule) on a mix that adds the new languages, with the same token budget: ``dense``, ``moe`` and
-``moe_grown`` (the MoE grown E -> m*E experts at the switch by :func:`moe_lit.convert.expand.expand_experts`).
-Interference = change in val loss on the base languages from the switch to the end; gain = the drop
-on the new languages; routing: the JS divergence of each new language's expert usage from the base
-languages' mean (0 = same experts, 1 = disjoint), measured on validation tokens after the continuation.
-Claims (Marco-MoE): each MoE arm interferes less than dense, paired by seed (the arms of one seed
-read the same data stream). Plot ``plots/interference.png``: the interference per arm and each MoE
-arm minus dense, paired by seed (± std over seeds).
+Per seed a dense model and its active-matched MoE pretrain on the base languages (the new ones are validated on,
+never trained on); each continues from its weights (fresh optimizer and schedule, the same token budget) on a mix
+that adds the new languages: ``dense``, ``moe``, ``moe_grown`` (grown E -> m*E experts at the switch by
+:func:`moe_lit.convert.expand.expand_experts`). Interference = the base languages' val loss change from the switch
+to the end; gain = the drop on the new languages; routing: the JS divergence of each new language's expert usage
+from the base languages' mean (0 = same experts, 1 = disjoint) after the continuation. Claims (Marco-MoE): each MoE
+arm interferes less than dense, paired by seed (one seed's arms read one data stream). Plot: the interference per
+arm and each MoE arm minus dense, paired by seed.
 """
 
 from __future__ import annotations
@@ -21,13 +19,13 @@ from typing import Any
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.expand import expand_experts
-from moe_lit.stats import format_summary, summarize
+from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import routing_divergence
-from moe_lit.studies.records import minus, select
+from moe_lit.studies.records import cells, collect, minus, select
 from moe_lit.studies.verdicts import LOWER, Claim
 
 ARMS = ("dense", "moe", "moe_grown")
@@ -110,11 +108,9 @@ def per_arm(plan: dict[str, Any], records: list[dict[str, Any]]) -> Values:
     """arm -> measure (interference, gain, base, new, js) -> seed -> value, each continued run
     against its own base point."""
     base_langs, new_langs = plan["spec"]["base_languages"], plan["spec"]["new_languages"]
-    ok = {r["name"]: r for r in select(records)}
-    out: Values = {arm: {} for arm in ARMS}
+    ok, items = {r["name"]: r for r in select(records)}, []
     for record in select(records, phase="continued"):
-        parent = ok.get(record.get("base_point") or "")
-        if parent is None:
+        if (parent := ok.get(record.get("base_point") or "")) is None:
             continue
         values = {
             "interference": _loss(record, base_langs) - _loss(parent, base_langs),
@@ -124,9 +120,8 @@ def per_arm(plan: dict[str, Any], records: list[dict[str, Any]]) -> Values:
         }
         if record.get("routing_js_new_vs_base"):
             values["js"] = sum(record["routing_js_new_vs_base"].values()) / len(new_langs)
-        for key, value in values.items():
-            out[record["family"]].setdefault(key, {})[record.get("seed", 0)] = value
-    return out
+        items.append((record["family"], record.get("seed", 0), values))
+    return {arm: {} for arm in ARMS} | collect(items)  # type: ignore[return-value]
 
 
 COLUMNS = {
@@ -140,11 +135,7 @@ COLUMNS = {
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     values = per_arm(plan, records)
-
-    def cell(arm: str, key: str) -> str:
-        return format_summary(summarize(list(values[arm][key].values()))) if key in values[arm] else ""
-
-    rows = [{"arm": arm} | {title: cell(arm, key) for title, key in COLUMNS.items()} for arm in ARMS if values[arm]]
+    rows = [{"arm": arm} | cells(values[arm], COLUMNS) for arm in ARMS if values[arm]]
     dense = values["dense"].get("interference", {})
     claims = [
         Claim(f"{arm}: {CLAIM}", "interference", (arm, "dense"), LOWER).on(mine, dense)
