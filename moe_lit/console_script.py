@@ -10,15 +10,18 @@ Errors the user can fix (:class:`~moe_lit.errors.MoeLitError`, including every c
 printed as one line on stderr with exit status 2, never as a traceback, prefixed by the full
 subcommand (``moe-lit convert prune: error: ...``). No parser accepts an abbreviated option
 (``allow_abbrev=False``): ``--train.max_step`` is an unknown key, never ``--train.max_steps``.
+A command module with a ``SETTINGS_CHECK`` (``demo``, ``distill``: a run YAML's sections) also
+takes ``--SECTION.FIELD VALUE`` words, as ``args.settings`` (:func:`split_settings`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from typing_extensions import override
@@ -67,6 +70,11 @@ ACTIONS: dict[str, tuple[str, ...]] = {
 to the command's parser; the modules are not imported for the top-level help)."""
 
 
+SETTING = re.compile(r"--([A-Za-z_]\w*)\.([A-Za-z_][\w.]*)(?:=(.*))?", re.DOTALL)
+"""A ``--SECTION.FIELD`` (or ``--SECTION.FIELD=VALUE``) word of a parser that accepts settings."""
+Settings = dict[str, dict[str, Any]]
+"""``--SECTION.FIELD VALUE`` words as ``{section: {field: value}}``, each value read as YAML."""
+
 DESCRIPTION = "Pretrain, upcycle, compress, evaluate and export MoE language models (moe-lit COMMAND --help)."
 
 
@@ -90,6 +98,52 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.check_settings: Callable[[Settings], None] | None = None
+        """When set (a command's ``SETTINGS_CHECK``), ``--SECTION.FIELD VALUE`` words are taken besides
+        the declared options, as ``args.settings``; it refuses unknown sections and fields (one line)."""
+
+    @override
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.check_settings is None:
+            return super().parse_known_args(args, namespace)
+        rest, settings = split_settings(list(sys.argv[1:] if args is None else args))
+        self.check_settings(settings)
+        namespace, extra = super().parse_known_args(rest, namespace)
+        namespace.settings = settings
+        return namespace, extra
+
+
+def split_settings(argv: Sequence[str]) -> tuple[list[str], Settings]:
+    """(the other words, the settings) of a command line: every ``--SECTION.FIELD VALUE`` or
+    ``--SECTION.FIELD=VALUE``, the value read as YAML (``50``, ``1e-3``, ``true``, ``[en, de]``)."""
+    import yaml
+
+    rest: list[str] = []
+    settings: Settings = {}
+    words = iter(argv)
+    for word in words:
+        match = SETTING.fullmatch(word)
+        if match is None:
+            rest.append(word)
+            continue
+        section, field, value = match.groups()
+        if value is None:
+            value = next(words, None)
+            if value is None:
+                raise MoeLitError(f"--{section}.{field}: needs a value (--{section}.{field} VALUE)")
+        try:
+            settings.setdefault(section, {})[field] = _setting_value(yaml.safe_load(value))
+        except yaml.YAMLError as exc:
+            raise MoeLitError(
+                f"--{section}.{field}: {value!r} is not a YAML value ({str(exc).splitlines()[0]})"
+            ) from None
+    return rest, settings
+
+
+def _setting_value(value: Any) -> Any:
+    """A YAML value, with a number YAML 1.1 reads as text (``1e-3``, no dot) as the float it names."""
+    is_number = isinstance(value, str) and re.fullmatch(r"[-+]?\d+(?:\.\d*)?[eE][-+]?\d+", value)
+    return float(value) if is_number else value
 
 
 def package_version() -> str:
@@ -142,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in PASSTHROUGH_COMMANDS:
             return module.main(rest)
         sub = ArgumentParser(prog=f"moe-lit {command}", description=COMMANDS[command][1])
+        sub.check_settings = getattr(module, "SETTINGS_CHECK", None)
         module.configure(sub)
         return int(module.run(sub.parse_args(rest)) or 0)
     except MoeLitError as exc:

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lit.console_script import ACTIONS, COMMANDS, LIGHTNING_SUBCOMMANDS, main
+from moe_lit.console_script import ACTIONS, COMMANDS, LIGHTNING_SUBCOMMANDS, main, split_settings
 from tests.helpers.corpus import prepare_corpus
 from tests.helpers.doc_commands import DOCS, DocCommand, doc_commands
 from tests.helpers.paths import REPO
@@ -301,6 +301,10 @@ def _names(argv: list[str], monkeypatch) -> None:
         chosen = rest[0].split("|")
         assert set(chosen) <= set(ACTIONS[command]), f"{argv}: {chosen} not among {ACTIONS[command]}"
         parser = _subparsers(parser)[chosen[0]]
+    check_settings = getattr(parser, "check_settings", None)  # lm-eval's own parser has none
+    if check_settings is not None:  # --SECTION.FIELD VALUE words: the run YAML's fields
+        rest, settings = split_settings(rest)
+        check_settings(settings)
     options = {option for action in parser._actions for option in action.option_strings}
     unknown = [w.split("=")[0] for w in rest if w.startswith("--") and w.split("=")[0] not in options]
     assert not unknown, f"{shlex_join(argv)}: unknown options {unknown}"

@@ -47,7 +47,7 @@ codes = {
 Path(sys.argv[1]).write_text(json.dumps({
     "package": moe_lit.__file__,
     "configs_symlink": CONFIGS_DIR.is_symlink(),
-    "demo_models": [str(path) for path in demo.MODELS.values() if path.is_file()],
+    "demo_models": [str(path) for path in [*demo.MODELS.values(), demo.RUN] if path.is_file()],
     "templates": sorted(path.name for path in TEMPLATES_DIR.iterdir()),
     "data_dir": str(default_data_dir()),
     "codes": codes,
@@ -92,9 +92,9 @@ def test_commands_find_the_packaged_configs(site, tmp_path):
     info = json.loads((tmp_path / "checks.json").read_text())
     assert Path(info["package"]).is_relative_to(site)
     assert info["codes"] == {"demo --help": 0, "accounting": 0, "study": 0, "fit": 0}, proc.stderr
-    assert "--tokens" in proc.stdout  # demo's help
+    assert "--train.max_tokens" in proc.stdout  # demo's help
     assert not info["configs_symlink"]  # the wheel holds copies, not the checkout's links
-    assert len(info["demo_models"]) == 2 and all(Path(p).is_relative_to(site) for p in info["demo_models"])
+    assert len(info["demo_models"]) == 3 and all(Path(p).is_relative_to(site) for p in info["demo_models"])
     assert info["templates"] == sorted(p.name for p in (REPO / "eval" / "templates").iterdir())
     assert Path(info["data_dir"]) == tmp_path / "data_cache" / "default"  # not inside the install
     assert "| tiny-moe | 256 | 8 | 2 |" in proc.stdout  # accounting's table (seq_len, experts, top_k)

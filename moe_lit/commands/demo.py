@@ -2,7 +2,9 @@
 
 1. prepare the default corpus (``moe-lit data prepare`` with its defaults; reused once built),
 2. train ``configs/model/tiny-dense.yaml`` and ``configs/model/tiny-moe.yaml`` (the MoE matched to
-   the dense model on active parameters) for the same token budget with :func:`train_run`,
+   the dense model on active parameters) with :func:`train_run`, both the run of ``--config``
+   (``configs/runs/demo.yaml``; ``--SECTION.FIELD VALUE`` settings over it, e.g.
+   ``--train.max_tokens 200000``) under each model YAML's optimizer,
 3. write ``results/demo/`` at once (a temporary directory renamed into place): ``results.json``,
    ``results.md`` (params total/active, tokens, final validation loss overall and per language,
    tokens/s of the training run, and training-step tokens/s eager vs compiled: each trained model's
@@ -39,7 +41,7 @@ from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text, check_output
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
+from moe_lit.lit.run_config import RunConfig, check_settings, merge_sections, read_yaml
 from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
     from moe_lit.lit.run import RunResult
 
 MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
+RUN = CONFIGS_DIR / "runs/demo.yaml"
+"""The default ``--config``: the run of each model."""
+SETTINGS_CHECK = check_settings
+"""``--SECTION.FIELD VALUE`` words over ``--config`` (moe_lit.console_script): the run's sections."""
 RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
 MODELS_DIR = "models"
 COMMAND = "make demo"
@@ -55,15 +61,13 @@ WORK_DIR_SETTINGS, RESULT_FILE = "demo.json", "result.json"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", type=Path, help="prepared data directory (default: moe-lit data prepare's)")
+    parser.epilog = (
+        "Run settings: --SECTION.FIELD VALUE over the --config YAML (sections data, optim, train, trainer; "
+        "moe_lit.lit.run_config.RunConfig), e.g. --train.max_tokens 200000 --data.data_dir DIR --optim.lr 1e-3."
+    )
+    parser.add_argument("--config", type=Path, default=RUN, help="run YAML of each model (configs/runs/demo.yaml)")
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="results directory")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="checkpoints and CSV logs")
-    parser.add_argument("--tokens", type=int, default=1_000_000, help="training tokens per model")
-    parser.add_argument("--seq-len", type=int, default=128, help="training sequence length")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
-    parser.add_argument("--val-batches", type=int, default=4, help="validation batches per language")
-    parser.add_argument("--evals", type=int, default=6, help="validations per run (the plotted curve)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every run of the demo")
     parser.add_argument(
         "--step-rounds",
         type=int,
@@ -79,39 +83,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_lit.callbacks.preemption import Preemption
 
-    for name in ("tokens", "seq_len", "batch_size", "val_batches", "evals"):
-        if getattr(args, name) < 1:
-            raise MoeLitError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.step_rounds < 0:
         raise MoeLitError(f"--step-rounds: must be >= 0 (0 skips the step timing), got {args.step_rounds}")
-    check_output(args.out, {"--data": args.data}, args.force)
-    settings = {k: v for k, v in vars(args).items() if k not in ("data", "out", "work_dir", "force", "resume")}
-    check_work_dir(args, settings)
-    data_dir = prepare_default_data(args.data)
-    steps = args.tokens // (args.seq_len * args.batch_size)
+    run_doc = merge_sections(read_yaml(args.config, "--config"), args.settings)
+    base = RunConfig.from_dict(run_doc)  # every setting checked before anything is written
+    inputs = {"data.data_dir": base.data.data_dir}
+    check_output(args.out, inputs, args.force)
+    settings = {
+        f"{section}.{key}": value for section, fields in run_doc.items() for key, value in (fields or {}).items()
+    }
+    settings["step_rounds"] = args.step_rounds
+    check_work_dir(args, settings, inputs)
+    data_dir = prepare_default_data(base.data.data_dir)
+    run_doc = merge_sections(run_doc, {"data": {"data_dir": str(data_dir)}})
     preemption = Preemption(resume=resume_command(), label="moe-lit demo")
-    results = {}
+    results, runs = {}, {}
     for name, path in MODELS.items():
         model_cfg, optim = load_module_config(path)
-        run_cfg = RunConfig(
-            data=DataConfig(
-                data_dir=str(data_dir), seq_len=args.seq_len, batch_size=args.batch_size, val_batches=args.val_batches
-            ),
-            optim=optim,
-            train=TrainConfig(max_tokens=args.tokens, val_every=max(1, steps // args.evals), seed=args.seed),
+        runs[name] = RunConfig.from_dict(
+            merge_sections({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}})
         )
-        results[name] = train_model(name, path, model_cfg, run_cfg, args, preemption)
-    steps_timed = step_throughput(results, data_dir, args) if args.step_rounds else {}
+        results[name] = train_model(name, path, model_cfg, runs[name], args, preemption)
+    steps_timed = step_throughput(results, runs["moe"], args.step_rounds) if args.step_rounds else {}
     write_results(results, settings, tokenizer_file(data_dir), args.out, steps_timed)
     print((args.out / RESULTS_MD).read_text())
     return 0
 
 
-def check_work_dir(args: argparse.Namespace, settings: dict[str, object]) -> None:
+def check_work_dir(args: argparse.Namespace, settings: dict[str, object], inputs: dict[str, object]) -> None:
     """``--resume`` needs the work dir of a demo with the same settings; otherwise it must be
-    empty, or ``--force`` (the demo's own ``demo.json`` is written there)."""
+    empty, or ``--force`` (the demo's own ``demo.json`` is written there); never one of ``inputs``."""
     marker = args.work_dir / WORK_DIR_SETTINGS
-    settings = {**settings, "data": None if args.data is None else str(args.data)}
     earlier = _read_settings(marker)
     if args.resume:
         if earlier is None:
@@ -122,14 +124,14 @@ def check_work_dir(args: argparse.Namespace, settings: dict[str, object]) -> Non
                 f"--resume: the demo in {args.work_dir} ran with other settings ({', '.join(changed)}); "
                 "run with those, or with --force instead of --resume to start over"
             )
-        check_output(args.work_dir, {"--data": args.data}, True, "--work-dir")
+        check_output(args.work_dir, inputs, True, "--work-dir")
         return
     if not args.force and earlier is not None:
         raise MoeLitError(
             f"--work-dir: {args.work_dir} holds an earlier demo; pass --resume to continue it (an interrupted "
             "demo: probably what you want) or --force to start over"
         )
-    check_output(args.work_dir, {"--data": args.data}, args.force, "--work-dir")
+    check_output(args.work_dir, inputs, args.force, "--work-dir")
     atomic_write_json(marker, settings)
 
 
@@ -170,14 +172,14 @@ def train_model(
     resume_from = last if args.resume and last.is_file() else None
     if resume_from is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a previous demo's logs and checkpoints
-    what = f"continuing from {resume_from}" if resume_from else f"for {args.tokens:,} tokens"
+    what = f"continuing from {resume_from}" if resume_from else f"for {run_cfg.tokens:,} tokens"
     print(f"demo: training {name} ({config.name}) {what}", flush=True)
     result = train_run(model_cfg, run_cfg, run_dir, callbacks=[preemption], resume_from=resume_from)
     atomic_write_json(result_file, dataclasses.asdict(result))
     return result
 
 
-def prepare_default_data(data_dir: Path | None) -> Path:
+def prepare_default_data(data_dir: str | None) -> Path:
     """``moe-lit data prepare`` with its defaults (reused when already prepared); the directory."""
     from moe_lit.data.prepare import PrepareConfig, prepare
 
@@ -186,24 +188,24 @@ def prepare_default_data(data_dir: Path | None) -> Path:
     return Path(cfg.out)
 
 
-def step_throughput(results: dict[str, RunResult], data_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
-    """Each trained model's training step on the first training batch, eager vs compiled."""
+def step_throughput(results: dict[str, RunResult], run: RunConfig, rounds: int) -> dict[str, dict]:
+    """Each trained model's training step on the first training batch of ``run``, eager vs compiled."""
     from moe_lit.lit.datamodule import MoEDataModule
     from moe_lit.lit.throughput import eager_vs_compiled
 
-    print(f"demo: timing each model's training step, eager vs compiled ({args.step_rounds} rounds)", flush=True)
-    loader = MoEDataModule(str(data_dir), seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed)
+    print(f"demo: timing each model's training step, eager vs compiled ({rounds} rounds)", flush=True)
+    loader = MoEDataModule.from_config(run.data, run.train.seed)
     batch_BL1 = next(iter(loader.train_dataloader()))
     models = {name: load_model(result.checkpoint) for name, result in results.items()}
-    return eager_vs_compiled(models, batch_BL1, rounds=args.step_rounds)
+    return eager_vs_compiled(models, batch_BL1, rounds=rounds)
 
 
-def load_module_config(path: Path) -> tuple[ModelConfig, OptimConfig]:
-    """The ``model`` and ``optim`` sections of a ``configs/model/*.yaml`` file."""
+def load_module_config(path: Path) -> tuple[ModelConfig, dict[str, object]]:
+    """The ``model`` and ``optim`` sections of a ``configs/model/*.yaml`` file (the optim fields checked)."""
     doc = yaml.safe_load(path.read_text())
     optim = doc.get("optim") or {}
     refuse_unknown_keys(optim, OptimConfig, f"{path}: optim")
-    return ModelConfig.from_yaml(path), OptimConfig(**optim)
+    return ModelConfig.from_yaml(path), optim
 
 
 def results_rows(results: dict[str, RunResult], steps_timed: dict[str, dict] | None = None) -> list[dict[str, object]]:

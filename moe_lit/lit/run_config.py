@@ -8,7 +8,9 @@
 The LightningCLI experiment YAMLs use the same sections and names (``data:``, ``train:``,
 ``trainer:``; ``optim`` sits at ``model.optim`` there because it is an argument of the module), so
 one YAML feeds ``moe-lit fit`` and :func:`moe_lit.lit.run.train_run`
-(:meth:`RunConfig.from_experiment`). The demo and every study kind build a ``RunConfig``.
+(:meth:`RunConfig.from_experiment`). The demo and every study kind build a ``RunConfig``; ``moe-lit
+demo`` and ``moe-lit distill`` read one from a run YAML (``configs/runs/``) with ``--SECTION.FIELD``
+settings over it (:func:`check_settings`, :func:`merge_sections`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _positive(value: Any, name: str, allow_none: bool = False) -> None:
         raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
 
 
-def _build(cls, data: Any, section: str):
+def build_section(cls, data: Any, section: str):
     """``cls(**data)`` with unknown keys and non-mappings reported under ``section``."""
     if isinstance(data, cls):
         return data
@@ -169,9 +171,9 @@ class RunConfig:
     """Extra Lightning Trainer arguments (replace train_run's defaults; callbacks are not allowed here)."""
 
     def __post_init__(self) -> None:
-        self.data = _build(DataConfig, self.data, "data")
-        self.optim = _build(OptimConfig, self.optim, "optim")
-        self.train = _build(TrainConfig, self.train, "train")
+        self.data = build_section(DataConfig, self.data, "data")
+        self.optim = build_section(OptimConfig, self.optim, "optim")
+        self.train = build_section(TrainConfig, self.train, "train")
         if not isinstance(self.trainer, dict):
             raise ConfigError(f"trainer: must be a mapping of Trainer arguments, got {self.trainer!r}")
         if "callbacks" in self.trainer:
@@ -225,10 +227,7 @@ class RunConfig:
         for name, changes in sections.items():
             if name not in data or not isinstance(changes, dict):
                 raise ConfigError(f"run: replace takes mappings of the sections {list(data)}, got {name}={changes!r}")
-            if name == "train" and {"max_tokens", "max_steps"} & set(changes):
-                data["train"].update(max_tokens=None, max_steps=None)
-            data[name] = {**data[name], **changes}
-        return RunConfig.from_dict(data)
+        return RunConfig.from_dict(merge_sections(data, sections))
 
     @classmethod
     def from_experiment(cls, path: str | Path) -> tuple[Any, RunConfig]:
@@ -261,6 +260,37 @@ class RunConfig:
         return ModelConfig.from_dict(model), run
 
 
+SECTIONS: dict[str, Any] = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "trainer": None}
+"""A run's sections and the dataclass of each (``trainer``: any Lightning Trainer argument)."""
+
+
+def check_settings(settings: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
+    """``--SECTION.FIELD`` settings name the run's sections and their fields (and those of ``extra``,
+    a command's own sections); anything else is a one-line ConfigError. Values are checked when the
+    run is built."""
+    sections = {**SECTIONS, **(extra or {})}
+    refuse_unknown_keys(settings, sections, "settings", what="section(s)", label="allowed sections")
+    for name, fields in settings.items():
+        if sections[name] is not None:
+            refuse_unknown_keys(fields, sections[name], name)
+
+
+def merge_sections(data: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a run mapping, e.g. a run YAML's) with fields of its sections changed:
+    ``{"train": {"seed": 1}}`` changes train.seed only; a new budget (max_tokens or max_steps)
+    replaces the old one."""
+    merged = dict(data)
+    for name, changes in sections.items():
+        section = merged.get(name) or {}
+        if not isinstance(changes, dict) or not isinstance(section, dict):
+            raise ConfigError(f"{name}: expected a mapping of fields, got {changes!r} over {section!r}")
+        section = dict(section)
+        if name == "train" and {"max_tokens", "max_steps"} & set(changes):
+            section.update(max_tokens=None, max_steps=None)
+        merged[name] = {**section, **changes}
+    return merged
+
+
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a one-line ConfigError."""
     path = Path(path)
@@ -284,4 +314,13 @@ def _section_file(value: Any, owner: Path, name: str) -> dict[str, Any]:
     return value
 
 
-__all__ = ["DataConfig", "RunConfig", "TrainConfig", "read_yaml"]
+__all__ = [
+    "SECTIONS",
+    "DataConfig",
+    "RunConfig",
+    "TrainConfig",
+    "build_section",
+    "check_settings",
+    "merge_sections",
+    "read_yaml",
+]

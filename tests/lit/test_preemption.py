@@ -259,17 +259,17 @@ def test_demo_resume_needs_an_earlier_demo_with_the_same_settings(tmp_path, monk
     from moe_lit.commands.demo import check_work_dir, resume_command
     from moe_lit.errors import MoeLitError
 
-    args = Namespace(work_dir=tmp_path / "work", data=None, resume=True, force=False)
+    args, inputs = Namespace(work_dir=tmp_path / "work", resume=True, force=False), {"data.data_dir": None}
     with pytest.raises(MoeLitError, match="work holds no demo to continue; run without --resume"):
-        check_work_dir(args, {"tokens": 100})
+        check_work_dir(args, {"train.max_tokens": 100}, inputs)
     args.resume = False
-    check_work_dir(args, {"tokens": 100})  # a fresh demo notes its settings
+    check_work_dir(args, {"train.max_tokens": 100}, inputs)  # a fresh demo notes its settings
     with pytest.raises(MoeLitError, match="holds an earlier demo; pass --resume to continue it"):
-        check_work_dir(args, {"tokens": 100})
+        check_work_dir(args, {"train.max_tokens": 100}, inputs)
     args.resume = True
-    check_work_dir(args, {"tokens": 100})
-    with pytest.raises(MoeLitError, match=r"ran with other settings \(tokens\)"):
-        check_work_dir(args, {"tokens": 200})
+    check_work_dir(args, {"train.max_tokens": 100}, inputs)
+    with pytest.raises(MoeLitError, match=r"ran with other settings \(train.max_tokens\)"):
+        check_work_dir(args, {"train.max_tokens": 200}, inputs)
     monkeypatch.setattr(sys, "argv", ["/checkout/moe_lit/console_script.py", "demo", "--force"])  # make demo
     assert resume_command() == "moe-lit demo --force --resume"
 
