@@ -89,6 +89,25 @@ def per_step(curves: Mapping[int, Mapping[int, float]], since: int = 0) -> tuple
     return steps, [summarize([c[s] for c in curves.values()]) for s in steps]
 
 
+def category_figure(
+    plots_dir: Path, name: str, panels_kwargs: Sequence[Mapping], width: float = 5.0, height: float = 4.0, **figure
+):
+    """``plots_dir/<name>.png``: one :func:`categories` panel per entry of ``panels_kwargs`` (its
+    keyword arguments, ``series`` as seed -> value maps, summarized here), side by side;
+    ``figure``: ``sharey``, ``ylabel`` (of the first panel, set after), ``suptitle`` (given the
+    spread note of every panel)."""
+    fig, axes = panels(len(panels_kwargs), width, height, sharey=figure.get("sharey", False))
+    counts: list[int] = []
+    for ax, kwargs in zip(axes, panels_kwargs, strict=True):
+        series = {label: [summarize(list(by.values())) for by in maps] for label, maps in kwargs["series"].items()}
+        counts += categories(ax, **{**kwargs, "series": series})
+    if figure.get("ylabel"):
+        axes[0].set_ylabel(figure["ylabel"])
+    if figure.get("suptitle"):
+        fig.suptitle(f"{figure['suptitle']} ({spread_note(counts)})", fontsize=10)
+    return save(fig, plots_dir, name)
+
+
 def panels(count: int, width: float = 5.0, height: float = 4.0, sharey: bool = False):
     """(figure, list of ``count`` axes side by side)."""
     plt = pyplot()
@@ -101,4 +120,4 @@ def save(fig, plots_dir: Path, name: str) -> Path:
     return save_figure(fig, Path(plots_dir) / f"{name}.png")
 
 
-__all__ = ["categories", "differences", "lines", "panels", "per_step", "save"]
+__all__ = ["categories", "category_figure", "differences", "lines", "panels", "per_step", "save"]

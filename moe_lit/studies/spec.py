@@ -54,6 +54,12 @@ def positive_int(value: Any, name: str, optional: bool = False) -> None:
     _require(is_int(value) and value >= 1, name, f"must be {'null or ' * optional}a positive integer, got {value!r}")
 
 
+def positive_fields(spec: Any, *names: str) -> None:
+    """Each of the fields ``names`` of ``spec`` an integer >= 1 (:func:`positive_int`)."""
+    for name in names:
+        positive_int(getattr(spec, name), name)
+
+
 def integer(value: Any, name: str, low: int) -> None:
     """An integer >= ``low``."""
     _require(is_int(value) and value >= low, name, f"must be an integer >= {low}, got {value!r}")
@@ -264,6 +270,7 @@ __all__ = [
     "number",
     "numbers",
     "parser",
+    "positive_fields",
     "positive_int",
     "positives",
     "require",

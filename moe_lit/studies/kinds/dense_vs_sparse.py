@@ -1,13 +1,12 @@
 """Study kind ``dense_vs_sparse``: dense and MoE models matched on active (or total) parameters.
 
-Active-parameter budgets (the dense base with a few fields changed), the grid (budgets x
-num_experts x top_k x matching mode, dense included) and ablations at one budget (granularity,
-shared expert, heterogeneous sizes, balancing, capacity factor, matching mode); every MoE is
-:func:`moe_lit.accounting.matched_moe_config`, and two axes describing one run are one point.
-Claims, paired by seed: at fixed active params the most total params beat dense and the smallest
-MoE; the best expert size does not move with E, shared experts, heterogeneous sizes and balancing
-matter little (TOST within ``margin``); dropless beats token dropping. Plots: loss vs total params,
-loss vs expert size, and per ablation each variant minus its reference around zero.
+Budgets (the dense base with a few fields changed) x the grid (num_experts x top_k x matching mode, dense
+included), and one-axis ablations at one budget (granularity, shared expert, heterogeneous sizes, balancing,
+capacity factor, matching); every MoE is :func:`moe_lit.accounting.matched_moe_config`, and two axes describing
+one run are one point. Claims, paired by seed: at fixed active params the most total params beat dense and the
+smallest MoE; the best expert size does not move with E; shared experts, heterogeneous sizes and balancing matter
+little (TOST within ``margin``); dropless beats token dropping. Plots: loss vs total params and vs expert size
+(:func:`moe_lit.studies.plots.lines`), and per ablation each variant minus its reference around zero.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ class AblationSpec:
         check.ints(self.granularity, "granularity", 1, empty=True)
         check.fractions(self.shared_fraction, "shared_fraction", empty=True)
         for name, sizes in self.size_profiles.items():
-            if len(list(sizes)) != self.num_experts:
-                raise ConfigError(
-                    f"size_profiles.{name}: needs num_experts={self.num_experts} positive numbers, got {sizes}"
-                )
+            why = f"needs num_experts={self.num_experts} positive numbers, got {sizes}"
+            check.require(len(list(sizes)) == self.num_experts, f"size_profiles.{name}", why)
             check.positives(list(set(sizes)), f"size_profiles.{name}")
         for i, variant in enumerate(self.balancing):
             ok = isinstance(variant, dict) and bool(variant) and set(variant) <= set(BALANCING_FIELDS)
@@ -360,14 +357,9 @@ def _size_effects(budget: str, by_e: dict[int, list[Row]], margin: float | None)
         lo, hi = shared[0], shared[-1]
         text = f"{budget}: E{e}'s top-{lo} vs top-{hi} effect is E{first}'s (the best expert size does not move with E)"
         names = (f"(E{e}: k{lo} - k{hi})", f"(E{first}: k{lo} - k{hi})")
-        effect = {x: _difference_by_seed(by_k[x][lo], by_k[x][hi]) for x in (e, first)}
+        effect = {x: minus(_losses(by_k[x][lo]), _losses(by_k[x][hi])) for x in (e, first)}
         claims.append(Claim(text, "val loss", names, EQUIVALENT, margin).on(effect[e], effect[first]))
     return claims
-
-
-def _difference_by_seed(a: Row, b: Row) -> dict[int, float]:
-    la, lb = _losses(a), _losses(b)
-    return {seed: la[seed] - lb[seed] for seed in la.keys() & lb.keys()}
 
 
 def findings(rows: list[Row]) -> list[str]:

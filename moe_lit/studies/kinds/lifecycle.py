@@ -78,8 +78,7 @@ class LifecycleSpec:
         check.fractions(self.fractions, "fractions")
         check.distinct(self.prune_methods, "prune_methods", allowed=PRUNE_METHODS)
         check.build(MoeToDenseConfig, self.to_dense, "to_dense")
-        for key in ("calibration_tokens", "train_tokens", "bpb_tokens"):
-            check.positive_int(getattr(self, key), key)
+        check.positive_fields(self, "calibration_tokens", "train_tokens", "bpb_tokens")
         check.number(self.max_increase, "max_increase", 0)
         check.languages(self.languages, "languages")
         check.languages(self.suite_languages, "suite_languages")

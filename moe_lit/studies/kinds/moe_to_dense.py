@@ -1,13 +1,11 @@
 """Study kind ``moe_to_dense``: which way of turning a trained MoE into a dense model keeps most?
 
 Per seed two parents pretrain on the same tokens: the MoE (``model``: E experts of F neurons in every layer) and the
-dense model of its total FFN width E * F. From their final weights: ``screen/<score>`` converts the MoE by every
-grouping x scaling of one expert score, W = groups * F wide, and validates each (:func:`measure_screen`);
-``distill/<score>/<grouping>/<scaling>`` (the ``distill`` list) distils a conversion from the frozen MoE for the
-``distillation`` budget (``finetune/...``: the LM loss instead); ``distill/dense_to_dense`` prunes the dense parent to
-W and distils it from itself. Claims, paired by seed: scoring matters more than grouping and scaling; the
-diversity-aware score is best; MoE->dense beats dense->dense (val loss before / after, suite accuracy after); the
-teacher beats the LM loss.
+dense model of its total FFN width E * F. ``screen/<score>`` converts the MoE by every grouping x scaling of one score,
+W = groups * F wide, and validates each; ``distill/<score>/<grouping>/<scaling>`` distils a conversion from the frozen
+MoE (``finetune/...``: the LM loss instead); ``distill/dense_to_dense`` prunes the dense parent to W and distils it from
+itself. Claims, paired by seed: scoring matters more than grouping and scaling; the diversity-aware score is best;
+MoE->dense beats dense->dense (val loss before / after, suite accuracy after); the teacher beats the LM loss.
 """
 
 from __future__ import annotations
@@ -105,8 +103,7 @@ class MoeToDenseSpec:
         check.require(every, "model.moe", "every layer must be MoE (first_dense_layers: 0, layer_interval: 1)")
         one_size = isinstance(moe.expert_size, int) and moe.layer_expert_sizes is None and not moe.shared_expert_size
         check.require(one_size, "model.moe", "the experts must have one size and no shared expert (W = groups * F)")
-        for name in ("keep", "groups", "calibration_tokens"):
-            check.positive_int(getattr(self, name), name)
+        check.positive_fields(self, "keep", "groups", "calibration_tokens")
         why = f"must be in [groups={self.groups}, num_experts={moe.num_experts}], got {self.keep}"
         check.require(self.groups <= self.keep <= moe.num_experts, "keep", why)
         for name, allowed in (("scores", SCORES), ("groupings", GROUPINGS), ("scalings", SCALINGS)):
@@ -178,10 +175,10 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
         starts = {parent: header.start(f"{parent}/pretrain", seed) for parent in ("moe", "dense")}
         points += [header.point(f"{p}/pretrain", seed, model, pretrain, {"arm": arm}) for p, model, arm in parents]
         for score in spec.scores:
-            screen = Call.of(measure_screen, **screening, score=score, scalings=spec.scalings, seed=seed)
+            probe = Call.of(measure_screen, **screening, score=score, scalings=spec.scalings, seed=seed)
             info = {"arm": "screen", "score": score}
             points.append(
-                header.point(f"screen/{score}", seed, spec.model, screen_run, info, starts["moe"], measure=screen)
+                header.point(f"screen/{score}", seed, spec.model, screen_run, info, starts["moe"], measure=probe)
             )
         children = []  # (config name, info, parent, transform, module)
         for arm, label, arm_module in arms:
@@ -255,7 +252,7 @@ Screen = dict[tuple[str, str, str], dict[str, Any]]
 
 
 def screen_values(records: list[dict[str, Any]]) -> Screen:
-    """(score, grouping, scaling) -> ``params``, ``loss`` and ``per_language`` (seed -> value)."""
+    """The screen's conversions (:data:`Screen`) of every seed."""
     items = []
     for r, row in ((record, row) for record in select(records, arm="screen") for row in record["screen"]):
         values = {"params": row["params"], "loss": row["val_loss"], "per_language": row["val_loss_per_language"]}
@@ -364,30 +361,19 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         for level, by_seed in sorted(marginal(values, factor).items())
     ]
     rows = [parents, screen_rows, marginal_rows, [_distilled_row(n, e) for n, e in distilled.items()]]
-    written = [plot_screen(values, plots_dir)] if values else []
-    written += [plot_distilled(distilled, plots_dir)] if distilled else []
+    scores, groupings, scalings = (list(dict.fromkeys(k[i] for k in values)) for i in range(3))
+    screen = [
+        {"names": scores, "title": f"scaling: {c}", "rotation": 40}
+        | {"series": {g: [values.get((s, g, c), {"loss": {}})["loss"] for s in scores] for g in groupings}}
+        for c in scalings
+    ]
+    ylabel, width = "val loss before distillation", max(5.0, 1.1 * len(distilled))
+    written = [plots.category_figure(plots_dir, "screen", screen, 4.5, 3.8, sharey=True, ylabel=ylabel)] * bool(values)
+    after = {"names": list(distilled), "ylabel": "val loss", "rotation": 30}
+    after["series"] = {f"{w} distillation": [e[w] for e in distilled.values()] for w in WHEN}
+    written += [plots.category_figure(plots_dir, "distilled", [after], width, 4.0)] if distilled else []
     claims = _screen_claims(values) + _distill_claims(plan, distilled)
     return Analysis(claims=claims, tables=dict(zip(TABLES, rows, strict=True)), plots=written)
-
-
-def plot_screen(values: Screen, plots_dir: Path) -> Path:
-    """Screen val loss by score, one marker per grouping, one panel per scaling (± std over seeds)."""
-    scores, groupings, scalings = (list(dict.fromkeys(k[i] for k in values)) for i in range(3))
-    fig, axes = plots.panels(len(scalings), 4.5, 3.8, sharey=True)
-    for ax, scaling in zip(axes, scalings, strict=True):
-        loss = {g: [values.get((s, g, scaling), {"loss": {}})["loss"] for s in scores] for g in groupings}
-        series = {g: [summarize(list(by.values())) for by in per_score] for g, per_score in loss.items()}
-        plots.categories(ax, scores, series, title=f"scaling: {scaling}", rotation=40)
-    axes[0].set_ylabel("val loss before distillation")
-    return plots.save(fig, plots_dir, "screen")
-
-
-def plot_distilled(distilled, plots_dir: Path) -> Path:
-    """Val loss before and after the same distillation budget per child (± std over seeds)."""
-    fig, (ax,) = plots.panels(1, max(5.0, 1.1 * len(distilled)), 4.0)
-    series = {f"{w} distillation": [summarize(list(e[w].values())) for e in distilled.values()] for w in WHEN}
-    plots.categories(ax, list(distilled), series, "val loss", rotation=30)
-    return plots.save(fig, plots_dir, "distilled")
 
 
 __all__ = ["MoeToDenseSpec", "analyse", "convert", "expand", "measure_distilled", "measure_screen", "parse"]

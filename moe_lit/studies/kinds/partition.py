@@ -100,8 +100,7 @@ class ConversionSpec:
     """Sequences per calibration / dot_moe training batch (seq_len: run.data.seq_len)."""
 
     def __post_init__(self) -> None:
-        for name in ("calibration_tokens", "router_steps", "train_tokens", "batch_size"):
-            check.positive_int(getattr(self, name), name)
+        check.positive_fields(self, "calibration_tokens", "router_steps", "train_tokens", "batch_size")
         check.number(self.lr, "lr", 0)
 
 

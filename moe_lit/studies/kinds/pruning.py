@@ -94,8 +94,7 @@ class PruningSpec:
         check.distinct(self.methods, "methods", allowed=METHODS, what="methods")
         check.languages(self.calibration_languages, "calibration_languages")
         check.choice(self.calibration_split, "calibration_split", check.SPLITS)
-        for name in ("calibration_tokens", "naee_cap", "recovery_steps"):
-            check.positive_int(getattr(self, name), name)
+        check.positive_fields(self, "calibration_tokens", "naee_cap", "recovery_steps")
         check.int_in(self.recovery_warmup, "recovery_warmup", 0, self.recovery_steps, "recovery_steps", closed=True)
         check.number(self.damping, "damping", 0, 1, closed="high")
         check.number(self.recovery_lr, "recovery_lr", 0, optional=True)

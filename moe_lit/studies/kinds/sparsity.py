@@ -91,8 +91,9 @@ class SparsitySpec:
         check.languages(self.languages, "languages")
         for name in ("calibration_split", "eval_split"):
             check.choice(getattr(self, name), name, check.SPLITS)
-        for name in ("calibration_tokens", "eval_tokens", "timing_tokens", "timing_rounds", "decode_tokens"):
-            check.positive_int(getattr(self, name), name)
+        check.positive_fields(
+            self, "calibration_tokens", "eval_tokens", "timing_tokens", "timing_rounds", "decode_tokens"
+        )
         check.number(self.max_increase, "max_increase", 0, closed="low")
         check.choice(self.statistics_target, "statistics_target", self.targets)
         check.choice(self.clock, "clock", CLOCKS)
