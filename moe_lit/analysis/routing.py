@@ -259,7 +259,7 @@ def cluster_order(js_GG: torch.Tensor) -> list[int]:
     return [int(i) for i in leaves_list(linkage(squareform(distances.numpy(), checks=False), method="average"))]
 
 
-def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Sequence[str] | None = None) -> dict:
+def analyse_routing(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Sequence[str] | None = None) -> dict:
     """Every statistic of the module docstring, as plain JSON-ready data."""
     languages = list(languages or dict.fromkeys(trace.labels["language"]))
     usage_GME = usage_by_language(trace, languages)
@@ -287,7 +287,7 @@ def analyse(trace: RoutingTrace, cfg: RoutingAnalysisConfig, languages: Sequence
 
 
 # ---------------------------------------------------------------------- report
-def summary_markdown(report: dict, title: str) -> str:
+def routing_summary_markdown(report: dict, title: str) -> str:
     """A short markdown summary: verdict on language families, then per-layer expert tables."""
     from moe_lit.accounting import markdown_table
 
@@ -350,13 +350,13 @@ def verdict(fam: dict) -> str:
 __all__ = [
     "LANGUAGE_FAMILIES",
     "RoutingAnalysisConfig",
-    "analyse",
+    "analyse_routing",
     "cluster_order",
     "expert_language_entropy",
     "family_comparison",
     "js_divergence",
     "language_js",
-    "summary_markdown",
+    "routing_summary_markdown",
     "trace_languages",
     "tokenize_documents",
     "usage_by_language",

@@ -62,7 +62,7 @@ def _run_text(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.what == "text":
         return _run_text(args)
-    from moe_lit.analysis.routing import RoutingAnalysisConfig, analyse, summary_markdown
+    from moe_lit.analysis.routing import RoutingAnalysisConfig, analyse_routing, routing_summary_markdown
     from moe_lit.evaluation.harness import default_out
     from moe_lit.io import check_output
 
@@ -72,12 +72,12 @@ def run(args: argparse.Namespace) -> int:
     check_output(out, {"--checkpoint": args.checkpoint}, args.force)
     cfg = RoutingAnalysisConfig(max_tokens=args.max_tokens, batch_size=args.batch_size)
     trace, languages, data_dir = _trace(args, cfg)
-    report = analyse(trace, cfg, languages=languages)
+    report = analyse_routing(trace, cfg, languages=languages)
     command = ["moe-lit", "analyze", "routing", "--checkpoint", str(args.checkpoint), "--data", str(data_dir)]
     if args.max_tokens != RoutingAnalysisConfig.max_tokens:
         command += ["--max-tokens", str(args.max_tokens)]
     report.update(checkpoint=str(args.checkpoint), data=str(data_dir), command=shlex.join(command))
-    summary = summary_markdown(report, out.name) + f"\n`{report['command']}`\n"
+    summary = routing_summary_markdown(report, out.name) + f"\n`{report['command']}`\n"
     _write(out, report, summary, trace if args.save_trace else None)
     print(summary)
     print(f"wrote {out}")

@@ -238,7 +238,7 @@ def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
     return [p["step"] * tokens_per_step for p in result.curve], [p["val_loss"] for p in result.curve]
 
 
-def plot_curves(results: dict[str, RunResult], path: Path) -> None:
+def plot_val_loss(results: dict[str, RunResult], path: Path) -> None:
     from moe_lit.plotting import pyplot
 
     plt = pyplot()
@@ -271,6 +271,6 @@ def write_results(
         atomic_write_json(tmp / RESULTS_JSON, doc)
         table = markdown_table(results_rows(results, steps_timed))
         atomic_write_text(tmp / RESULTS_MD, f"Made by `{COMMAND}`.\n\n{table}\n")
-        plot_curves(results, tmp / PLOT)
+        plot_val_loss(results, tmp / PLOT)
         for name, result in results.items():
             export_model(load_model(result.checkpoint), tmp / MODELS_DIR / name, tokenizer)

@@ -47,7 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="run directory to write")
 
 
-def distill_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: DistillConfig):
+def teacher_student_module(cfg: ModelConfig, optim: OptimConfig, teacher, distill: DistillConfig):
     """A DistillModule over a fresh student of ``cfg`` and ``teacher`` (train_run's module factory)."""
     from moe_lit.lit.distill import DistillModule
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if run_cfg.data.seq_len > teacher.config.seq_len:
         seq_len = run_cfg.data.seq_len
         raise MoeLitError(f"data.seq_len: {seq_len} exceeds the teacher's seq_len {teacher.config.seq_len}")
-    factory = partial(distill_module, teacher=teacher, distill=distill)
+    factory = partial(teacher_student_module, teacher=teacher, distill=distill)
     student = load_any_model(args.student)
     result = train_run(student.config, run_cfg, args.out, init_from=args.student, module_factory=factory)
     trained = load_model(Path(result.checkpoint))

@@ -298,7 +298,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, object]:
     return meta
 
 
-def summary_rows(meta: dict) -> list[dict[str, object]]:
+def language_rows(meta: dict) -> list[dict[str, object]]:
     """One row per language: paragraphs, UTF-8 bytes and tokens over all splits, tokens per split."""
     rows = []
     for lang in meta["languages"]:
@@ -312,7 +312,7 @@ def summary_rows(meta: dict) -> list[dict[str, object]]:
 
 def summary(meta: dict, out: Path) -> str:
     """A per-language markdown table and the one-line summary."""
-    rows = summary_rows(meta)
+    rows = language_rows(meta)
     total = {key: sum(int(row[key]) for row in rows) for key in ("paragraphs", "bytes", "tokens")}
     line = (
         f"prepared {len(rows)} languages ({' '.join(meta['languages'])}): {total['paragraphs']:,} paragraphs, "

@@ -7,7 +7,7 @@ from scipy.spatial.distance import jensenshannon
 
 from moe_lit.analysis.routing import (
     RoutingAnalysisConfig,
-    analyse,
+    analyse_routing,
     family_of,
     js_divergence,
     verdict,
@@ -44,7 +44,7 @@ def synthetic_trace(expert_sets: dict[str, tuple[int, int]], tokens_per_language
 
 def test_related_languages_sharing_experts_are_detected():
     trace = synthetic_trace({"en": (0, 1), "de": (0, 1), "fr": (2, 3), "es": (2, 3), "ru": (4, 0)})
-    report = analyse(trace, RoutingAnalysisConfig(permutations=500))
+    report = analyse_routing(trace, RoutingAnalysisConfig(permutations=500))
     js = torch.tensor(report["js_divergence"]["mean"])
     assert js[0, 1] == 0 and js[2, 3] == 0 and js[0, 2] == pytest.approx(1.0)
     assert js[0, 4] == pytest.approx(jensenshannon([0.5, 0.5, 0, 0, 0, 0], [0.5, 0, 0, 0, 0.5, 0], base=2) ** 2)
@@ -66,10 +66,11 @@ def test_related_languages_sharing_experts_are_detected():
 
 def test_no_family_structure_is_reported_as_such():
     trace = synthetic_trace({"en": (0, 1), "de": (2, 3), "fr": (0, 1), "es": (2, 3)})
-    fam = analyse(trace, RoutingAnalysisConfig(permutations=200))["family_comparison"]
+    fam = analyse_routing(trace, RoutingAnalysisConfig(permutations=200))["family_comparison"]
     assert fam["within_js"] > fam["across_js"]
     assert verdict(fam).startswith("Related languages do not route more alike")
-    single = analyse(synthetic_trace({"en": (0, 1), "fr": (2, 3)}), RoutingAnalysisConfig())["family_comparison"]
+    two = synthetic_trace({"en": (0, 1), "fr": (2, 3)})
+    single = analyse_routing(two, RoutingAnalysisConfig())["family_comparison"]
     assert verdict(single).startswith("Cannot compare")
     assert family_of("pt-br") == "Romance" and family_of("xx") == "xx"
 
