@@ -35,7 +35,7 @@ class ConfigError(MoeLitError, ValueError):
 
 
 def refuse_unknown_keys(data: Any, known: Any, section: str, what: str = "key(s)", label: str = "allowed keys") -> None:
-    """The one check of a config mapping's keys (or of any names): a ConfigError
+    """The one check for unknown keys of a config mapping (or unknown names of any kind): a ConfigError
     ``<section>: unknown <what> [...], <label>: [...]`` (``known``: the allowed names, or a
     dataclass whose fields they are)."""
     allowed = [f.name for f in dataclasses.fields(known)] if dataclasses.is_dataclass(known) else list(known)

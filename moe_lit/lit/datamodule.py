@@ -25,6 +25,7 @@ from jsonargparse.typing import path_type
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Subset
 
+from moe_lit.config import refuse_unknown_keys
 from moe_lit.data.layout import SPLITS, default_data_dir, import_litdata, read_meta, tokenizer_file, tokens_dir
 from moe_lit.data.tokenizer import load_tokenizer
 from moe_lit.errors import MoeLitError
@@ -229,9 +230,7 @@ def _mixture(weights: dict[str, float] | None, languages: list[str], train_token
     """Normalised sampling probabilities of the languages with a positive weight."""
     if weights is None:
         weights = {lang: float(train_tokens[lang]) for lang in languages}
-    unknown = sorted(set(weights) - set(languages))
-    if unknown:
-        raise MoeLitError(f"language_weights: unknown language(s) {unknown}; allowed: {', '.join(languages)}")
+    refuse_unknown_keys(weights, languages, "language_weights", what="language(s)", label="allowed")
     bad = {lang: w for lang, w in weights.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
     if bad or sum(weights.values()) <= 0:
         raise MoeLitError(f"language_weights: need finite weights >= 0 with a positive sum, got {weights}")

@@ -480,6 +480,7 @@ def config_error_line(message: str) -> str:
         if match:
             keys.append(match.group(1))
             line = match.group(2)
+        # NOTE: jsonargparse refuses the unknown key; this only rewrites its message as one line.
         for pattern in _UNKNOWN:
             unknown = pattern.search(line)
             if unknown:
