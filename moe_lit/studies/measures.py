@@ -62,13 +62,23 @@ def suite_fields(model, data_dir: str | Path, limit: int | None) -> dict[str, An
     }
 
 
+def final_checkpoint(result: Any) -> str | Path:
+    """The final checkpoint of a point's run (a measure-only point's result is a dict)."""
+    return result["checkpoint"] if isinstance(result, dict) else result.checkpoint
+
+
+def final_model(result: Any):
+    """The model of :func:`final_checkpoint`."""
+    from moe_lit.checkpoint import load_model
+
+    return load_model(final_checkpoint(result))
+
+
 def local_suite(point: Point, result: Any, run_dir: Path, limit: int | None = None, batch_size: int = 32) -> dict:
     """Local-suite accuracy of the run's final weights on the test split of the point's data dir:
     ``{"suite": scores}``."""
-    from moe_lit.checkpoint import load_model
-
     data_dir = Path(point.run.data.resolved_dir())
-    return {"suite": suite(load_model(result.checkpoint), data_dir, limit=limit, batch_size=batch_size)}
+    return {"suite": suite(final_model(result), data_dir, limit=limit, batch_size=batch_size)}
 
 
 def validation_batches(run) -> dict[str, list]:
@@ -392,6 +402,8 @@ __all__ = [
     "SuiteSpec",
     "bits_per_byte",
     "conversion_screen",
+    "final_checkpoint",
+    "final_model",
     "language_tokens",
     "routing_divergence",
     "sparsity_profile",

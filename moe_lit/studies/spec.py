@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +28,16 @@ SPLITS = ("train", "val", "test")
 def require(ok: bool, name: str, message: str) -> None:
     """A rule of the field ``name``: ``ConfigError("<name>: <message>")`` unless ``ok``."""
     _require(ok, name, message)
+
+
+@contextmanager
+def errors_under(prefix: str, strip: str = "") -> Iterator[None]:
+    """A ConfigError raised inside, named under a section: ``<prefix><error>`` (``strip``: a prefix
+    of the error's own name dropped first, e.g. ``distill.`` of a config validated as a field)."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{str(exc).removeprefix(strip)}") from None
 
 
 def known_keys(
@@ -258,6 +269,7 @@ __all__ = [
     "choice",
     "choices",
     "distinct",
+    "errors_under",
     "int_in",
     "known_keys",
     "is_int",

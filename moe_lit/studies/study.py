@@ -14,6 +14,7 @@ executor: {kind: local}    # where points run (local worker processes | slurm | 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from moe_lit.io import atomic_write_json
 from moe_lit.lit.run_config import RunConfig, read_yaml
 from moe_lit.studies import engine
 from moe_lit.studies.kinds import kind_module
-from moe_lit.studies.spec import known_keys
+from moe_lit.studies.spec import errors_under, known_keys
 
 HEADER_FIELDS = ("name", "kind", "description", "seeds", "data", "run", "executor")
 
@@ -75,10 +76,8 @@ class StudyHeader:
             raise ConfigError(f"data: expected a mapping of data prepare settings, got {self.data!r}")
         allowed = [f.name for f in dataclasses.fields(PrepareConfig) if f.name not in ("out", "force", "progress")]
         known_keys(self.data, "data", allowed)
-        try:
+        with errors_under("data."):
             return PrepareConfig(out=self.run.data.resolved_dir(), **self.data)
-        except ConfigError as exc:
-            raise ConfigError(f"data.{exc}") from None
 
     def seeded_run(self, seed: int, run: RunConfig | None = None) -> RunConfig:
         """``run`` (default: the base) with train.seed set to ``seed``."""
@@ -133,7 +132,7 @@ def parse_study(data: Any, data_dir: str | None = None) -> Study:
     own = {k: v for k, v in data.items() if k not in HEADER_FIELDS}
     header_fields = {k: v for k, v in data.items() if k in HEADER_FIELDS}
     header_fields.setdefault("run", {})
-    header_fields["run"] = RunConfig.from_dict(module.default_run() | header_fields["run"])
+    header_fields["run"] = RunConfig.from_dict(dict(copy.deepcopy(module.DEFAULT_RUN)) | header_fields["run"])
     if data_dir is not None:
         header_fields["run"] = header_fields["run"].replace(data={"data_dir": str(data_dir)})
     header = StudyHeader(**header_fields)

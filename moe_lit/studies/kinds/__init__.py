@@ -11,6 +11,7 @@ at most a few plots of its own). The claims are judged together by
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -48,9 +49,8 @@ class Analysis:
 class StudyKind(Protocol):
     """The plug-in interface of a kind (a module)."""
 
-    def default_run(self) -> dict[str, Any]:
-        """The base run config sections it assumes (the study's ``run`` overrides them)."""
-        ...
+    DEFAULT_RUN: Mapping[str, Any]
+    """The base run config sections it assumes (the study's ``run`` overrides them)."""
 
     def parse(self, fields: dict[str, Any], header: Any) -> Any:
         """Its own YAML fields as its spec dataclass, validated."""

@@ -145,16 +145,11 @@ class DenseVsSparseSpec:
 
     def dense_model(self, budget: str) -> ModelConfig:
         """The dense model of one budget (the base with its overrides)."""
-        try:
+        with check.errors_under(f"budgets[{budget}]: "):
             return self.base.replace(**next(b for b in self.budgets if b.name == budget).overrides)
-        except ConfigError as exc:
-            raise ConfigError(f"budgets[{budget}]: {exc}") from None
 
 
-def default_run() -> dict[str, Any]:
-    return {"train": {"max_tokens": 2_000_000}}
-
-
+DEFAULT_RUN = {"train": {"max_tokens": 2_000_000}}
 _parse = check.parser(DenseVsSparseSpec, ("base", "budgets"))
 
 

@@ -68,10 +68,7 @@ class LanguageExpansionSpec:
         return [*self.base_languages, *self.new_languages]
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
 parse = check.parser(LanguageExpansionSpec, ("dense", "base_languages", "new_languages"))
 
 

@@ -86,10 +86,7 @@ class LifecycleSpec:
         check.positive_int(self.limit, "limit", optional=True)
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 256, "batch_size": 4, "val_batches": 2}, "optim": {"warmup_steps": 10}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 256, "batch_size": 4, "val_batches": 2}, "optim": {"warmup_steps": 10}}
 parse = check.parser(LifecycleSpec, ("model", "shapes"))
 
 
@@ -166,14 +163,13 @@ def distill_module(cfg: ModelConfig, optim, parent: Path | None, teacher: str):
 
 def measure_model(point: Point, result: Any, run_dir: Path, before: bool, **options: Any) -> dict[str, Any]:
     """:func:`~moe_lit.studies.measures.model_quality` of the final weights; ``before``: of the start's too."""
-    checkpoint = result["checkpoint"] if isinstance(result, dict) else result.checkpoint  # a measure-only point's dict
-    out = measures.model_quality(checkpoint, **options)
+    out = measures.model_quality(measures.final_checkpoint(result), **options)
     return out | ({"before": measures.model_quality(Path(run_dir) / TRANSFORMED_START, **options)} if before else {})
 
 
 def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
     """:func:`~moe_lit.studies.measures.sparsity_profile` of the final weights."""
-    return measures.sparsity_profile(result.checkpoint, **kwargs)
+    return measures.sparsity_profile(measures.final_checkpoint(result), **kwargs)
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -25,7 +25,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.measures import conversion_screen, start_validation, suite_fields
+from moe_lit.studies.measures import conversion_screen, final_model, start_validation, suite_fields
 from moe_lit.studies.records import best, cells, collect, language_means, select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
@@ -55,10 +55,8 @@ class DistillationSpec(check.FineTune):
         from moe_lit.lit.distill import DistillConfig
 
         super().__post_init__()
-        try:
+        with check.errors_under("", strip="distill."):
             DistillConfig(self.temperature, self.kl_weight, self.ce_weight)
-        except ConfigError as exc:
-            raise ConfigError(str(exc).removeprefix("distill.")) from None
 
 
 @dataclass
@@ -137,16 +135,11 @@ class MoeToDenseSpec:
             raise ConfigError(f"{name}: expected 'score/grouping/scaling', got {label!r}")
         score, grouping, scaling = parts
         keep = self.groups if grouping == "single" else self.keep
-        try:
+        with check.errors_under(f"{name}: {label!r}: "):
             return MoeToDenseConfig(score=score, keep=keep, groups=self.groups, grouping=grouping, scaling=scaling)
-        except ConfigError as exc:
-            raise ConfigError(f"{name}: {label!r}: {exc}") from None
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1000}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1000}}
 parse = check.parser(MoeToDenseSpec, ("model",))
 
 
@@ -214,8 +207,7 @@ def prune_baseline(model, **kwargs: Any):
 def teacher_module(
     cfg: ModelConfig, optim, parent: Path | None, temperature: float, kl_weight: float, ce_weight: float
 ):
-    """The distilled children's LightningModule: a DistillModule whose frozen teacher is the parent
-    point's checkpoint (the engine's ``Point.module``)."""
+    """The distilled children's ``Point.module``: a DistillModule whose frozen teacher is the parent's checkpoint."""
     from moe_lit.errors import MoeLitError
     from moe_lit.lit.distill import DistillConfig, DistillModule
 
@@ -225,19 +217,15 @@ def teacher_module(
 
 
 def measure_distilled(point: Point, result: Any, run_dir: Path, data_dir: str, suite: bool, suite_limit: int | None):
-    """Validation loss before distillation (the converted start weights,
-    :func:`~moe_lit.studies.measures.start_validation`) and, with ``suite``, the local task suite's
-    accuracy after it (:func:`~moe_lit.studies.measures.suite_fields`, ``suite_limit`` items per task)."""
-    from moe_lit.checkpoint import load_model
-
-    out = start_validation(point, run_dir)
-    return out | (suite_fields(load_model(result.checkpoint), data_dir, suite_limit) if suite else {})
+    """Validation loss of the converted start weights (:func:`.measures.start_validation`) and, with ``suite``,
+    local-suite accuracy after the distillation (:func:`.measures.suite_fields`, ``suite_limit`` items per task)."""
+    scores = suite_fields(final_model(result), data_dir, suite_limit) if suite else {}
+    return start_validation(point, run_dir) | scores
 
 
 def measure_screen(point: Point, result: Any, run_dir: Path, score: str, keep: int, groups: int, **options: Any):
-    """The screen of one score: the MoE (the point's 0-step checkpoint) converted with every
-    ``groupings`` x ``scalings`` of it, each dense model validated
-    (:func:`moe_lit.studies.measures.conversion_screen`; the other ``options``: its calibration)."""
+    """The screen of one score (:func:`.measures.conversion_screen`): the MoE converted with every ``groupings`` x
+    ``scalings`` of it, each dense model validated (the other ``options``: its calibration)."""
     grid, seed = itertools.product(options.pop("groupings"), options.pop("scalings")), options.pop("seed")
     shared = {"score": score, "groups": groups, "seed": seed}
     configs = [

@@ -130,18 +130,13 @@ class PartitionSpec:
         if self.dense.moe is not None:
             raise ConfigError("dense.moe: the dense model must be dense (moe: null)")
         for i, setting in enumerate(self.settings):
-            try:
+            with check.errors_under(f"settings[{i}]."):
                 partitioned_config(self.dense, setting.experts, setting.top_k, balancing=self.balancing)
-            except ConfigError as exc:
-                raise ConfigError(f"settings[{i}].{exc}") from None
         check.distinct([s.name for s in self.settings], "settings", what="settings")
         check.distinct([m.name for m in self.methods], "methods", what="methods")
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1500}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1500}}
 parse = check.parser(PartitionSpec, ("dense", "settings", "methods"))
 
 

@@ -1,11 +1,10 @@
 """Study kind ``pruning``: how much of an MoE's quality survives removing experts, per method?
 
-Per seed an MoE parent pretrains until its experts specialise; every child starts from its final weights and removes a
-fraction of each MoE layer's experts by one method of :mod:`moe_lit.convert.importance` (calibrated on the mix or on
-``calibration_languages``), evaluated as it is and after a short LM-loss recovery. Retention = original / pruned val
-loss per language against the seed's reference (a recovered model's: the parent recovered the same way). Claims,
-paired by seed: MAESTRO retains more than the best other method at 50% removed, with less variance across languages
-(and tasks); a language calibrated alone retains itself better, the others worse.
+Per seed an MoE parent pretrains; every child removes a fraction of each MoE layer's experts from its final weights by
+one method of :mod:`moe_lit.convert.importance` (calibrated on the mix or ``calibration_languages``), evaluated as it is
+and after a short LM-loss recovery. Retention = original / pruned val loss per language against the seed's reference
+(the parent, or the parent recovered the same way). Claims, paired by seed: MAESTRO retains more than the best other
+method at 50% removed, varying less across languages (and tasks); a language calibrated alone retains itself better.
 """
 
 from __future__ import annotations
@@ -15,17 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.config import ModelConfig
 from moe_lit.convert import recipes
 from moe_lit.convert.importance import METHODS
 from moe_lit.errors import MoeLitError
-from moe_lit.plotting import spread_note
-from moe_lit.stats import format_values, summarize
+from moe_lit.stats import format_values
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.measures import suite_fields
+from moe_lit.studies.measures import final_model, suite_fields
 from moe_lit.studies.records import best, collect, language_means, select
 from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
 
@@ -111,18 +109,13 @@ class PruningSpec:
             why = f"its arms prune {CLAIM_FRACTION:g}, so fractions must include it"
             check.require(CLAIM_FRACTION in self.fractions, "single_language_calibration", why)
         for fraction, moe in ((f, self.model.moe) for f in self.fractions):  # NOTE: refused before any run
-            try:
+            with check.errors_under("fractions: "):
                 kept = kept_count(moe.num_experts, 0, fraction)
-            except ConfigError as exc:
-                raise ConfigError(f"fractions: {exc}") from None
             why = f"{fraction} keeps {kept} of {moe.num_experts} experts, fewer than top_k={moe.top_k}"
             check.require(kept >= moe.top_k, "fractions", why)
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
 parse = check.parser(PruningSpec, ("model",))
 
 
@@ -175,19 +168,16 @@ def prune_by_importance(model, **kwargs: Any):
 
 def measure_tasks(point: Point, result: Any, run_dir: Path, limit: int | None = None) -> dict[str, Any]:
     """Local-suite accuracy of the run's final model (:func:`moe_lit.studies.measures.suite_fields`)."""
-    from moe_lit.checkpoint import load_model
-
-    return suite_fields(load_model(result.checkpoint), point.run.data.resolved_dir(), limit)
+    return suite_fields(final_model(result), point.run.data.resolved_dir(), limit)
 
 
 def measure_memory(point: Point, result: Any, run_dir: Path, tasks: bool = False, task_limit: int | None = None):
     """Parameters and bytes of the parent (``point.model``) and of the pruned model (``memory_saved``),
     and with ``tasks`` its local-suite accuracy (:func:`measure_tasks`)."""
-    from moe_lit.checkpoint import load_model
     from moe_lit.convert.prune import memory_saved
     from moe_lit.model import Transformer
 
-    pruned = load_model(result.checkpoint)
+    pruned = final_model(result)
     original = Transformer(point.model.replace(vocab_size=pruned.config.vocab_size))
     # NOTE: flat fields (not one nested dict), so that runs.csv keeps them as columns.
     kept = [pruned.config.moe_layer_config(b).num_experts for b in pruned.config.moe_layer_ids]
@@ -198,7 +188,8 @@ def measure_memory(point: Point, result: Any, run_dir: Path, tasks: bool = False
 # ----------------------------------------------------------------------------- analysis
 Key = tuple[float, str, str, str]
 """(fraction, arm, method, calibration)."""
-NAN_TASKS = {"task_mean": math.nan, "task_variance": math.nan, "task_language_variance": math.nan, "task_languages": {}}
+NAN_TASKS = {"task_mean": math.nan, "task_variance": math.nan, "task_language_variance": math.nan}
+NAN_TASKS |= {"task_languages": {}, "tasks_left_out": 0}
 
 
 def _retention_fields(original: dict[str, Any], pruned: dict[str, Any], margin: float) -> dict[str, Any]:
@@ -214,7 +205,7 @@ def _retention_fields(original: dict[str, Any], pruned: dict[str, Any], margin: 
     try:
         tasks = suite_retention(original["suite"], pruned["suite"], margin)
     except (KeyError, MoeLitError):
-        return out | NAN_TASKS | {"tasks_left_out": 0}
+        return out | NAN_TASKS
     out |= {"task_mean": tasks.tasks.mean, "task_variance": tasks.tasks.variance}
     out |= {"task_language_variance": tasks.languages.variance, "task_languages": tasks.languages.per_key}
     return out | {"tasks_left_out": len(tasks.left_out)}
@@ -224,8 +215,7 @@ def retention_values(records: list[dict[str, Any]], task_margin: float = 0.0) ->
     """(fraction, arm, method, calibration) -> measure -> seed -> value against the child's reference: ``val_loss``,
     retention ``mean``, ``variance``, ``languages``, task retention ``task_mean``, ``task_variance`` (across tasks),
     ``task_language_variance``, ``task_languages``, ``tasks_left_out``."""
-    ok = {r["name"]: r for r in select(records)}
-    items = []
+    ok, items = {r["name"]: r for r in select(records)}, []
     for record in ok.values():
         if record.get("arm") in ARMS and (reference := ok.get(record.get("reference") or "")) is not None:
             measured = {"val_loss": record["val_loss"], **_retention_fields(reference, record, task_margin)}
@@ -289,6 +279,7 @@ TASK_COLUMNS["task variance across languages"] = ("task_language_variance", 6)
 PLOTS = {"mean": ("retention", "original / pruned val loss", "languages")}
 PLOTS["task_mean"] = ("task_retention", "above chance: pruned / original", "tasks")
 """The retention plot of a mean: (file name, what the retention is, what the mean runs over)."""
+REFERENCE = (1.0, "1 = nothing lost")
 PER_LANGUAGE = (("Val-loss", "mean", "languages"), ("Task", "task_mean", "task_languages"))
 """The retention per language tables (and plots): (title, key of the mean, key of the per-language values)."""
 
@@ -317,15 +308,13 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_fraction: dict[float, dict[str, Any]] = {}
     for record in (r for r in select(records) if "params_saved" in r):
         by_fraction.setdefault(record["fraction"], record)
-    rows, arrow = [], "{:,} -> {:,}".format
-    for fraction, r in sorted(by_fraction.items()):
-        row = {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
-        row |= {
-            "parameters": arrow(r["params_before"], r["params_after"]),
-            "saved": f"{r['params_saved_fraction']:.1%}",
-        }
-        rows.append(row | {"bytes": arrow(r["bytes_before"], r["bytes_after"])})
-    return rows
+    arrow = "{:,} -> {:,}".format
+    return [
+        {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
+        | {"parameters": arrow(r["params_before"], r["params_after"]), "saved": f"{r['params_saved_fraction']:.1%}"}
+        | {"bytes": arrow(r["bytes_before"], r["bytes_after"])}
+        for fraction, r in sorted(by_fraction.items())
+    ]
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
@@ -351,17 +340,13 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
 def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     """Mean retention (``key``) per method, one panel per arm present, one marker per fraction, ± std over seeds."""
     fractions, methods = sorted({f for f, _, _ in values}), list(dict.fromkeys(m for _, _, m in values))
-    arms = [arm for arm in ARMS if any(k[1] == arm for k in values)]
-    (fig, axes), counts = plots.panels(len(arms), 5.0, 4.0, sharey=True), []
-    for ax, arm in zip(axes, arms, strict=True):
-        measured = {f: [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
-        series = {f"{_label(f)} removed": [summarize(list(by.values())) for by in per] for f, per in measured.items()}
+    (name, what, over), panels = PLOTS[key], []
+    for arm in (arm for arm in ARMS if any(k[1] == arm for k in values)):
         title = f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})"
-        counts += plots.categories(ax, methods, series, title=title, reference=(1.0, "1 = nothing lost"), rotation=30)
-    name, what, over = PLOTS[key]
-    axes[0].set_ylabel(f"retention ({what})")
-    fig.suptitle(f"Retention, mean over {over} ({spread_note(counts)})", fontsize=10)
-    return plots.save(fig, plots_dir, name)
+        series = {f"{_label(f)} removed": [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
+        panels.append({"names": methods, "series": series, "title": title, "rotation": 30} | {"reference": REFERENCE})
+    suptitle = f"Retention, mean over {over}"
+    return plots.category_figure(plots_dir, name, panels, sharey=True, ylabel=f"retention ({what})", suptitle=suptitle)
 
 
 __all__ = ["PruningSpec", "analyse", "calibration_label", "expand", "measure_memory", "measure_tasks", "parse"]

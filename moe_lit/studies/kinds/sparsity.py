@@ -99,8 +99,7 @@ class SparsitySpec:
         check.choice(self.clock, "clock", CLOCKS)
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
 
 
 def model_on_disk(path: str) -> ModelConfig:
@@ -123,10 +122,8 @@ def parse(fields: dict[str, Any], header) -> SparsitySpec:
         if isinstance(value, dict) and "path" in value:
             models[name] = str(value["path"])
             continue
-        try:
+        with check.errors_under(f"models.{name}."):
             models[name] = ModelConfig.from_dict(dict(value)).replace(seq_len=header.run.data.seq_len)
-        except ConfigError as exc:
-            raise ConfigError(f"models.{name}.{exc}") from None
     spec.models = models
     return spec
 
@@ -160,7 +157,7 @@ def expand(spec: SparsitySpec, header) -> list[Point]:
 
 def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
     """The measurement (:func:`moe_lit.studies.measures.sparsity_profile`) of the point's start weights."""
-    return measures.sparsity_profile(result["checkpoint"] if isinstance(result, dict) else result.checkpoint, **kwargs)
+    return measures.sparsity_profile(measures.final_checkpoint(result), **kwargs)
 
 
 # ----------------------------------------------------------------------------- analysis

@@ -108,10 +108,7 @@ class UpcyclingSpec:
         )
 
 
-def default_run() -> dict[str, Any]:
-    return {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 2}, "train": {"max_steps": 1500}}
-
-
+DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 2}, "train": {"max_steps": 1500}}
 _parse = check.parser(UpcyclingSpec, ("model", "expand_at", "arms"))
 
 
