@@ -65,10 +65,10 @@ def positive_int(value: Any, name: str, optional: bool = False) -> None:
     _require(is_int(value) and value >= 1, name, f"must be {'null or ' * optional}a positive integer, got {value!r}")
 
 
-def positive_fields(spec: Any, *names: str) -> None:
-    """Each of the fields ``names`` of ``spec`` an integer >= 1 (:func:`positive_int`)."""
+def positive_fields(spec: Any, *names: str, optional: bool = False) -> None:
+    """Each of the fields ``names`` of ``spec`` an integer >= 1, or null when ``optional`` (:func:`positive_int`)."""
     for name in names:
-        positive_int(getattr(spec, name), name)
+        positive_int(getattr(spec, name), name, optional)
 
 
 def integer(value: Any, name: str, low: int) -> None:

@@ -98,8 +98,7 @@ class PruningSpec:
         check.number(self.recovery_lr, "recovery_lr", 0, optional=True)
         check.distinct(self.arms, "arms", allowed=ARMS, what=", ".join(ARMS))
         check.boolean(self.tasks, "tasks")
-        check.positive_int(self.task_limit, "task_limit", optional=True)
-        check.positive_int(self.single_language_tokens, "single_language_tokens", optional=True)
+        check.positive_fields(self, "task_limit", "single_language_tokens", optional=True)
         check.distinct(self.task_fractions, "task_fractions", allowed=self.fractions, what="fractions", optional=True)
         check.number(self.task_margin, "task_margin", 0, closed="low")
         single = self.single_language_calibration
@@ -231,10 +230,8 @@ def _has(group: dict[str, dict[int, Any]], key: str) -> bool:
 def _maestro_claims(values, arm: str, calibration: str, measure: str) -> list:
     """MAESTRO vs the best other method at 50% removed (the highest mean retention, random
     excluded: a baseline picked after the runs, which favours the baseline), paired by seed."""
-    (mean_key, variances), at = MEASURES[measure], {}
-    for (f, a, m, c), v in values.items():
-        if (f, a, c) == (CLAIM_FRACTION, arm, calibration) and _has(v, mean_key):
-            at[m] = v
+    (mean_key, variances), here = MEASURES[measure], (CLAIM_FRACTION, arm, calibration)
+    at = {m: v for (f, a, m, c), v in values.items() if (f, a, c) == here and _has(v, mean_key)}
     baselines = {m: v for m, v in at.items() if m not in ("maestro", "random")}
     what, removed = "retention" if measure == "val loss" else "task retention", _label(CLAIM_FRACTION)
     if "maestro" not in at or not baselines:
