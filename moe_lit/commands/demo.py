@@ -65,7 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Run settings: --SECTION.FIELD VALUE over the --config YAML (sections data, optim, train, trainer; "
         "moe_lit.lit.run_config.RunConfig), e.g. --train.max_tokens 200000 --data.data_dir DIR --optim.lr 1e-3."
     )
-    parser.add_argument("--config", type=Path, default=RUN, help="run YAML of each model (configs/runs/demo.yaml)")
+    parser.add_argument(
+        "--config", type=Path, default=RUN, help="run YAML of each model (default: configs/runs/demo.yaml)"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="results directory")
     parser.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="checkpoints and CSV logs")
     parser.add_argument(

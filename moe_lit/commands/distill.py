@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--teacher", required=True, type=Path, help="frozen teacher: .ckpt or exported dir")
     parser.add_argument("--student", required=True, type=Path, help="student to train: .ckpt or exported dir")
-    parser.add_argument("--config", type=Path, default=RUN, help="run YAML (configs/runs/distill.yaml)")
+    parser.add_argument("--config", type=Path, default=RUN, help="run YAML (default: configs/runs/distill.yaml)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--out", required=True, type=Path, help="run directory to write")
 

@@ -102,6 +102,13 @@ def test_export_writes_tokenizer_generation_config_and_shards(tmp_path, word_tok
     # moe-lit accounting reads the exported directory, exactly
     assert count_config_params(from_hf(tmp_path / "hf").config).total == sum(p.numel() for p in hf.parameters())
     assert main(["accounting", "--config", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    assert (
+        main(["export", "--checkpoint", str(tmp_path / "hf"), "--format", "mixtral", "--out", str(tmp_path / "again")])
+        == 0
+    )
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
+        (tmp_path / "hf" / "config.json").read_text()
+    )
     # every model-taking command reads a transformers dir as import-hf would
     idx = torch.randint(0, 97, (1, 8))
     assert torch.equal(load_any_model(tmp_path / "hf")(idx).logits_BLV, from_hf(tmp_path / "hf")(idx).logits_BLV)
