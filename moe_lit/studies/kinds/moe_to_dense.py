@@ -34,6 +34,18 @@ DIVERSITY_SCORE = "do_acp"
 FACTORS = {"score": 0, "grouping": 1, "scaling": 2}
 PAPER_GAIN = 0.063
 """The paper: MoE->dense is 6.3 points of accuracy better than dense->dense after distillation."""
+BEATS = "MoE->dense beats dense->dense"
+CONVERSION = ("score", "keep", "groups", "grouping", "scaling")
+# NOTE: not a record field as a whole: runs.csv reads a record's "groups" as a list of names.
+TABLES = (
+    "Parents after pretraining (mean ± std over seeds)",
+    "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)",
+    "Screen: marginal means per factor level (over the other factors; mean ± std over seeds)",
+    "Distilled children, same budget (mean ± std over seeds; languages: mean after)",
+)
+DISTILLED = {"val loss before": "before", "val loss after": "after", "suite acc - chance": "suite"}
+WHEN = ("before", "after")
+"""The distilled children's val loss before and after the distillation."""
 
 
 @dataclass
@@ -144,10 +156,6 @@ parse = check.parser(MoeToDenseSpec, ("model",))
 
 
 # ----------------------------------------------------------------------------- points
-CONVERSION = ("score", "keep", "groups", "grouping", "scaling")
-# NOTE: not a record field as a whole: runs.csv reads a record's "groups" as a list of names.
-
-
 def expand(spec: MoeToDenseSpec, header) -> list[Point]:
     # NOTE: one config for every converted and pruned model, so that their parameters match exactly
     final = spec.model.replace(moe=None, d_ff=spec.width)
@@ -292,9 +300,6 @@ def distilled_values(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return collect(items)
 
 
-BEATS = "MoE->dense beats dense->dense"
-
-
 def _distill_claims(plan: dict[str, Any], distilled) -> list:
     spec, claims = plan.get("spec", {}), []
     first, baseline = f"distill/{(spec.get('distill') or [''])[0]}", distilled.get(f"distill/{BASELINE}")
@@ -312,17 +317,6 @@ def _distill_claims(plan: dict[str, Any], distilled) -> list:
         claim = Claim(f"distillation beats the plain LM loss ({spec['finetune']})", "val loss", tuple(tuned), LOWER)
         claims.append(claim.on(distilled[tuned[0]]["after"], distilled[tuned[1]]["after"]))
     return claims
-
-
-TABLES = (
-    "Parents after pretraining (mean ± std over seeds)",
-    "Screen: every conversion before distillation, val loss (mean ± std over seeds; languages: mean)",
-    "Screen: marginal means per factor level (over the other factors; mean ± std over seeds)",
-    "Distilled children, same budget (mean ± std over seeds; languages: mean after)",
-)
-DISTILLED = {"val loss before": "before", "val loss after": "after", "suite acc - chance": "suite"}
-WHEN = ("before", "after")
-"""The distilled children's val loss before and after the distillation."""
 
 
 def _distilled_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
