@@ -124,7 +124,7 @@ class Claim:
             return Evidence(self, difference, reason=difference.note)
         if self.margin is None:
             return Evidence(self, difference, decides="difference", p=difference.p)
-        xs, ys = _values(self, a, b, difference.paired)
+        xs, ys = _paired_values(self, a, b, difference.paired)
         test = equivalence(xs, ys, *self.bounds, paired=difference.paired)
         if self.direction == EQUIVALENT:
             decides, p = ("equivalence", test.p) if test.p <= test.p_beyond else ("beyond margin", test.p_beyond)
@@ -145,11 +145,11 @@ class Claim:
 def _difference(claim: Claim, a: SeedValues, b: SeedValues | float) -> Difference:
     """The pairing of the claim: by seed on the shared seeds (or against a constant), else Welch."""
     paired = not isinstance(b, Mapping) or (claim.pairing == BY_SEED and bool(set(a) & set(b)))
-    xs, ys = _values(claim, a, b, paired)
+    xs, ys = _paired_values(claim, a, b, paired)
     return paired_difference(xs, ys) if paired else welch_difference(xs, ys)
 
 
-def _values(claim: Claim, a: SeedValues, b: SeedValues | float, paired: bool) -> tuple[list[float], Any]:
+def _paired_values(claim: Claim, a: SeedValues, b: SeedValues | float, paired: bool) -> tuple[list[float], Any]:
     if not isinstance(b, Mapping):
         return [a[s] for s in sorted(a)], float(b)
     if paired:
@@ -211,7 +211,7 @@ def judge(evidence: Sequence[Evidence], alpha: float = ALPHA) -> list[Verdict]:
     verdicts = []
     for item, p_holm in zip(evidence, adjusted, strict=True):
         word = _word(item, p_holm, alpha)
-        verdicts.append(Verdict(item, p_holm, word, _row(item, p_holm, word)))
+        verdicts.append(Verdict(item, p_holm, word, _report_row(item, p_holm, word)))
     return verdicts
 
 
@@ -233,7 +233,7 @@ def _p_label(evidence: Evidence) -> str:
     return f"{format_p(evidence.p)} ({'TOST' if evidence.decides == 'equivalence' else 'beyond margin'})"
 
 
-def _row(evidence: Evidence, p_holm: float, word: str) -> dict[str, Any]:
+def _report_row(evidence: Evidence, p_holm: float, word: str) -> dict[str, Any]:
     claim, d = evidence.claim, evidence.difference
     digits = claim.digits
     a, b = claim.arms

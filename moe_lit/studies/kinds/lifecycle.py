@@ -193,7 +193,7 @@ def _retention_row(config: str, r: dict[str, Any], source: dict[str, Any]) -> di
     return row | {"cross-task variance": f"{statistics.pvariance(kept.values()):.5f}" if kept else ""}
 
 
-def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
+def _chain_claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
     def on(text: str, a: str, b: str, task: str | None = None) -> Any:
         claim = Claim(text, "task acc (items)", (a, b), HIGHER)
         if "suite" not in arms.get(a, {}) or "suite" not in arms.get(b, {}):
@@ -223,7 +223,7 @@ def _claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
     return claims
 
 
-def _row(config: str, r: dict[str, Any]) -> dict[str, Any]:
+def _model_row(config: str, r: dict[str, Any]) -> dict[str, Any]:
     before = r.get("before") or {}
     row = {"point": config, "params": f"{r.get('params', r['total_params']):,}", "bpb (mean)": f"{r['bpb_mean']:.4f}"}
     row |= {"task acc ± SE (items)": _acc(r), "bpb before": f"{before['bpb_mean']:.4f}" if before else ""}
@@ -234,14 +234,14 @@ def _row(config: str, r: dict[str, Any]) -> dict[str, Any]:
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     seed = min(plan["seeds"])
     arms = {r["config_name"]: r for r in select(records, seed=seed)}
-    models = [_row(config, r) for config, r in arms.items() if r.get("stage") != "sparsity"]
+    models = [_model_row(config, r) for config, r in arms.items() if r.get("stage") != "sparsity"]
     keys = ("best_target", "best_inactive", "layer_speedup", "decode_speedup")
     sparse = [{"point": c} | {k: r.get(k) for k in keys} for c, r in arms.items() if r.get("stage") == "sparsity"]
     tables = {f"Every model of the chain (seed {seed}; task acc over the suite's items, item-level SE)": models}
     source, pruned = arms.get(plan["spec"]["prune_source"]), [(c, r) for c, r in arms.items() if r["stage"] == "prune"]
     tables["Pruned: retention against the prune source"] = [_retention_row(c, r, source) for c, r in pruned if source]
     tables["Intra-expert activation sparsity of the prune source (per-layer thresholds)"] = sparse
-    claims = _claims(arms, plan["spec"])
+    claims = _chain_claims(arms, plan["spec"])
     apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]
     note = ["- One seed: the noise is item to item (tasks), language to language (sparsity)."]
     note += [f"- {t}: {d.estimate / d.sd * d.n_a**0.5:+.1f} item-paired standard errors" for t, d in apart if d.sd > 0]

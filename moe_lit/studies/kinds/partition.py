@@ -263,7 +263,7 @@ def _first(entry: dict[str, Any]) -> dict[str, Any]:
     return next(iter(entry["record"].values()))
 
 
-def _label(r: dict[str, Any]) -> str:
+def _method_label(r: dict[str, Any]) -> str:
     return r["method"] if r["method"] in (DENSE, PRUNING, DOT_MOE) else f"{r['method']} + {r['router']} router"
 
 
@@ -274,12 +274,12 @@ COLUMNS |= {"gap before recovery": "gap_before", "task acc": "acc", "task retent
 def _main_row(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     r = _first(entry)
     shape = f"{r['num_experts']} / {r['top_k']}" if r["num_experts"] > 1 else "dense"
-    row = {"point": name, "method": _label(r), "experts / top-k": shape, "active FFN": f"{r['active_ffn']:.0%}"}
+    row = {"point": name, "method": _method_label(r), "experts / top-k": shape, "active FFN": f"{r['active_ffn']:.0%}"}
     row["active / total params"] = f"{r['active_params']:,} / {r['total_params']:,}"
     return row | {"conversion tokens": r.get("conversion_tokens", 0)} | cells(entry, COLUMNS)
 
 
-def _claims(configs: dict[str, dict[str, Any]]) -> list:
+def _ordering_claims(configs: dict[str, dict[str, Any]]) -> list:
     claims = []
     settings = dict.fromkeys(_first(e)["setting"] for e in configs.values() if _first(e).get("setting"))
     for setting in settings:
@@ -327,7 +327,7 @@ NOTE = "- Each family stands for its best configuration at the setting (lowest m
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     configs = _per_config(plan, records)
     languages = [{"point": n} | language_means(e["per_language"]) for n, e in configs.items()]
-    claims, plot = _claims(configs), _plot(configs, plots_dir)
+    claims, plot = _ordering_claims(configs), _plot(configs, plots_dir)
     tables = {MAIN: [_main_row(n, e) for n, e in configs.items()], LANGUAGES: languages}
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 

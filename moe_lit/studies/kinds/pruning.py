@@ -118,7 +118,7 @@ DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "tra
 parse = check.parser(PruningSpec, ("model",))
 
 
-def _label(fraction: float) -> str:
+def _share(fraction: float) -> str:
     return f"{fraction * 100:g}%"
 
 
@@ -149,7 +149,7 @@ def expand(spec: PruningSpec, header) -> list[Point]:
         for name, run, info, parent in controls:
             points.append(header.point(name, seed, spec.model, run, info, parent, measure=reference_measure))
         for fraction, method, arm, calibration, changes in arms:
-            name = f"{method}/{_label(fraction)}/{arm}" + (f"/calibration-{calibration}" if calibration != mix else "")
+            name = f"{method}/{_share(fraction)}/{arm}" + (f"/calibration-{calibration}" if calibration != mix else "")
             info = {"arm": arm, "method": method, "fraction": fraction, "calibration": calibration}
             # NOTE: the suite only where the spec asks for tasks at the fraction (not the single-language arms)
             scored = calibration == mix and (spec.task_fractions is None or fraction in spec.task_fractions)
@@ -233,7 +233,7 @@ def _maestro_claims(values, arm: str, calibration: str, measure: str) -> list:
     (mean_key, variances), here = MEASURES[measure], (CLAIM_FRACTION, arm, calibration)
     at = {m: v for (f, a, m, c), v in values.items() if (f, a, c) == here and _has(v, mean_key)}
     baselines = {m: v for m, v in at.items() if m not in ("maestro", "random")}
-    what, removed = "retention" if measure == "val loss" else "task retention", _label(CLAIM_FRACTION)
+    what, removed = "retention" if measure == "val loss" else "task retention", _share(CLAIM_FRACTION)
     if "maestro" not in at or not baselines:
         why = f"needs maestro and another non-random method at {removed} removed"
         return [Claim(f"{arm}: MAESTRO retains more", what, ("maestro", "best"), HIGHER).missing(why)]
@@ -284,7 +284,7 @@ PER_LANGUAGE = (("Val-loss", "mean", "languages"), ("Task", "task_mean", "task_l
 def _main_rows(values, main: str, tasks: bool) -> list[dict[str, Any]]:
     columns = {**COLUMNS, **(TASK_COLUMNS if tasks else {}), "val loss": ("val_loss", 4)}
     return [
-        {"removed": _label(f), "arm": arm, "method": m}
+        {"removed": _share(f), "arm": arm, "method": m}
         | {t: format_values(list(v[k].values()), d) for t, (k, d) in columns.items()}
         for (f, arm, m, c), v in values.items()
         if c == main
@@ -307,7 +307,7 @@ def _memory_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_fraction.setdefault(record["fraction"], record)
     arrow = "{:,} -> {:,}".format
     return [
-        {"removed": _label(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
+        {"removed": _share(fraction), "experts per layer": ", ".join(map(str, r["kept_experts"]))}
         | {"parameters": arrow(r["params_before"], r["params_after"]), "saved": f"{r['params_saved_fraction']:.1%}"}
         | {"bytes": arrow(r["bytes_before"], r["bytes_after"])}
         for fraction, r in sorted(by_fraction.items())
@@ -323,7 +323,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     measures = [m for m in MEASURES if tasks or m == "val loss"]
     claims = [c for m in measures for arm in arms for c in _maestro_claims(values, arm, main, m)]
     claims += _calibration_claims(values, main)
-    main_values, at, written = {key[:3]: v for key, v in values.items() if key[3] == main}, _label(CLAIM_FRACTION), []
+    main_values, at, written = {key[:3]: v for key, v in values.items() if key[3] == main}, _share(CLAIM_FRACTION), []
     title = "Retention = original / pruned val loss per language"
     title += "; task retention = (pruned - chance) / (original - chance) per local-suite task" if tasks else ""
     tables = {f"{title} (mean ± std over seeds)": _main_rows(values, main, tasks)}
@@ -340,7 +340,7 @@ def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:
     (name, what, over), panels = PLOTS[key], []
     for arm in (arm for arm in ARMS if any(k[1] == arm for k in values)):
         title = f"{arm} (vs {'the parent' if arm == 'pruned' else 'the recovered unpruned control'})"
-        series = {f"{_label(f)} removed": [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
+        series = {f"{_share(f)} removed": [values.get((f, arm, m), {key: {}})[key] for m in methods] for f in fractions}
         panels.append({"names": methods, "series": series, "title": title, "rotation": 30} | {"reference": REFERENCE})
     suptitle = f"Retention, mean over {over}"
     return plots.category_figure(plots_dir, name, panels, sharey=True, ylabel=f"retention ({what})", suptitle=suptitle)

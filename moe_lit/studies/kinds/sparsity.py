@@ -181,7 +181,7 @@ def _pct(values: list[float]) -> str:
     return format_values(scaled, 2).replace(" (", " % (", 1) if summarize(scaled).n else "n/a"
 
 
-def _values(recs: list[dict[str, Any]], key: str) -> list[float]:
+def _field_values(recs: list[dict[str, Any]], key: str) -> list[float]:
     return [math.nan if r.get(key) is None else float(r[key]) for r in recs]
 
 
@@ -206,10 +206,10 @@ def _curve_rows(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _best_row(recs: list[dict[str, Any]], max_increase: float) -> dict[str, Any]:
-    row = {f"highest target within {max_increase:.0%}": format_values(_values(recs, "best_target"), 3)}
-    row |= {"inactive there": format_values(_values(recs, "best_inactive"), 3)}
+    row = {f"highest target within {max_increase:.0%}": format_values(_field_values(recs, "best_target"), 3)}
+    row |= {"inactive there": format_values(_field_values(recs, "best_inactive"), 3)}
     speeds = {"FFN-layer speedup": "layer_speedup", "decode speedup": "decode_speedup"}
-    return row | {title: format_values(_values(recs, key), 2) for title, key in speeds.items()}
+    return row | {title: format_values(_field_values(recs, key), 2) for title, key in speeds.items()}
 
 
 def _suite_row(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -279,13 +279,13 @@ def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str
     return {title: rows for title, rows in tables.items() if rows or not title.startswith(("Local-suite", "Sparsest"))}
 
 
-def _claims(arms, max_increase: float) -> list:
+def _sparsity_claims(arms, max_increase: float) -> list:
     claims, at = [], f"{CLAIM_TARGET:.0%}"
     for (model, rule, granularity), recs in ((k, v) for k, v in arms.items() if CLAIM_TARGET in _targets(v)):
         text = f"{model}, {rule}/{granularity}: {at} of the neurons skipped without loss"
         claim = Claim(text, "relative loss increase", ("sparse", "dense"), EQUIVALENT, max_increase, paper=0.0)
         claims.append(claim.on(_increase(recs), 0.0))
-        speedups = [summarize(_values(recs, k)).mean for k in ("layer_speedup", "decode_speedup")]
+        speedups = [summarize(_field_values(recs, k)).mean for k in ("layer_speedup", "decode_speedup")]
         measured = f"measured: FFN layer {speedups[0]:.2f}x, decode {speedups[1]:.2f}x"
         speedup = f"{CLAIM_LAYER_SPEEDUP}x layer, {CLAIM_DECODE_SPEEDUP}x end-to-end speedup"
         text = f"{model}, {rule}/{granularity}: {speedup}"
@@ -318,7 +318,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     spec = plan.get("spec") if isinstance(plan.get("spec"), dict) else {}
     max_increase, target = spec.get("max_increase", 0.01), next(iter(arms.values()))[0]["statistics_target"]
     tables, plot = _tables(arms, max_increase, target), plot_curves(arms, max_increase, plots_dir)
-    return Analysis(claims=_claims(arms, max_increase), tables=tables, plots=[plot])
+    return Analysis(claims=_sparsity_claims(arms, max_increase), tables=tables, plots=[plot])
 
 
 def plot_curves(arms, max_increase: float, plots_dir: Path) -> Path:

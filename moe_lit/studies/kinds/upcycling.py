@@ -189,7 +189,7 @@ def _last_separation(record: dict[str, Any]) -> tuple[float, float, float]:
     return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
 
 
-def _row(arms: Arms, arm: str, factor: int) -> dict[str, Any]:
+def _arm_row(arms: Arms, arm: str, factor: int) -> dict[str, Any]:
     runs = list(arms[arm].values())
     upcycled = arm.startswith("up_")
     versus = paired_difference(*paired(by_seed(runs, "val_loss"), by_seed(arms[FIXED_E].values(), "val_loss")))
@@ -228,7 +228,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     findings = [f"- **{arm}**: gap closure eta = {format_values(_eta(arms, arm))}." for arm in ups]
     findings.append("- eta divides by the gap L_fixedE - L_fixedmE: it means something only where that gap is shown.")
     findings += _compute_findings(plan["spec"]["cost_ratios"], tau, total, times)
-    table = {"Arms (mean ± std over seeds)": [_row(arms, arm, some["factor"]) for arm in arms]}
+    table = {"Arms (mean ± std over seeds)": [_arm_row(arms, arm, some["factor"]) for arm in arms]}
     plot = plots.save(curves_figure(arms, tau), plots_dir, "val_loss")
     return Analysis(claims=tested, findings=findings, tables=table, plots=[plot])
 
