@@ -26,6 +26,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Point, finalize
 from moe_lit.studies.kinds import Analysis
+from moe_lit.studies.records import group as grouped
 from moe_lit.studies.records import minus
 from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
 from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
@@ -267,28 +268,21 @@ def summary_rows(rows: list[Row]) -> list[Row]:
 def total_params_lines(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
     """(budget, top_k) -> active-matched grid points by total params, each line starting with the dense model."""
     grid = [r for r in rows if r["match"] == "active" and "grid" in r["_groups"]]
-    dense, lines = {r["budget"]: r for r in grid if r["num_experts"] == 1}, defaultdict(list)
-    for r in (r for r in grid if r["num_experts"] > 1):
-        lines[(r["budget"], r["top_k"])].append(r)
-    by_total = {k: sorted(v, key=lambda r: r["total_params"]) for k, v in lines.items()}
+    dense = {r["budget"]: r for r in grid if r["num_experts"] == 1}
+    lines = grouped(grid, lambda r: (r["budget"], r["top_k"]) if r["num_experts"] > 1 else None)
+    by_total = {k: sorted(v, key=itemgetter("total_params")) for k, v in lines.items()}
     return {k: ([dense[k[0]]] if k[0] in dense else []) + v for k, v in by_total.items()}
 
 
 def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
     """budget -> num_experts -> reference points by expert size, for the budgets where some E ran at
     two or more top-k (elsewhere expert sizes differ only by the matching's rounding)."""
-    out: dict[str, dict[int, list[Row]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        if r["match"] == "active" and set(r["_groups"]) & set(REFERENCE_GROUPS) and r["num_experts"] > 1:
-            out[r["budget"]][r["num_experts"]].append(r)
+    refs = [r for r in rows if r["match"] == "active" and set(r["_groups"]) & set(REFERENCE_GROUPS)]
+    refs = [r for r in refs if r["num_experts"] > 1]
+    out = {b: grouped(rs, itemgetter("num_experts")) for b, rs in grouped(refs, itemgetter("budget")).items()}
     sweeps = {b: by_e for b, by_e in out.items() if any(len(v) > 1 for v in by_e.values())}
     by_size = itemgetter("expert_size")
     return {b: {e: sorted(v, key=by_size) for e, v in sorted(by_e.items())} for b, by_e in sweeps.items()}
-
-
-def _best_sizes(by_e: dict[int, list[Row]]) -> dict[int, Row]:
-    """E -> its point of lowest loss, for each E with a granularity sweep."""
-    return {e: min(pts, key=lambda r: r[LOSS]) for e, pts in by_e.items() if len(pts) > 1}
 
 
 def ablation_bars(rows: list[Row]) -> dict[str, list[tuple[str, Row]]]:
@@ -365,7 +359,7 @@ def findings(rows: list[Row]) -> list[str]:
         where = f"{budget}, top-{top_k}, active {_short(pts[0]['active_params'])}"
         lines.append(f"- **Loss vs total params at fixed active** ({where}): {path}.")
     for budget, by_e in expert_size_lines(rows).items():
-        best = _best_sizes(by_e).items()
+        best = ((e, min(pts, key=itemgetter(LOSS))) for e, pts in by_e.items() if len(pts) > 1)  # E -> its best size
         detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best)
         lines.append(f"- **Best expert size at fixed active** ({budget}): {detail}.")
     for group, members in ((g, m) for g, m in ablation_bars(rows).items() if g != "granularity" and len(m) > 1):
