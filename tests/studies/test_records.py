@@ -1,13 +1,15 @@
-"""The shared pieces the kinds read records and name points through (records, spec.FineTune, the header)."""
+"""The shared pieces the kinds read records and name points through (records, spec.FineTune and
+spec.errors_under, plots.category_figure, the header)."""
 
 import math
+from pathlib import Path
 
 import pytest
 
 from moe_lit.config import ConfigError
 from moe_lit.studies.engine import Point, Start
 from moe_lit.studies.records import best, cells, collect, language_means
-from moe_lit.studies.spec import FineTune
+from moe_lit.studies.spec import FineTune, errors_under
 from moe_lit.studies.study import parse_study
 from tests.helpers.studies import small_spec
 
@@ -44,6 +46,29 @@ def test_fine_tune_is_a_budget_and_a_fresh_schedule_validated_by_field():
     assert tuned.data == run.data and run.optim.lr != 0.01  # the base is left as it was
     with pytest.raises(ConfigError, match=r"warmup: must be an integer in \[0, steps\), got 30"):
         FineTune(steps=30, warmup=30)
+
+
+def test_errors_under_names_a_nested_error_by_its_section_and_lets_others_through():
+    with pytest.raises(ConfigError, match=r"^settings\[1\]\.temperature: must be > 0$"):
+        with errors_under("settings[1].", strip="distill."):
+            raise ConfigError("distill.temperature: must be > 0")
+    with pytest.raises(KeyError), errors_under("settings[1]."):
+        raise KeyError("not a config error")
+
+
+def test_category_figure_summarizes_seed_maps_one_panel_per_entry(monkeypatch):
+    from moe_lit.plotting import pyplot
+    from moe_lit.studies import plots
+
+    monkeypatch.setattr(plots, "save", lambda fig, plots_dir, name: fig)  # the figure, not its file
+    series = {"x": [{0: 1.0, 1: 3.0}, {0: 2.0, 1: 6.0}]}
+    panels = [{"names": ["a", "b"], "title": f"panel {i}", "series": series} for i in (0, 1)]
+    fig = plots.category_figure(Path("unused"), "fig", panels, sharey=True, ylabel="loss", suptitle="both")
+    assert len(fig.axes) == 2 and fig.axes[0].get_ylabel() == "loss" and fig.axes[1].get_ylabel() == ""
+    dots = fig.axes[0].containers[0].lines[0]
+    assert list(dots.get_ydata()) == [2.0, 4.0]  # the mean of each name's seeds
+    assert fig.axes[1].get_title().startswith("panel 1") and fig._suptitle.get_text().startswith("both (")
+    pyplot().close(fig)
 
 
 def test_the_header_names_a_point_and_its_parent_start_by_seed():
