@@ -9,7 +9,6 @@ and the suite's items; with one seed the claims pair models item by item (the sp
 from __future__ import annotations
 
 import itertools
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from moe_lit.convert.importance import METHODS as PRUNE_METHODS
 from moe_lit.convert.moe_to_dense import MoeToDenseConfig
 from moe_lit.convert.partition import ASSIGNMENTS, partitioned_config
 from moe_lit.convert.recipes import PRUNING, prune_by_importance
+from moe_lit.errors import MoeLitError
 from moe_lit.inference.sparsity import RULES
 from moe_lit.studies import measures
 from moe_lit.studies import spec as check
@@ -184,13 +184,18 @@ def _acc(quality: dict[str, Any] | None) -> str:
 
 
 def _retention_row(config: str, r: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """A pruned model's bits-per-byte (mean, per language) and per-task above-chance accuracy retention."""
-    chance, tasks = source["suite"]["chance"], source["suite"]["tasks"]
-    kept = {t: (a - chance[t]) / (tasks[t] - chance[t]) for t, a in r["suite"]["tasks"].items() if tasks[t] > chance[t]}
+    """A pruned model's bits-per-byte (mean, per language) and per-task above-chance accuracy retention
+    (:func:`~moe_lit.evaluation.retention.suite_retention`: the tasks where the source beats chance)."""
+    from moe_lit.evaluation.retention import suite_retention
+
     row = {"point": config, "bpb retention": f"{source['bpb_mean'] / r['bpb_mean']:.4f}"}
     row |= {f"bpb {lang}": f"{source['bpb'][lang] / v:.4f}" for lang, v in r["bpb"].items()}
-    row |= {t.removeprefix("moe_lit_"): f"{v:.3f}" for t, v in kept.items()}
-    return row | {"cross-task variance": f"{statistics.pvariance(kept.values()):.5f}" if kept else ""}
+    try:
+        tasks = suite_retention(source["suite"], r["suite"]).tasks
+    except MoeLitError:  # no task above chance
+        return row | {"cross-task variance": ""}
+    row |= {t.removeprefix("moe_lit_"): f"{v:.3f}" for t, v in tasks.per_key.items()}
+    return row | {"cross-task variance": f"{tasks.variance:.5f}"}
 
 
 def _chain_claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
