@@ -81,6 +81,18 @@ def local_suite(point: Point, result: Any, run_dir: Path, limit: int | None = No
     return {"suite": suite(final_model(result), data_dir, limit=limit, batch_size=batch_size)}
 
 
+def partition_on_stream(model, method: str, experts: int, top_k: int, data_dir, batch_size: int, seed: int, **options):
+    """The dense ``model`` partitioned (or pruned) by ``method``
+    (:func:`~moe_lit.convert.recipes.partition_dense`; DOT-MoE trained by
+    :func:`~moe_lit.lit.distill.fit_dot_moe`) on batches of ``batch_size`` of the training stream of
+    ``data_dir``: the transform of the kinds that cut a dense model into an MoE."""
+    from moe_lit.lit.datamodule import calibration_batches
+    from moe_lit.lit.distill import fit_dot_moe
+
+    batches = calibration_batches(data_dir, model.config, batch_size, seed)
+    return recipes.partition_dense(model, method, experts, top_k, batches, seed=seed, fit=fit_dot_moe, **options)[0]
+
+
 def validation_batches(run) -> dict[str, list]:
     """``{language: [(B, L+1) batches]}``: the validation batches train_run validates ``run`` on."""
     from moe_lit.lit.datamodule import MoEDataModule
@@ -411,6 +423,7 @@ __all__ = [
     "token_weighted",
     "local_suite",
     "model_quality",
+    "partition_on_stream",
     "measure_child",
     "start_validation",
     "suite",

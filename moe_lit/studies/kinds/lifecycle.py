@@ -147,11 +147,7 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
 
 def partition(model, method: str, experts: int, top_k: int, data_dir: str, seed: int, **options):
     """The dense ``model`` partitioned (or pruned) by ``method`` on the training stream of ``data_dir``."""
-    from moe_lit.lit.datamodule import calibration_batches
-    from moe_lit.lit.distill import fit_dot_moe
-
-    batches = calibration_batches(data_dir, model.config, CALIBRATION_BATCH, seed)
-    return recipes.partition_dense(model, method, experts, top_k, batches, seed=seed, fit=fit_dot_moe, **options)[0]
+    return measures.partition_on_stream(model, method, experts, top_k, data_dir, CALIBRATION_BATCH, seed, **options)
 
 
 def distill_module(cfg: ModelConfig, optim, parent: Path | None, teacher: str):

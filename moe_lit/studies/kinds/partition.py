@@ -25,7 +25,7 @@ from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
-from moe_lit.studies.measures import SuiteSpec, measure_child, start_validation
+from moe_lit.studies.measures import SuiteSpec, measure_child, partition_on_stream, start_validation
 from moe_lit.studies.records import best, cells, collect, language_means, select
 from moe_lit.studies.verdicts import LOWER, Claim
 
@@ -212,12 +212,7 @@ def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_s
     """The study's transform: ``model`` (dense) converted by ``method`` (a partition method of
     :func:`~moe_lit.convert.recipes.partition_dense`, or ``pruning`` to the active width d_ff *
     top_k / experts), reading calibration / training tokens from ``data_dir``."""
-    from moe_lit.convert.recipes import partition_dense
-    from moe_lit.lit.datamodule import calibration_batches
-    from moe_lit.lit.distill import fit_dot_moe
-
-    batches = calibration_batches(data_dir, model.config, batch_size, seed)
-    return partition_dense(model, method, experts, top_k, batches, seed=seed, fit=fit_dot_moe, **options)[0]
+    return partition_on_stream(model, method, experts, top_k, data_dir, batch_size, seed, **options)
 
 
 def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
