@@ -2,10 +2,10 @@
 
 Per seed two parents pretrain on the same tokens: the MoE (``model``: E experts of F neurons in every layer) and the
 dense model of its total FFN width E * F. ``screen/<score>`` converts the MoE by every grouping x scaling of one score,
-W = groups * F wide, and validates each; ``distill/<score>/<grouping>/<scaling>`` distils a conversion from the frozen
-MoE (``finetune/...``: the LM loss instead); ``distill/dense_to_dense`` prunes the dense parent to W and distils it from
-itself. Claims, paired by seed: scoring matters more than grouping and scaling; the diversity-aware score is best;
-MoE->dense beats dense->dense (val loss before / after, suite accuracy after); the teacher beats the LM loss.
+W = groups * F wide, and validates each; ``distill/<score>/<grouping>/<scaling>`` distils one from the frozen MoE
+(``finetune/...``: LM loss), ``distill/dense_to_dense`` the dense parent pruned to W from itself. Claims, paired by
+seed: scoring matters more than grouping and scaling; the diversity-aware score is best; MoE->dense beats dense->dense
+(val loss before / after, suite accuracy after); the teacher beats the LM loss.
 """
 
 from __future__ import annotations
@@ -143,8 +143,7 @@ class MoeToDenseSpec:
     def conversion(self, label: str, name: str = "distill") -> MoeToDenseConfig:
         """The :class:`MoeToDenseConfig` of a ``score/grouping/scaling`` label (``single`` keeps ``groups``)."""
         parts = label.split("/") if isinstance(label, str) else []
-        if len(parts) != 3:
-            raise ConfigError(f"{name}: expected 'score/grouping/scaling', got {label!r}")
+        check.require(len(parts) == 3, name, f"expected 'score/grouping/scaling', got {label!r}")
         score, grouping, scaling = parts
         keep = self.groups if grouping == "single" else self.keep
         with check.errors_under(f"{name}: {label!r}: "):
@@ -212,9 +211,7 @@ def prune_baseline(model, **kwargs: Any):
     return recipes.prune_dense_to_width(model, **kwargs)
 
 
-def teacher_module(
-    cfg: ModelConfig, optim, parent: Path | None, temperature: float, kl_weight: float, ce_weight: float
-):
+def teacher_module(cfg, optim, parent: Path | None, temperature: float, kl_weight: float, ce_weight: float):
     """The distilled children's ``Point.module``: a DistillModule whose frozen teacher is the parent's checkpoint."""
     from moe_lit.errors import MoeLitError
     from moe_lit.lit.distill import DistillConfig, DistillModule
@@ -290,8 +287,7 @@ def _screen_claims(values: Screen) -> list:
 
 
 def distilled_values(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """config_name of the distilled / fine-tuned children -> ``record`` (seed -> record) and seed ->
-    ``after`` / ``before`` distillation val loss, ``wall_s``, ``suite`` (above chance), ``per_language``."""
+    """Distilled / fine-tuned children: config_name -> record, after / before, wall_s, suite, per_language (by seed)."""
     items = []
     for r in (r for r in select(records) if r.get("arm") in ("distill", "finetune")):
         values = {"record": r, "after": r["val_loss"], "before": r.get("val_loss_converted", math.nan)}
