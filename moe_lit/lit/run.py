@@ -155,23 +155,39 @@ def train_run(
         print(precision.line(), flush=True)
     with quiet_lightning():  # the Trainer too: its constructor prints the litlogger notice
         trainer = pl.Trainer(**trainer_kwargs)
-        if run.steps > 0:
-            try:
-                trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
-            finally:
-                _keep_earlier_metrics(out_dir / METRICS_FILE, earlier)
-        else:
-            trainer.validate(module, datamodule=datamodule, verbose=False)
-        # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
-        # is the final weights, so they are saved there too.
-        trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)  # full: weights, optimizer, loops
-        # NOTE: the result is the validation of the final weights. Lightning counts the validation
-        # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
-        # last validation fell on the last step is read from the curve, not computed from the interval.
-        if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+        # NOTE: the earlier rows go back in only after the trainer's last log: CSVLogger rewrites the
+        # file whenever a log brings new columns, with its own columns only.
+        try:
+            _fit_and_validate(trainer, module, datamodule, run.steps, resume_from, out_dir, curve)
+        finally:
+            _keep_earlier_metrics(out_dir / METRICS_FILE, earlier)
     wall_s = time.perf_counter() - start
     return _result(module, trainer, datamodule.languages, data.tokens_per_step, out_dir, wall_s, curve.curve)
+
+
+def _fit_and_validate(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    steps: int,
+    resume_from: str | Path | None,
+    out_dir: Path,
+    curve: ValidationCurve,
+) -> None:
+    """Train (or only validate, for 0 steps), save the final weights, validate them unless the
+    last validation fell on the last step."""
+    if steps > 0:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    else:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    # NOTE: ModelCheckpoint writes last.ckpt every checkpoint_every steps only; the run's result
+    # is the final weights, so they are saved there too.
+    trainer.save_checkpoint(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)  # full: weights, optimizer, loops
+    # NOTE: the result is the validation of the final weights. Lightning counts the validation
+    # interval one batch off after a mid-epoch resume (Lightning issue #19367), so whether the
+    # last validation fell on the last step is read from the curve, not computed from the interval.
+    if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
 
 
 def _earlier_metrics(out_dir: Path, resume_from: str | Path | None) -> list[dict[str, str]]:

@@ -168,3 +168,19 @@ def test_the_record_holds_the_dropped_fraction_of_a_capacity_limited_run(prepare
     )
     assert 0.0 < limited.dropped_fraction < 1.0
     assert dropless.dropped_fraction == dense.dropped_fraction == 0.0
+
+
+def test_a_run_resumed_from_its_final_checkpoint_keeps_its_metrics_and_result(prepared, tmp_path):
+    """A run killed after its final checkpoint, before the validation of its last step (not a
+    ``val_every`` step), continues into its own directory: the same result, its metrics kept."""
+    run = dataclasses.replace(_run_config(prepared), train=TrainConfig(max_steps=STEPS, val_every=3, seed=0))
+    first = train_run(tiny(), run, tmp_path / "run")
+    first_losses = _logged_losses(first)
+    again = train_run(tiny(), run, tmp_path / "run", resume_from=first.checkpoint)
+    assert again.val_loss == first.val_loss
+    assert _logged_losses(again) == first_losses  # every step's train and validation losses, once
+
+
+def _logged_losses(result) -> list[tuple[int, str, float]]:
+    rows = read_metrics(result.metrics_csv)
+    return sorted((int(row["step"]), key, value) for row in rows for key, value in row.items() if "loss" in key)
