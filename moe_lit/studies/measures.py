@@ -1,6 +1,7 @@
 """Measurements the study kinds share: validation batches, the parallel text of a split
 per language, the start weights' validation, local-suite accuracy, a child point that measures a
-finished one; and the measurements of models a kind's points name (sparsity profile, training
+finished one, the final model of a point's result, the dense -> MoE partition on the training
+stream (a transform two kinds call); and the measurements of models a kind's points name (sparsity profile, training
 step times, routing divergence, the MoE -> dense screen), each a plain function of a checkpoint.
 
 A point's measurement (``Point.measure = Call.of(fn, **kwargs)``) is called after its run as
