@@ -1,26 +1,23 @@
 """Study kind ``dense_vs_sparse``: dense and MoE models matched on active (or total) parameters.
 
-Budgets (the dense base with a few fields changed) x the grid (num_experts x top_k x matching mode, dense
-included), and one-axis ablations at one budget (granularity, shared expert, heterogeneous sizes, balancing,
-capacity factor, matching); every MoE is :func:`moe_lit.accounting.matched_moe_config`, and two axes describing
-one run are one point. Claims, paired by seed: at fixed active params the most total params beat dense and the
-smallest MoE; the best expert size does not move with E; shared experts, heterogeneous sizes and balancing matter
-little (TOST within ``margin``); dropless beats token dropping. Plots: loss vs total params and vs expert size
-(:func:`moe_lit.studies.plots.lines`), and per ablation each variant minus its reference around zero.
+Budgets x the grid (num_experts x top_k x matching mode, dense included), and one-axis ablations at one budget,
+every MoE by :func:`moe_lit.accounting.matched_moe_config`. Claims, paired by seed: at fixed active params the most
+total params beat dense and the smallest MoE; the best expert size does not move with E; shared experts,
+heterogeneous sizes and balancing matter little (TOST within ``margin``); dropless beats token dropping.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import product
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
-from moe_lit.plotting import spread_note
 from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
@@ -29,17 +26,14 @@ from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.records import group as grouped
 from moe_lit.studies.records import minus
 from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
-from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
+from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim, Evidence
 
-AXES = {"granularity": "top-k and number of experts", "shared": "shared expert size (fraction of the dense d_ff)"}
-AXES |= {"heterogeneous": "expert size profile", "balancing": "load balancing"}
-AXES |= {"capacity": "capacity factor (tokens beyond it are dropped)", "matching": "model"}
-"""Ablation group -> x-axis label of its plot (in plot order)."""
+ABLATIONS = ("shared", "heterogeneous", "balancing", "capacity", "matching")
+"""The ablations compared with the reference MoE point, in report order (granularity: the expert-size claims)."""
 DENSE, MATCH_MODES, SMALL = "dense", ("active", "total"), ("shared", "heterogeneous", "balancing")
 BALANCING_FIELDS = ("balancing", "aux_loss_coef", "bias_update_rate")
-# NOTE: only points with the reference MoE settings (grid, granularity) are compared along total params.
-REFERENCE_GROUPS = ("grid", "granularity")
 Row = dict[str, Any]
+Run = tuple[str, ModelConfig, dict[str, Any]]
 
 
 @dataclass
@@ -71,8 +65,8 @@ class GridSpec:
     """MoEConfig fields shared by every MoE point (e.g. balancing, aux_loss_coef, backend)."""
 
     def __post_init__(self) -> None:
-        why = f"entries must be 'dense' or integers >= 2, got {self.num_experts!r}"
-        check.require(all(e == DENSE or check.is_int(e) and e >= 2 for e in list(self.num_experts)), "num_experts", why)
+        each, must = (lambda e: e == DENSE or check.is_int(e) and e >= 2), "'dense' or an integer >= 2"
+        check.distinct(self.num_experts, "num_experts", each=each, what="experts", must=must)
         check.ints(self.top_k, "top_k", 1)
         check.choices(self.match, "match", MATCH_MODES)
         solved = {"num_experts", "expert_size", "top_k", "shared_expert_size"}
@@ -91,7 +85,7 @@ class AblationSpec:
     top_k: int = 2
     """Top-k of the reference MoE point."""
     granularity: list[int] = field(default_factory=list)
-    """Extra top_k values run for every grid num_experts > top_k (the loss-vs-expert-size plot)."""
+    """Extra top_k values run for every grid num_experts > top_k (the expert-size claims)."""
     shared_fraction: list[float] = field(default_factory=list)
     """Fractions of the dense d_ff turned into an always-on shared expert (each in (0, 1))."""
     size_profiles: dict[str, list[float]] = field(default_factory=dict)
@@ -135,8 +129,7 @@ class DenseVsSparseSpec:
     """Largest val-loss difference that counts as no effect (the TOST margin), stated before it runs; null: none."""
 
     def __post_init__(self) -> None:
-        why = "the base model must be dense (moe: null); experts come from the grid"
-        check.require(self.base.moe is None, "base.moe", why)
+        check.require(self.base.moe is None, "base.moe", "must be dense (moe: null); experts come from the grid")
         check.distinct([b.name for b in self.budgets], "budgets", what="budget names")
         for budget in self.budgets:
             self.dense_model(budget.name)  # validates every budget's model now
@@ -165,32 +158,21 @@ def parse(fields: dict[str, Any], header) -> DenseVsSparseSpec:
     return _parse(fields | ({"budgets": budgets} if budgets else {}), header)
 
 
-class _Run(NamedTuple):
-    """A point before hashing: its group, label in the group, and the model."""
-
-    group: str
-    budget: str
-    name: str
-    label: str
-    model: ModelConfig
-    match: str = "active"
-
-
-def _info(run: _Run) -> dict[str, Any]:
-    moe, out = run.model.moe, {"budget": run.budget, "groups": {run.group: run.label}, "match": run.match}
+def _run(group: str, budget: str, name: str, label: str, model: ModelConfig, match: str = "active") -> Run:
+    """(config name, model, info) of a run; info: its budget, its label in its group, the matching, the MoE settings."""
+    moe, info = model.moe, {"budget": budget, "groups": {group: label}, "match": match}
     shared, mixed = (moe.shared_expert_size, not moe.uniform) if moe else (0, False)
-    out |= {"shared_expert_size": shared, "heterogeneous": mixed, "balancing": moe.balancing if moe else ""}
-    return out | {"capacity_factor": moe.capacity_factor if moe else None}
+    info |= {"shared_expert_size": shared, "heterogeneous": mixed, "balancing": moe.balancing if moe else ""}
+    return f"{budget}/{name}", model, info | {"capacity_factor": moe.capacity_factor if moe else None}
 
 
 def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
-    """Every run of the study, in a stable order (grid first), deduplicated by identity."""
-    runs = _grid_runs(spec) + (_ablation_runs(spec, spec.ablations) if spec.ablations else [])
+    """Every run of the study, in a stable order (grid first), deduplicated by identity (their groups merged)."""
     points: dict[str, Point] = {}
-    for seed, run in ((seed, run) for seed in header.seeds for run in runs):
-        point = header.point(f"{run.budget}/{run.name}", seed, run.model, header.seeded_run(seed), _info(run))
+    for seed, (name, model, info) in product(header.seeds, _runs(spec)):
+        point = header.point(name, seed, model, header.seeded_run(seed), {**info, "groups": dict(info["groups"])})
         if (known := points.setdefault(finalize([point])[0].hash, point)) is not point:
-            known.info["groups"].setdefault(run.group, run.label)
+            known.info["groups"] |= {g: label for g, label in info["groups"].items() if g not in known.info["groups"]}
     return list(points.values())
 
 
@@ -200,33 +182,28 @@ def _moe_name(num_experts: int, top_k: int) -> str:
 
 def _balancing_label(variant: dict[str, Any], defaults: dict[str, Any]) -> str:
     settings = {**{k: defaults.get(k, getattr(MoEConfig, k)) for k in BALANCING_FIELDS}, **variant}
-    kind = settings["balancing"]
-    if kind in ("aux_loss", "bias"):
-        return f"{kind}={settings['aux_loss_coef' if kind == 'aux_loss' else 'bias_update_rate']:g}"
-    return str(kind)
+    strength = {"aux_loss": "aux_loss_coef", "bias": "bias_update_rate"}.get(kind := settings["balancing"])
+    return f"{kind}={settings[strength]:g}" if strength else str(kind)
 
 
-def _grid_runs(spec: DenseVsSparseSpec) -> list[_Run]:
-    """Every budget x num_experts x top_k x match, the dense model included."""
+def _runs(spec: DenseVsSparseSpec) -> list[Run]:
+    """Every budget x num_experts x top_k x match (the dense model included), then the ablations: granularity
+    at every grid num_experts and one-axis changes of the reference MoE point."""
     runs, experts, moe = [], [e for e in spec.grid.num_experts if e != DENSE], spec.grid.moe
     for budget, dense in ((b.name, spec.dense_model(b.name)) for b in spec.budgets):
-        runs += [_Run("grid", budget, DENSE, DENSE, dense)] if DENSE in spec.grid.num_experts else []
+        runs += [_run("grid", budget, DENSE, DENSE, dense)] if DENSE in spec.grid.num_experts else []
         for match, e, k in ((m, e, k) for m in spec.grid.match for e in experts for k in spec.grid.top_k if k < e):
             name = _moe_name(e, k) + ("" if match == "active" else f"/{match}")
-            runs.append(_Run("grid", budget, name, name, matched_moe_config(dense, e, k, match, **moe), match))
-    return runs
+            runs.append(_run("grid", budget, name, name, matched_moe_config(dense, e, k, match, **moe), match))
+    if (abl := spec.ablations) is None:
+        return runs
+    dense = spec.dense_model(abl.budget)
 
+    def variant(group: str, name: str, label: str, e=abl.num_experts, k=abl.top_k, match="active", **changes) -> Run:
+        return _run(group, abl.budget, name, label, matched_moe_config(dense, e, k, match, **{**moe, **changes}), match)
 
-def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
-    """Granularity at every grid num_experts, then one-axis changes of the reference MoE point."""
-    dense, moe, experts = spec.dense_model(abl.budget), spec.grid.moe, [e for e in spec.grid.num_experts if e != DENSE]
-
-    def build(e: int = abl.num_experts, k: int = abl.top_k, match: str = "active", **changes: Any) -> ModelConfig:
-        return matched_moe_config(dense, e, k, match, **{**moe, **changes})
-
-    sweep = [(e, k) for k in abl.granularity for e in experts if k < e]
-    runs = [_Run("granularity", abl.budget, _moe_name(e, k), f"k={k}", build(e, k)) for e, k in sweep]
-    ref, reference = _moe_name(abl.num_experts, abl.top_k), build()
+    runs += [variant("granularity", _moe_name(e, k), f"k={k}", e, k) for k in abl.granularity for e in experts if k < e]
+    ref = _moe_name(abl.num_experts, abl.top_k)
     axes = {  # group -> (the reference's label in the group, [(name suffix, label, changes)])
         "shared": ("none", [(f"shared={f:g}", f"{f:g}", {"shared_fraction": f}) for f in abl.shared_fraction]),
         "heterogeneous": ("equal", [(f"profile={n}", n, {"size_profile": v}) for n, v in abl.size_profiles.items()]),
@@ -235,11 +212,9 @@ def _ablation_runs(spec: DenseVsSparseSpec, abl: AblationSpec) -> list[_Run]:
         "matching": ("active-matched", [(m, f"{m}-matched", {"match": m}) for m in abl.match]),
     }
     for group, (reference_label, variants) in ((g, v) for g, v in axes.items() if v[1]):
-        runs.append(_Run(group, abl.budget, ref, reference_label, reference))
-        runs += [_Run(group, abl.budget, DENSE, DENSE, dense)] if group == "matching" else []
-        for suffix, label, changes in variants:
-            match = changes.get("match", "active")
-            runs.append(_Run(group, abl.budget, f"{ref}/{suffix}", label, build(**changes), match))
+        runs.append(variant(group, ref, reference_label))
+        runs += [_run(group, abl.budget, DENSE, DENSE, dense)] if group == "matching" else []
+        runs += [variant(group, f"{ref}/{suffix}", label, **changes) for suffix, label, changes in variants]
     return runs
 
 
@@ -268,27 +243,24 @@ def summary_rows(rows: list[Row]) -> list[Row]:
 def total_params_lines(rows: list[Row]) -> dict[tuple[str, int], list[Row]]:
     """(budget, top_k) -> active-matched grid points by total params, each line starting with the dense model."""
     grid = [r for r in rows if r["match"] == "active" and "grid" in r["_groups"]]
-    dense = {r["budget"]: r for r in grid if r["num_experts"] == 1}
+    dense = {r["budget"]: [r] for r in grid if r["num_experts"] == 1}
     lines = grouped(grid, lambda r: (r["budget"], r["top_k"]) if r["num_experts"] > 1 else None)
-    by_total = {k: sorted(v, key=itemgetter("total_params")) for k, v in lines.items()}
-    return {k: ([dense[k[0]]] if k[0] in dense else []) + v for k, v in by_total.items()}
+    return {k: dense.get(k[0], []) + sorted(v, key=itemgetter("total_params")) for k, v in lines.items()}
 
 
-def expert_size_lines(rows: list[Row]) -> dict[str, dict[int, list[Row]]]:
-    """budget -> num_experts -> reference points by expert size, for the budgets where some E ran at
-    two or more top-k (elsewhere expert sizes differ only by the matching's rounding)."""
-    refs = [r for r in rows if r["match"] == "active" and set(r["_groups"]) & set(REFERENCE_GROUPS)]
-    refs = [r for r in refs if r["num_experts"] > 1]
-    out = {b: grouped(rs, itemgetter("num_experts")) for b, rs in grouped(refs, itemgetter("budget")).items()}
-    sweeps = {b: by_e for b, by_e in out.items() if any(len(v) > 1 for v in by_e.values())}
-    by_size = itemgetter("expert_size")
-    return {b: {e: sorted(v, key=by_size) for e, v in sorted(by_e.items())} for b, by_e in sweeps.items()}
+def expert_size_sweeps(rows: list[Row]) -> dict[str, dict[int, dict[int, Row]]]:
+    """budget -> num_experts (ascending) -> top_k -> its point, for the budgets where some E ran at two or
+    more top-k (elsewhere expert sizes differ only by the matching's rounding)."""
+    out: dict[str, dict[int, dict[int, Row]]] = {}
+    for r in (r for r in rows if r["match"] == "active" and r["num_experts"] > 1):
+        if {"grid", "granularity"} & set(r["_groups"]):  # NOTE: the points with the reference MoE settings only
+            out.setdefault(r["budget"], {}).setdefault(r["num_experts"], {})[r["top_k"]] = r
+    return {b: dict(sorted(by_e.items())) for b, by_e in out.items() if any(len(v) > 1 for v in by_e.values())}
 
 
-def ablation_bars(rows: list[Row]) -> dict[str, list[tuple[str, Row]]]:
-    """group -> [(label, row)] for every ablation group present."""
-    bars = {g: [(r["_groups"][g], r) for r in rows if g in r["_groups"]] for g in AXES}
-    return {group: members for group, members in bars.items() if members}
+def ablation_groups(rows: list[Row]) -> dict[str, list[tuple[str, Row]]]:
+    """group -> [(label, row)] for every ablation group present (the reference MoE point in each)."""
+    return {g: m for g in ABLATIONS if (m := [(r["_groups"][g], r) for r in rows if g in r["_groups"]])}
 
 
 def _losses(r: Row) -> dict[int, float]:
@@ -299,17 +271,6 @@ def _name(r: Row) -> str:
     return "dense" if r["num_experts"] == 1 else f"E{r['num_experts']}"
 
 
-def _compared(group: str, members: list[tuple[str, Row]], rows: list[Row], ablation: dict[str, Any]):
-    """(label, member, its reference) of an ablation group: the reference MoE point (granularity:
-    the same E at the reference top-k); members that are their own reference left out."""
-    by_name, out = {r["config_name"]: r for r in rows}, []
-    for label, r in members:
-        experts = r["num_experts"] if group == "granularity" else ablation["num_experts"]
-        ref = by_name.get(f"{ablation['budget']}/{_moe_name(experts, ablation['top_k'])}")
-        out += [(label, r, ref)] if ref not in (None, r) else []
-    return out
-
-
 def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: float | None = None) -> list:
     """The seed's claims tested on the configurations' losses (paired by seed)."""
     tests = []  # (claim, direction, margin, a, b)
@@ -318,11 +279,11 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
         pairs = [(moes[-1], pts[0], "dense")] if moes and pts[0]["num_experts"] == 1 else []
         for a, b, what in pairs + ([(moes[-1], moes[0], "the smallest MoE")] if len(moes) > 1 else []):
             tests.append((f"{where} the most total params beat {what}", LOWER, None, a, b))
-    granularity = [
-        claim for budget, by_e in expert_size_lines(rows).items() for claim in _size_effects(budget, by_e, margin)
-    ]
-    for group, members in ablation_bars(rows).items() if ablation else ():
-        for label, r, ref in _compared(group, members, rows, ablation):
+    granularity = [c for budget, by_e in expert_size_sweeps(rows).items() for c in _size_effects(budget, by_e, margin)]
+    name = f"{ablation['budget']}/{_moe_name(ablation['num_experts'], ablation['top_k'])}" if ablation else None
+    ref = next((r for r in rows if r["config_name"] == name), None)  # the reference MoE point of the ablations
+    for group, members in ablation_groups(rows).items() if ref else ():
+        for label, r in (m for m in members if m[1] is not ref):
             if group in SMALL:
                 tests.append((f"{group}: {label} matters little", EQUIVALENT, margin, r, ref))
             elif group == "capacity":
@@ -333,22 +294,17 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
     ] + granularity
 
 
-def _size_effects(budget: str, by_e: dict[int, list[Row]], margin: float | None) -> list:
+def _size_effects(budget: str, by_k: dict[int, dict[int, Row]], margin: float | None) -> Iterator[Evidence]:
     """ "The best expert size does not move with E" as a paired interaction: per seed, the loss at
     the smallest minus the largest top-k both E ran (a smaller minus a larger expert size) is the
     same at each E as at the smallest E, within the margin."""
-    by_k = {e: {r["top_k"]: r for r in pts} for e, pts in by_e.items()}
     first, *others = by_k
-    claims = []
-    for e in others:
-        if len(shared := sorted(set(by_k[first]) & set(by_k[e]))) < 2:
-            continue
-        lo, hi = shared[0], shared[-1]
+    for e in (e for e in others if len(set(by_k[first]) & set(by_k[e])) > 1):
+        lo, *_, hi = sorted(set(by_k[first]) & set(by_k[e]))  # the smallest and the largest top-k both ran
         text = f"{budget}: E{e}'s top-{lo} vs top-{hi} effect is E{first}'s (the best expert size does not move with E)"
         names = (f"(E{e}: k{lo} - k{hi})", f"(E{first}: k{lo} - k{hi})")
         effect = {x: minus(_losses(by_k[x][lo]), _losses(by_k[x][hi])) for x in (e, first)}
-        claims.append(Claim(text, "val loss", names, EQUIVALENT, margin).on(effect[e], effect[first]))
-    return claims
+        yield Claim(text, "val loss", names, EQUIVALENT, margin).on(effect[e], effect[first])
 
 
 def findings(rows: list[Row]) -> list[str]:
@@ -358,25 +314,21 @@ def findings(rows: list[Row]) -> list[str]:
         path = " → ".join(f"{_name(r)} {r[LOSS]:.4f}" for r in pts)
         where = f"{budget}, top-{top_k}, active {_short(pts[0]['active_params'])}"
         lines.append(f"- **Loss vs total params at fixed active** ({where}): {path}.")
-    for budget, by_e in expert_size_lines(rows).items():
-        best = ((e, min(pts, key=itemgetter(LOSS))) for e, pts in by_e.items() if len(pts) > 1)  # E -> its best size
+    for budget, by_e in expert_size_sweeps(rows).items():
+        best = ((e, min(pts.values(), key=itemgetter(LOSS))) for e, pts in by_e.items() if len(pts) > 1)
         detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best)
         lines.append(f"- **Best expert size at fixed active** ({budget}): {detail}.")
-    for group, members in ((g, m) for g, m in ablation_bars(rows).items() if g != "granularity" and len(m) > 1):
+    for group, members in ((g, m) for g, m in ablation_groups(rows).items() if len(m) > 1):
         lines.append(f"- **{group}**: " + ", ".join(f"{label} {r[LOSS]:.4f}" for label, r in members) + ".")
     return lines
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     rows, spec = aggregate(records), plan["spec"]
-    written = write_plots(rows, plots_dir, spec.get("ablations"))
+    figure = total_params_figure(rows)
+    written = [plots.save(figure, plots_dir, "loss_vs_total_params")] if figure is not None else []
     tested = claims(rows, spec.get("ablations"), spec.get("margin"))
     return Analysis(claims=tested, findings=findings(rows), tables={"Runs": summary_rows(rows)}, plots=written)
-
-
-# ----------------------------------------------------------------------------- plots
-def _line(points: list[Row], x: str) -> tuple[list[float], list]:
-    return [r[x] for r in points], [summarize(r["_losses"]) for r in points]
 
 
 def total_params_figure(rows: list[Row]):
@@ -385,7 +337,7 @@ def total_params_figure(rows: list[Row]):
         return None
     fig, (ax,) = plots.panels(1, 6.4, 4.2)
     series = {f"{b}: active {_short(v[-1]['active_params'])}, top-{k}": v for (b, k), v in lines.items()}
-    data = {label: _line(v, "total_params") for label, v in series.items()}
+    data = {s: ([r["total_params"] for r in v], [summarize(r["_losses"]) for r in v]) for s, v in series.items()}
     plots.lines(ax, data, "total parameters", "final validation loss", "Val loss vs total params at fixed active")
     for i, pts in enumerate(series.values()):  # NOTE: alternate lines label above / below: equal sizes do not overprint
         for r in pts:
@@ -395,64 +347,4 @@ def total_params_figure(rows: list[Row]):
     return fig
 
 
-def expert_size_figure(rows: list[Row]):
-    """Val loss vs mean expert size at fixed active, one panel per budget with a granularity sweep,
-    one line per E, x ticks naming top-k; None without such a budget."""
-    if not (panels := expert_size_lines(rows)):
-        return None
-    fig, axes = plots.panels(len(panels), 5.2, 4.2)
-    for ax, (budget, by_e) in zip(axes, panels.items(), strict=True):
-        data = {f"E={e} (top-k {', '.join(str(r['top_k']) for r in v)})": v for e, v in by_e.items()}
-        title = f"{budget}: val loss vs expert size at {_short(next(iter(by_e.values()))[0]['active_params'])} active"
-        lines = {label: _line(v, "expert_size") for label, v in data.items()}
-        plots.lines(ax, lines, "mean expert size F (top-k)", "final validation loss", title)
-        ax.set_xscale("log", base=2)
-        by_k: dict[int, list[float]] = defaultdict(list)
-        for r in (r for v in by_e.values() for r in v):
-            by_k[r["top_k"]].append(r["expert_size"])
-        sizes = sorted(((sum(v) / len(v), k) for k, v in by_k.items()))
-        ax.set_xticks([size for size, _ in sizes], [f"{size:.0f}\ntop-{k}" for size, k in sizes])
-        ax.minorticks_off()
-    return fig
-
-
-def ablation_figure(group: str, members: list[tuple[str, Row]], rows: list[Row], ablation: dict[str, Any], effect=None):
-    """Each member's val loss minus its reference's (paired by seed; the reference is the zero line,
-    its seed std the grey band), labelled with active / total params; ``effect`` (dense minus the
-    best grid MoE) is drawn as a scale. None without a reference."""
-    if not (points := _compared(group, members, rows, ablation)):
-        return None
-    stats = [summarize(list(minus(_losses(r), _losses(ref)).values())) for _, r, ref in points]
-    noises = [s.std for s in (summarize(ref["_losses"]) for _, _, ref in points) if s.n > 1]
-    labels = []
-    for lb, r, _ in points:
-        name = f"{lb} E{r['num_experts']}" if group == "granularity" else lb
-        labels.append(f"{name}\n{_short(r['active_params'])} act / {_short(r['total_params'])} tot")
-    fig, (ax,) = plots.panels(1, 1.1 * len(points) + 2.0, 4.2)
-    scale = (-effect, f"scale: best grid MoE minus dense, {-effect:+.4f}") if effect else None
-    plots.differences(ax, labels, stats, sum(noises) / len(noises) if noises else None, scale)
-    ref, versus = points[0][2], f"the same E at top-{ablation['top_k']}"
-    versus = versus if group == "granularity" else f"{ref['_groups'][group]} ({ref['config_name']}: {ref[LOSS]:.4f})"
-    ax.set_xlabel(AXES[group], fontsize=9)
-    ax.set_ylabel(f"val loss minus {versus}\n(< 0: better than the reference)", fontsize=9)
-    dense = f"the {ref['budget']} dense model ({_short(ref['active_params'])} active params)"
-    matched = f"every point active-matched to {dense}"
-    if group == "matching":
-        matched = "active-matched: the dense model's active params;\ntotal-matched: its total params (so fewer active)"
-    ax.set_title(f"ablation: {group} ({ref['budget']}); {spread_note(s.n for s in stats)}\n{matched}", fontsize=8)
-    return fig
-
-
-def write_plots(rows: list[Row], plots_dir: Path, ablation: dict[str, Any] | None = None) -> list[Path]:
-    """The kind's PNGs under ``plots_dir``; ``ablation`` is the spec's ablations (the references)."""
-    figures = {"loss_vs_total_params": total_params_figure(rows), "loss_vs_expert_size": expert_size_figure(rows)}
-    if ablation:
-        here = [v for (b, _), v in total_params_lines(rows).items() if b == ablation["budget"]]
-        line = next((v for v in here if v[0]["num_experts"] == 1), None)
-        effect = line[0][LOSS] - min(r[LOSS] for r in line) if line else None
-        for group, members in ablation_bars(rows).items():
-            figures[f"ablation_{group}"] = ablation_figure(group, members, rows, ablation, effect)
-    return [plots.save(fig, plots_dir, name) for name, fig in figures.items() if fig is not None]
-
-
-__all__ = ["DenseVsSparseSpec", "ablation_bars", "ablation_figure", "analyse", "claims", "expand", "findings", "parse"]
+__all__ = ["DenseVsSparseSpec", "analyse", "claims", "expand", "findings", "parse", "total_params_figure"]

@@ -101,7 +101,10 @@ def test_shipped_studies_load_and_expand():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"grid": {"num_experts": ["dense", 1]}}, "grid.num_experts: entries must be 'dense' or integers >= 2"),
+        (
+            {"grid": {"num_experts": ["dense", 1]}},
+            "grid.num_experts: [1] not allowed, each must be 'dense' or an integer >= 2",
+        ),
         ({"grid": {"match": ["params"]}}, "grid.match: got 'params', allowed values: active, total"),
         ({"grid": {"experts": [4]}}, "grid: unknown key(s) ['experts']"),
         ({"grid": {"moe": {"top_k": 3}}}, "grid.moe: unknown or solved field(s) ['top_k']"),
@@ -111,7 +114,7 @@ def test_shipped_studies_load_and_expand():
             "ablations.size_profiles.bad: needs num_experts=4 positive numbers",
         ),
         ({"ablations": {"budget": "M", "balancing": [{"balancing": "magic"}]}}, "moe.balancing: got 'magic'"),
-        ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: the base model must be dense"),
+        ({"base": {"d_model": 32, "n_heads": 4, "moe": {"num_experts": 4}}}, "base.moe: must be dense (moe: null)"),
         (
             {"base": {"d_model": 32, "n_heads": 4, "seq_len": 64}},
             "base.seq_len: set the sequence length in run.data.seq_len",
@@ -150,12 +153,13 @@ def _record(config, seed, loss, groups, num_experts=4, top_k=2, total=2000, acti
         "expert_size": 128.0 / top_k,
         "total_params": total,
         "active_params": active,
+        "active_non_embedding": active,
+        "flops_per_token": 2 * active,
+        "tokens_per_s": 1000.0,
     }
 
 
-def _plot_rows(seeds=(0, 1)):
-    from moe_lit.studies.report import aggregate
-
+def _plot_records(seeds=(0, 1)):
     bump = {0: 0.0, 1: 0.2}
     records = []
     for seed in seeds:
@@ -171,7 +175,13 @@ def _plot_rows(seeds=(0, 1)):
                 "M/E4k2/total", seed, 3.9 + b, {"matching": "total-matched"}, total=1000, active=600, match="total"
             ),
         ]
-    return aggregate(records)
+    return records
+
+
+def _plot_rows(seeds=(0, 1)):
+    from moe_lit.studies.report import aggregate
+
+    return aggregate(_plot_records(seeds))
 
 
 ABLATION = {"budget": "M", "num_experts": 4, "top_k": 2}
@@ -199,49 +209,26 @@ def test_total_params_plot_has_seed_error_bars_or_says_there_are_none(seeds, not
     _close(fig)
 
 
-def test_expert_size_plot_names_top_k_and_skips_budgets_without_a_granularity_sweep():
-    from moe_lit.studies.kinds.dense_vs_sparse import expert_size_figure
+def test_the_kind_draws_one_plot_of_its_own(tmp_path):
+    from moe_lit.studies.kinds.dense_vs_sparse import analyse
 
-    fig = expert_size_figure(_plot_rows())
-    (ax,) = fig.axes  # S ran top-2 only: no panel
-    assert ax.get_title().startswith("M: val loss vs expert size")
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["64\ntop-2", "128\ntop-1"]
-    assert ax.get_legend().get_texts()[0].get_text() == "E=4 (top-k 2, 1)"
-    _close(fig)
+    analysis = analyse({"spec": {"ablations": ABLATION, "margin": 0.1}}, _plot_records((0, 1)), tmp_path)
+    assert analysis.plots == [tmp_path / "loss_vs_total_params.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss_vs_total_params.png"]
 
 
-def test_ablation_plot_shows_paired_differences_around_zero_with_the_noise_band():
-    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
+def test_ablations_are_claims_paired_with_the_reference_and_findings():
+    from moe_lit.studies.kinds.dense_vs_sparse import claims, findings
 
     rows = _plot_rows()
-    fig = ablation_figure("shared", ablation_bars(rows)["shared"], rows, ABLATION)
-    (ax,) = fig.axes
-    (bars,) = ax.containers  # the reference is the zero line, not a dot
-    (dots, _, (segments,)) = bars.lines
-    assert list(dots.get_ydata()) == pytest.approx([-0.075])  # seed 0: -0.1, seed 1: -0.05
-    assert abs(segments.get_segments()[0][1][1] - segments.get_segments()[0][0][1]) == pytest.approx(2 * 0.05 / 2**0.5)
-    assert [0.0, 0.0] in [list(line.get_ydata()) for line in ax.lines]  # the zero line
-    (band,) = ax.patches  # ± the reference's seed std
-    assert band.get_height() == pytest.approx(2 * 0.2 / 2**0.5)
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.5\n1k act / 1.5k tot"]
-    assert "minus none (M/E4k2: 3.8000)" in ax.get_ylabel() and "active-matched" in ax.get_title()
-    _close(fig)
-
-
-def test_matching_ablation_states_what_was_matched():
-    from moe_lit.studies.kinds.dense_vs_sparse import ablation_bars, ablation_figure
-
-    rows = _plot_rows((0,))
-    fig = ablation_figure("matching", ablation_bars(rows)["matching"], rows, ABLATION, effect=0.1)
-    (ax,) = fig.axes
-    assert "1 seed, no error bar" in ax.get_title() and "total-matched: its total params (so fewer active)" in (
-        ax.get_title()
-    )
-    labels = [t.get_text() for t in ax.get_xticklabels()]
-    assert labels == ["dense\n1k act / 1k tot", "total-matched\n600 act / 1k tot"]
-    assert not ax.patches  # one seed: no noise band, but the study's main effect as the scale
-    assert [-0.1, -0.1] in [list(line.get_ydata()) for line in ax.lines]
-    _close(fig)
+    tested = {c.claim.text: c for c in claims(rows, ABLATION, margin=0.1)}
+    shared = tested["shared: 0.5 matters little"]
+    assert shared.claim.arms == ("M/E4k2/shared=0.5", "M/E4k2")
+    assert shared.difference.paired and shared.difference.estimate == pytest.approx(-0.075)  # -0.1 and -0.05
+    assert not [t for t in tested if "matching" in t or "total-matched" in t]  # matching: a finding, no claim
+    assert "- **shared**: none 3.8000, 0.5 3.7250." in findings(rows)
+    assert "- **matching**: dense 3.9000, active-matched 3.8000, total-matched 4.0000." in findings(rows)
+    assert not [c for c in claims(rows) if "matters little" in c.claim.text]  # no ablations declared: none tested
 
 
 def _granularity_rows(e32_k4_shift: float):
