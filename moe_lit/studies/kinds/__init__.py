@@ -3,7 +3,7 @@
 A kind module is a :class:`StudyKind`: its spec (``parse``: the study file's own fields, built
 and validated by :func:`moe_lit.studies.spec.parser`), its plan (``expand``: the points, with
 parent links where they fork) and its analysis (``analyse``: the claims it tests, its tables and
-at most a few plots of its own). The claims are judged together by
+at most one plot of its own). The claims are judged together by
 :func:`moe_lit.studies.verdicts.judge` in the report; records are read through
 :mod:`moe_lit.studies.records`; shared measurements are in :mod:`moe_lit.studies.measures`.
 """
