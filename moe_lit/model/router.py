@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from moe_lit.config import MoEConfig
+from moe_lit.model.experts.ops import no_autocast
 
 PENDING_EXTRA = 3
 """Pending sums after the E counts: dropped assignments, sum of per-token score entropy, tokens."""
@@ -110,7 +112,11 @@ class Router(nn.Module):
         self._pending: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        logits_TE = self.layer(x_TD).float()
+        # NOTE: the router's matmul runs in float32 under autocast (the Switch Transformer's selective
+        # precision): bf16 logits flip near-tied top-k choices, and the training trajectory with
+        # them (python -m benchmarks.bf16_accuracy; docs/performance.md).
+        with no_autocast(x_TD.device):
+            logits_TE = F.linear(x_TD.float(), self.layer.weight.float())
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:

@@ -8,7 +8,7 @@ from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts, plan_dispatch
 from moe_lit.model.mlp import SwiGLU
 from moe_lit.model.moe import MoELayer
-from moe_lit.model.router import finish_routing_step, load_balancing_loss, z_loss
+from moe_lit.model.router import Router, finish_routing_step, load_balancing_loss, z_loss
 from tests.helpers.models import random_init, reference_moe
 
 D = 16
@@ -136,3 +136,14 @@ def test_without_expert_output_bias_the_bias_is_a_fixed_zero_outside_the_checkpo
     y_TD, _ = layer(torch.randn(5, D))
     y_TD.sum().backward()
     assert torch.equal(layer.experts.bias, torch.zeros(D)) and layer.experts.mlp.w1.grad is not None
+
+
+def test_the_router_decides_in_float32_under_bf16_autocast():
+    """Selective precision: a bf16 autocast region routes exactly as float32 does."""
+    router = Router(64, MoEConfig(num_experts=16, expert_size=8, top_k=2)).eval()
+    x_TD = torch.randn(512, 64, generator=torch.Generator().manual_seed(0))
+    fp32 = router(x_TD)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = router(x_TD)
+    assert bf16.logits_TE.dtype == torch.float32
+    assert torch.equal(bf16.indices_TK, fp32.indices_TK) and torch.equal(bf16.weights_TK, fp32.weights_TK)
