@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe_lit.config import MoEConfig
@@ -112,11 +111,12 @@ class Router(nn.Module):
         self._pending: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        # NOTE: the router's matmul runs in float32 under autocast (the Switch Transformer's selective
-        # precision): bf16 logits flip near-tied top-k choices, and the training trajectory with
-        # them (python -m benchmarks.bf16_accuracy; docs/performance.md).
+        # NOTE: the router's matmul runs in its weights' dtype, float32 under autocast (the Switch
+        # Transformer's selective precision): bf16 logits flip near-tied top-k choices, and the
+        # training trajectory with them (python -m benchmarks.bf16_accuracy; docs/performance.md).
+        # Through the layer's own call, so that its forward hooks still see the logits.
         with no_autocast(x_TD.device):
-            logits_TE = F.linear(x_TD.float(), self.layer.weight.float())
+            logits_TE = self.layer(x_TD.to(self.layer.weight.dtype)).float()
         if self.score_func == "softmax":
             scores_TE = logits_TE.softmax(dim=-1)
         else:
