@@ -21,6 +21,12 @@ def model():
 
 
 @pytest.fixture
+def dense():
+    torch.manual_seed(0)
+    return Transformer(tiny(dense=True))
+
+
+@pytest.fixture
 def bf16_cpu(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
@@ -41,24 +47,33 @@ def test_forced_and_unset_precisions(model):
     assert choose_precision("bf16-mixed", {"accelerator": "gpu"}, model, 2, 16).precision == "bf16-mixed"
 
 
-def test_auto_decides_by_capability_then_probe(model, bf16_cpu, monkeypatch):
+def test_auto_decides_by_capability_then_probe(dense, bf16_cpu, monkeypatch):
     speedups = iter([2.0, 1.1])
     monkeypatch.setattr(precision, "probe_speedup", lambda *args: next(speedups))
-    fast = choose_precision("auto", CPU, model, 2, 16)
+    fast = choose_precision("auto", CPU, dense, 2, 16)
     assert fast.precision == "bf16-mixed" and "avx512_bf16, bf16 step probe 2.00x fp32" in fast.line()
-    slow = choose_precision("auto", CPU, model, 2, 16)
+    slow = choose_precision("auto", CPU, dense, 2, 16)
     assert slow.precision == "32-true" and "1.10x fp32, below 1.3x" in slow.reason
-    several = choose_precision("auto", {**CPU, "devices": 2}, model, 2, 16)  # no probe: ranks must agree
+    several = choose_precision("auto", {**CPU, "devices": 2}, dense, 2, 16)  # no probe: ranks must agree
     assert several.precision == "bf16-mixed" and "no probe" in several.reason
-    assert choose_precision("auto", {**CPU, "precision": "bf16-mixed"}, model, 2, 16) is None  # the trainer's own
-    assert choose_precision("auto", {"accelerator": "gpu"}, model, 2, 16) is None
+    assert choose_precision("auto", {**CPU, "precision": "bf16-mixed"}, dense, 2, 16) is None  # the trainer's own
+    assert choose_precision("auto", {"accelerator": "gpu"}, dense, 2, 16) is None
 
 
-def test_auto_without_native_bf16_keeps_fp32(model, tmp_path, monkeypatch):
+def test_auto_keeps_an_moe_model_in_fp32(model, bf16_cpu, monkeypatch):
+    """Its bf16 loss fails the accuracy check; forcing bf16-mixed stays possible."""
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: pytest.fail("no probe for an MoE model"))
+    for trainer in (CPU, {**CPU, "devices": 2}):
+        choice = choose_precision("auto", trainer, model, 2, 16)
+        assert choice.precision == "32-true" and "an MoE model" in choice.reason
+    assert choose_precision("bf16-mixed", CPU, model, 2, 16).precision == "bf16-mixed"
+
+
+def test_auto_without_native_bf16_keeps_fp32(dense, tmp_path, monkeypatch):
     (tmp_path / "cpuinfo").write_text("flags : sse avx2\n")
     monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
     monkeypatch.setattr(precision, "probe_speedup", lambda *args: pytest.fail("no probe without native bf16"))
-    assert choose_precision("auto", CPU, model, 2, 16) == PrecisionChoice("32-true", "auto: no native bf16 on this CPU")
+    assert choose_precision("auto", CPU, dense, 2, 16) == PrecisionChoice("32-true", "auto: no native bf16 on this CPU")
 
 
 def test_probe_leaves_the_model_untouched(model):
