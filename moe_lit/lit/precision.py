@@ -2,7 +2,7 @@
 
 ``train.precision: auto`` means bf16-mixed on a CPU whose flags include a native bf16 instruction
 set (``avx512_bf16`` or ``amx_bf16``, as ``lscpu`` lists them), for a model without MoE layers
-(:data:`MOE_BF16_UNCHECKED`), *and* where a short probe (the
+(:data:`MOE_BF16_REASON`), *and* where a short probe (the
 model's own forward and backward on one batch, interleaved with fp32) runs at least
 :data:`MIN_SPEEDUP` times faster; 32-true otherwise. The model matters: autocast casts every
 weight at each matmul, which costs more than bf16 saves on small GEMMs, while a large vocabulary
@@ -29,12 +29,12 @@ PRECISIONS = ("auto", "32-true", "bf16-mixed")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags (``/proc/cpuinfo``) of hardware bf16 arithmetic."""
 MIN_SPEEDUP = 1.3
-MOE_BF16_UNCHECKED = "whose bf16 loss fails the accuracy check (benchmarks/results/bf16_accuracy-20261202-064027.json)"
+"""fp32 / bf16 probe time from which ``auto`` picks bf16 (below it, the precision change is not
+worth its rounding)."""
+MOE_BF16_REASON = "whose bf16 loss fails the accuracy check (benchmarks/results/bf16_accuracy-20261202-064027.json)"
 """Why ``auto`` keeps an MoE model in fp32: after 300 demo steps its bf16-mixed validation loss lies
 further from fp32's than fp32's seeds lie from each other (``python -m benchmarks.bf16_accuracy``),
 while the dense model's passes."""
-"""fp32 / bf16 probe time from which ``auto`` picks bf16 (below it, the precision change is not
-worth its rounding)."""
 PROBE_MAX_TOKENS = 2048
 """Tokens of the probe batch at most (the probe takes a few training steps' time)."""
 PROBE_ROUNDS = 3
@@ -108,7 +108,7 @@ def choose_precision(
         return None
     if model.moe_layers():
         return PrecisionChoice(
-            "32-true", f"auto: an MoE model, {MOE_BF16_UNCHECKED}; --train.precision bf16-mixed forces it"
+            "32-true", f"auto: an MoE model, {MOE_BF16_REASON}; --train.precision bf16-mixed forces it"
         )
     flags = native_bf16_flags()
     if not flags:
