@@ -158,12 +158,19 @@ class Start:
 
 
 def path_fingerprint(path: str | os.PathLike) -> list[list[Any]]:
-    """``[relative file, size, mtime_ns]`` of a file or of every file under a directory (sorted)."""
+    """``[relative file, size, sha256]`` of a file or of every file under a directory (sorted)."""
+    # NOTE: by content, not mtime: re-creating the same model (a new checkout running
+    # `make smollm2`) must keep the points' hashes, so finished records are found again.
     root = Path(path)
     if not root.exists():
         raise ConfigError(f"start.path: {root} does not exist")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    return [[str(f.relative_to(root)) if f != root else f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return [[str(f.relative_to(root)) if f != root else f.name, f.stat().st_size, _sha256(f)] for f in files]
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,8 @@ class Point:
     hash: str = ""
     """Filled by :func:`finalize`."""
 
-    def identity(self, parent_hash: str | None) -> dict[str, Any]:
+    def identity(self, parent_hash: str | None, files: list[list[Any]] | None = None) -> dict[str, Any]:
+        """What the hash is made of; ``files`` is the :func:`path_fingerprint` of ``start.path``."""
         # NOTE: the module joins the identity only when set, so points without one keep their hashes.
         module = {"module": self.module.to_dict()} if self.module else {}
         return {
@@ -205,15 +213,15 @@ class Point:
             "model": stable_dict(self.model),
             "run": stable_dict(self.run),
             "seed": self.seed,
-            "start": None if self.start is None else self._start_identity(parent_hash),
+            "start": None if self.start is None else self._start_identity(parent_hash, files),
             "transform": self.transform.to_dict() if self.transform else None,
             "callbacks": [c.to_dict() for c in self.callbacks],
             "measure": self.measure.to_dict() if self.measure else None,
         }
 
-    def _start_identity(self, parent_hash: str | None) -> dict[str, Any]:
+    def _start_identity(self, parent_hash: str | None, files: list[list[Any]] | None) -> dict[str, Any]:
         if self.start.path is not None:
-            return {**stable_dict(self.start), "files": path_fingerprint(self.start.path)}
+            return {**stable_dict(self.start), "files": files}
         return {**stable_dict(self.start), "parent": parent_hash}
 
 
@@ -225,6 +233,15 @@ def finalize(points: Sequence[Point]) -> list[Point]:
             raise ConfigError(f"study: two points are named {point.name!r}")
         by_name[point.name] = point
     hashes: dict[str, str] = {}
+    fingerprints: dict[str, list[list[Any]]] = {}  # start.path -> its files, read once per study
+
+    def files_of(point: Point) -> list[list[Any]] | None:
+        if point.start is None or point.start.path is None:
+            return None
+        path = str(point.start.path)
+        if path not in fingerprints:
+            fingerprints[path] = path_fingerprint(path)
+        return fingerprints[path]
 
     def hash_of(point: Point, seen: tuple[str, ...] = ()) -> str:
         if point.name in hashes:
@@ -239,7 +256,7 @@ def finalize(points: Sequence[Point]) -> list[Point]:
             if parent.name in seen:
                 raise ConfigError(f"{point.name}.start.parent: the parent links form a cycle")
             parent_hash = hash_of(parent, (*seen, point.name))
-        hashes[point.name] = digest(point.identity(parent_hash))
+        hashes[point.name] = digest(point.identity(parent_hash, files_of(point)))
         return hashes[point.name]
 
     return [dataclasses.replace(p, hash=hash_of(p)) for p in points]
