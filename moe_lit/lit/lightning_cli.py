@@ -503,11 +503,25 @@ def run_lightning_cli(argv: Sequence[str]) -> int:
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
             _run_cli(argv)
+        leave_process_group()
     except SIGTERMException:  # Lightning's own stop outside training (Preemption handles it inside)
         return exit_status(signal.SIGTERM)
     except SystemExit as exc:  # --help and --print_config exit 0; an interrupted fit 128 + signal
         return exc.code if isinstance(exc.code, int) else 2
     return 0
+
+
+def leave_process_group() -> None:
+    """After a run that finished on every rank: the ranks meet once, then close their process group."""
+    import torch.distributed as dist
+
+    # NOTE: a process group left to the interpreter's exit is torn down while the other ranks'
+    # connections close under it; gloo can then abort the process (SIGABRT, "terminate called
+    # without an active exception") after a fit that succeeded. The barrier keeps rank 0's store
+    # alive until every rank is done with it.
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _run_cli(argv: Sequence[str]) -> None:
