@@ -1,5 +1,9 @@
 """AdamW parameter groups and learning-rate schedules (warmup + cosine | WSD | constant).
 
+``rewarm_at`` splits a run in two phases with a schedule each (pretraining, then continued
+pretraining): the first decays over steps ``[0, rewarm_at)``, the second warms up again and decays
+over the rest, as when a trained checkpoint is taken up for continued pretraining.
+
 Every schedule is a multiplier of ``OptimConfig.lr`` as a function of the optimizer step, so it
 plugs into ``torch.optim.lr_scheduler.LambdaLR`` and its position is restored from a checkpoint
 with the scheduler's state (the step counter), nothing else.
@@ -7,6 +11,7 @@ with the scheduler's state (the step counter), nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -50,6 +55,9 @@ class OptimConfig:
     """WSD only: fraction of all steps spent in the final linear decay."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr (cosine and wsd)."""
+    rewarm_at: int | None = None
+    """Optimizer step at which the schedule starts again: a new warmup to lr, then the same schedule
+    over the remaining steps, the first phase having decayed by then (continued pretraining); null: one schedule."""
     implementation: Implementation = "fused"
     """AdamW kernel: fused (one kernel over all parameters, CPU and CUDA; the fastest, see
     docs/performance.md) | foreach | for_loop (torch's CPU default)."""
@@ -76,10 +84,19 @@ class OptimConfig:
             raise ConfigError(f"optim.decay_fraction: must be in (0, 1], got {self.decay_fraction}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        rewarm = self.rewarm_at
+        if rewarm is not None and not (isinstance(rewarm, int) and rewarm > self.warmup_steps):
+            why = f"must be null or an integer > warmup_steps={self.warmup_steps}, got {rewarm!r}"
+            raise ConfigError(f"optim.rewarm_at: {why}")
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """The factor applied to ``cfg.lr`` before optimizer step ``step`` (0-based) of ``total_steps``."""
+    if cfg.rewarm_at is not None:
+        phase = dataclasses.replace(cfg, rewarm_at=None)
+        if step < cfg.rewarm_at:
+            return lr_multiplier(step, phase, cfg.rewarm_at)
+        return lr_multiplier(step - cfg.rewarm_at, phase, total_steps - cfg.rewarm_at)
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -137,6 +154,8 @@ def build_optimizer(
         rank_zero_warn(
             f"optim.warmup_steps={cfg.warmup_steps} > the run's {total_steps} steps: it never leaves the warmup"
         )
+    if cfg.rewarm_at is not None and cfg.rewarm_at >= total_steps:
+        raise ConfigError(f"optim.rewarm_at: must be below the run's {total_steps} steps, got {cfg.rewarm_at}")
     optimizer = torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,

@@ -85,6 +85,18 @@ def test_constant_schedule_and_scheduler_follow_the_multiplier():
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
 
 
+def test_a_rewarmed_schedule_runs_each_phase_as_its_own_schedule():
+    cfg = OptimConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1, rewarm_at=14)
+    single = OptimConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    values = [lr_multiplier(step, cfg, total_steps=34) for step in range(34)]
+    assert values[:14] == [lr_multiplier(step, single, total_steps=14) for step in range(14)]
+    assert values[13] == pytest.approx(0.1)  # the first phase has decayed by the re-warm
+    assert values[14:18] == [0.25, 0.5, 0.75, 1.0]  # warmed up again
+    assert values[14:] == [lr_multiplier(step, single, total_steps=20) for step in range(20)]
+    with pytest.raises(ConfigError, match="^optim.rewarm_at: must be below the run's 14 steps, got 14"):
+        build_optimizer(Transformer(tiny(dense=True)), cfg, total_steps=14)
+
+
 @pytest.mark.parametrize(
     "fields, field",
     [
@@ -96,6 +108,7 @@ def test_constant_schedule_and_scheduler_follow_the_multiplier():
         ({"min_lr_ratio": 2.0}, "optim.min_lr_ratio"),
         ({"weight_decay": -0.1}, "optim.weight_decay"),
         ({"implementation": "apex"}, "optim.implementation"),
+        ({"rewarm_at": 4, "warmup_steps": 4}, "optim.rewarm_at"),
     ],
 )
 def test_optim_config_errors_name_the_field(fields, field):
