@@ -23,7 +23,7 @@ from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
-from moe_lit.stats import format_difference, format_values, paired_difference, summarize
+from moe_lit.stats import format_difference, format_estimate, format_p, format_values, paired_difference, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import Call, Point, stable_dict
@@ -35,6 +35,8 @@ from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
 LOSS = "final val loss"
 OPTIMIZER_STATES = ("copy", "reset")
+GAP_ALPHA = 0.01
+"""eta is computed only where the gap L_fixedE - L_fixedmE is shown at this p (it divides by the gap)."""
 GPU_SAVING = "the saving comes from the GPU step-time ratio r = s_mE / s_E (paper: about 1.9); here r = {r:.2f}"
 
 
@@ -54,6 +56,8 @@ class ArmSpec:
     """Relative Gaussian noise on the copies' router rows (symmetry breaking)."""
     drop_fraction: float = 0.0
     """Fraction of each copy's neurons re-initialised (drop-upcycling the copies)."""
+    max_copies: int | None = None
+    """Utility selection: at most this many copies of one expert; null: the callback's 3."""
 
     def __post_init__(self) -> None:
         from moe_lit.convert.expand import SELECTIONS
@@ -61,6 +65,7 @@ class ArmSpec:
         check.label(self.name, "name")
         check.choice(self.selection, "selection", SELECTIONS)
         check.choice(self.optimizer_state, "optimizer_state", OPTIMIZER_STATES)
+        check.positive_int(self.max_copies, "max_copies", optional=True)
 
 
 @dataclass
@@ -86,6 +91,9 @@ class UpcyclingSpec:
     margin: float | None = None
     """Largest |L_up - L_fixedmE| (val loss) that counts as an upcycled arm matching fixed_mE, stated
     before the study runs (analysis only); null: that claim is untestable."""
+    rewarm: bool = False
+    """Every arm's LR schedule starts again at tau (``optim.rewarm_at``): the E model's schedule has
+    decayed by then and the continued pretraining gets a warmup and decay of its own."""
 
     def __post_init__(self) -> None:
         if self.model.moe is None or self.model.moe.balancing != "bias":
@@ -94,6 +102,11 @@ class UpcyclingSpec:
         check.distinct([a.name for a in self.arms], "arms", what="arm names")
         check.numbers(self.cost_ratios, "cost_ratios", 0)
         check.number(self.margin, "margin", 0, optional=True)
+        check.boolean(self.rewarm, "rewarm")
+        for arm in (a for a in self.arms if a.selection == "utility"):
+            # NOTE: with at most m-1 copies an expert, m-1 copies of every expert is the only allocation.
+            why = f"must be >= factor={self.factor} for utility selection to copy unevenly, got {arm.max_copies or 3}"
+            check.require((arm.max_copies or 3) >= self.factor, f"arms[{arm.name}].max_copies", why)
 
     @property
     def fork_step(self) -> int:
@@ -127,6 +140,8 @@ def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
 
     grow = {"at_steps": [spec.expand_at], "factor": spec.factor, "utility_batches": spec.utility_batches, "seed": seed}
     arm_fields = ("selection", "optimizer_state", "noise", "router_noise", "drop_fraction")
+    # NOTE: max_copies joins the callback's arguments only when set: the points without it keep their hashes.
+    grow |= {"max_copies": arm.max_copies} if arm.max_copies is not None else {}
     return (
         Call.of(ValidationProbe, step=spec.expand_at, key="before"),
         Call.of(ExpertUpcycling, **grow, **{k: getattr(arm, k) for k in arm_fields}),
@@ -141,7 +156,7 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
     timing = Call.of(measure_step_times, source=stable_dict(spec.model), rounds=spec.timing_rounds)
     grown = spec.grown_model()
     for seed in header.seeds:
-        run, start = header.seeded_run(seed), header.start(FIXED_E, seed, "resume", spec.fork_step)
+        run, start = _run_of(spec, header, seed), header.start(FIXED_E, seed, "resume", spec.fork_step)
         info = {"expand_at": spec.expand_at, "total_steps": run.steps, "factor": spec.factor}
         points.append(header.point(FIXED_E, seed, spec.model, run, {"arm": FIXED_E, **info}))
         points.append(header.point(FIXED_ME, seed, grown, run, {"arm": FIXED_ME, **info}, measure=timing))
@@ -149,6 +164,12 @@ def expand(spec: UpcyclingSpec, header) -> list[Point]:
             arm_info, callbacks = {"arm": name, **info, **dataclasses.asdict(arm)}, _grow(spec, arm, seed)
             points.append(header.point(name, seed, spec.model, run, arm_info, start, None, callbacks))
     return points
+
+
+def _run_of(spec: UpcyclingSpec, header, seed: int):
+    """The seed's run; with ``rewarm`` its schedule starts again at tau (every arm the same)."""
+    run = header.seeded_run(seed)
+    return run.replace(optim={"rewarm_at": spec.expand_at}) if spec.rewarm else run
 
 
 def measure_step_times(point: Point, result: Any, run_dir: Path, source: dict[str, Any], rounds: int) -> dict:
@@ -189,7 +210,23 @@ def _last_separation(record: dict[str, Any]) -> tuple[float, float, float]:
     return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
 
 
-def _arm_row(arms: Arms, arm: str, factor: int) -> dict[str, Any]:
+def _eta_cell(arms: Arms, arm: str) -> str:
+    """eta's mean over seeds with its 95% CI (a one-sample t over the per-seed values)."""
+    values = _eta(arms, arm)
+    return format_estimate(paired_difference(values, 0.0)).lstrip("+") + f" (n={len(values)})" if values else ""
+
+
+def _copies(record: dict[str, Any]) -> str:
+    """Copies per source expert of the first grown block, and how many blocks were allocated unevenly."""
+    events = record.get("events") or []
+    if not events or not events[0].get("copies"):
+        return ""
+    by_block = list(events[0]["copies"].values())
+    uneven = sum(len(set(c)) > 1 for c in by_block)
+    return f"{by_block[0]}; uneven in {uneven}/{len(by_block)} blocks"
+
+
+def _arm_row(arms: Arms, arm: str, factor: int, eta_shown: bool) -> dict[str, Any]:
     runs = list(arms[arm].values())
     upcycled = arm.startswith("up_")
     versus = paired_difference(*paired(by_seed(runs, "val_loss"), by_seed(arms[FIXED_E].values(), "val_loss")))
@@ -199,7 +236,8 @@ def _arm_row(arms: Arms, arm: str, factor: int) -> dict[str, Any]:
         "arm": arm,
         "experts": runs[0]["num_experts"] * (factor if upcycled else 1),
         "final val loss": format_values([r["val_loss"] for r in runs]),
-        "eta": format_values(_eta(arms, arm) if upcycled else []),
+        "eta [95% CI]": _eta_cell(arms, arm) if upcycled and eta_shown else "",
+        "copies (seed 0)": _copies(arms[arm][min(arms[arm])]) if upcycled else "",
         "minus fixed_E (paired)": format_difference(versus) if arm != FIXED_E else "",
         "val jump at swap": format_values(jump),
         "copy cosine (last)": format_values([s[0] for s in separation]),
@@ -225,10 +263,16 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     ratio = summarize([t["mE"] for t in times]).mean / summarize([t["E"] for t in times]).mean if times else math.nan
     saving = Claim("upcycling saves compute at equal quality", "compute", ("up", FIXED_ME), LOWER)
     tested.append(saving.missing(GPU_SAVING.format(r=ratio)))
-    findings = [f"- **{arm}**: gap closure eta = {format_values(_eta(arms, arm))}." for arm in ups]
-    findings.append("- eta divides by the gap L_fixedE - L_fixedmE: it means something only where that gap is shown.")
+    gap = tested[0].difference
+    eta_shown = gap is not None and gap.testable and gap.estimate < 0 and gap.p < GAP_ALPHA
+    findings = [f"- **{arm}**: gap closure eta = {_eta_cell(arms, arm)}." for arm in ups if eta_shown]
+    if not eta_shown:
+        p = format_p(gap.p) if gap is not None else "n/a"
+        findings.append(
+            f"- eta is not computed: the gap L_fixedE - L_fixedmE is not shown at p < {GAP_ALPHA} (p = {p})."
+        )
     findings += _compute_findings(plan["spec"]["cost_ratios"], tau, total, times)
-    table = {"Arms (mean ± std over seeds)": [_arm_row(arms, arm, some["factor"]) for arm in arms]}
+    table = {"Arms (mean ± std over seeds)": [_arm_row(arms, arm, some["factor"], eta_shown) for arm in arms]}
     plot = plots.save(curves_figure(arms, tau), plots_dir, "val_loss")
     return Analysis(claims=tested, findings=findings, tables=table, plots=[plot])
 

@@ -1,7 +1,9 @@
 """The upcycling kind: expansion of points with parent links, analysis on hand-made records, and a
 tiny real study (train_run) where the arms fork from fixed_E's checkpoint."""
 
+import numpy as np
 import pytest
+import scipy.stats
 
 from moe_lit.config import ConfigError
 from moe_lit.studies.kinds.upcycling import analyse
@@ -55,12 +57,28 @@ def test_arms_fork_from_their_seeds_fixed_E_checkpoint():
         ({"margin": 0}, "margin: must be a number > 0, got 0"),
         ({"factor": 1}, "factor: must be an integer >= 2"),
         ({"expand_a": 4}, "unknown key(s) ['expand_a']"),
+        ({"factor": 4}, "arms[utility_copy].max_copies: must be >= factor=4 for utility selection to copy unevenly"),
+        ({"rewarm": "yes"}, "rewarm:"),
     ],
 )
 def test_spec_errors_name_the_field(change, message):
     with pytest.raises(ConfigError) as info:
         parse_study({**TINY, **change})
     assert message in str(info.value)
+
+
+def test_rewarm_restarts_every_arms_schedule_at_tau_and_max_copies_joins_the_hash_only_when_set():
+    plain = parse_study(TINY).points
+    rewarmed = parse_study({**TINY, "rewarm": True}).points
+    assert all(p.run.optim.rewarm_at is None for p in plain)
+    assert all(p.run.optim.rewarm_at == 4 for p in rewarmed)
+    assert {p.hash for p in plain}.isdisjoint(p.hash for p in rewarmed)
+    capped = parse_study({**TINY, "arms": [{"name": "utility_copy", "selection": "utility", "max_copies": 5}]}).points
+    (child,) = [p for p in capped if p.name == "up_utility_copy"]
+    grow = next(c for c in child.callbacks if c.path.endswith("ExpertUpcycling"))
+    assert grow.kwargs["max_copies"] == 5
+    assert [p.hash for p in capped][:2] == [p.hash for p in plain][:2]  # the fixed arms are unchanged
+    assert capped[2].hash != plain[2].hash
 
 
 def _record(arm, seed, loss, **extra):
@@ -79,30 +97,36 @@ def _record(arm, seed, loss, **extra):
 
 
 def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
+    events = [{"copies": {"0": [2, 0], "1": [1, 1]}}]
     records = [
         _record("fixed_E", 0, 3.0),
         _record("fixed_E", 1, 3.2),
+        _record("fixed_E", 2, 3.1),
         _record("fixed_mE", 0, 2.5, step_times={"E": 1.0, "mE": 2.0}),
         _record("fixed_mE", 1, 2.6, step_times={"E": 1.0, "mE": 2.0}),
-        _record("up_a", 0, 2.8, probe_before=3.0, probe_after=3.25),
+        _record("fixed_mE", 2, 2.55, step_times={"E": 1.0, "mE": 2.0}),
+        _record("up_a", 0, 2.8, probe_before=3.0, probe_after=3.25, events=events),
         _record("up_a", 1, 2.9, probe_before=3.0, probe_after=3.25),
+        _record("up_a", 2, 2.85, probe_before=3.0, probe_after=3.25),
     ]
     analysis = analyse({"spec": {"cost_ratios": [1.9]}}, records, tmp_path)
-    eta = [(3.0 - 2.8) / (3.0 - 2.5), (3.2 - 2.9) / (3.2 - 2.6)]  # paired by seed
+    eta = [(3.0 - 2.8) / (3.0 - 2.5), (3.2 - 2.9) / (3.2 - 2.6), (3.1 - 2.85) / (3.1 - 2.55)]  # paired by seed
     (finding,) = [f for f in analysis.findings if f.startswith("- **up_a**")]
-    mean, std = sum(eta) / 2, abs(eta[0] - eta[1]) / 2**0.5
-    assert f"eta = {mean:.4f} ± {std:.4f} (n=2)" in finding
+    ci = scipy.stats.t.interval(0.95, 2, loc=np.mean(eta), scale=scipy.stats.sem(eta))
+    assert f"eta = {np.mean(eta):.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}] (n=3)" in finding  # the gap: p < 0.01
     measured = next(f for f in analysis.findings if "measured" in f)
     assert "C_up/C_fixed = 0.800, saving 20.0%" in measured  # (4*1 + 6*2) / (10*2)
     model = next(f for f in analysis.findings if "cost model" in f)
     assert f"r=1.9: {100 * 0.4 * (1 - 1 / 1.9):.1f}%" in model
     row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
-    assert row["experts"] == 4 and row["val jump at swap"] == "0.2500 ± 0.0000 (n=2)"
+    assert row["experts"] == 4 and row["val jump at swap"] == "0.2500 ± 0.0000 (n=3)"
+    assert row["copies (seed 0)"] == "[2, 0]; uneven in 1/2 blocks"
     assert (
         row["minus fixed_E (paired)"].startswith("-0.2500 [") and "paired t-test, p=" in row["minus fixed_E (paired)"]
     )
     gap, beats, matches, saving = analysis.claims  # paired by seed: each arm against its own seed's runs
     assert gap.claim.arms == ("fixed_mE", "fixed_E") and gap.difference.estimate == pytest.approx(-0.55)
+    assert gap.difference.p < 0.01
     assert beats.claim.arms == ("up_a", "fixed_E") and beats.difference.test == "paired t-test"
     assert matches.reason == NO_MARGIN  # no margin stated in the study file: untestable
     with_margin = analyse({"spec": {"cost_ratios": [1.9], "margin": 0.5}}, records, tmp_path).claims[2]
@@ -112,6 +136,20 @@ def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
         saving.reason.startswith("the saving comes from the GPU step-time ratio") and "here r = 2.00" in saving.reason
     )
     assert [p.name for p in analysis.plots] == ["val_loss.png"] and analysis.plots[0].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path):
+    records = [_record("fixed_E", s, loss) for s, loss in ((0, 3.0), (1, 3.2))]
+    records += [_record("fixed_mE", s, loss) for s, loss in ((0, 2.5), (1, 2.6))]  # 2 seeds: p = 0.058
+    records += [_record("up_a", s, loss) for s, loss in ((0, 2.8), (1, 2.9))]
+    analysis = analyse({"spec": {"cost_ratios": [1.9]}}, records, tmp_path)
+    assert not any(f.startswith("- **up_a**") for f in analysis.findings)
+    assert (
+        "- eta is not computed: the gap L_fixedE - L_fixedmE is not shown at p < 0.01 (p = 0.0577)."
+        in analysis.findings
+    )
+    row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
+    assert row["eta [95% CI]"] == ""
 
 
 @pytest.mark.slow
@@ -134,7 +172,7 @@ def test_tiny_study_end_to_end_and_resume(tmp_path):
     assert first["step"] == 5 and first["layers"]["0"]["cosine"][0] == pytest.approx(1.0, abs=1e-3)  # one step after
     assert records["fixed_mE"]["step_times"]["E"] > 0
     summary = write_report(tmp_path / "out")["summary"].read_text()
-    assert "gap closure eta" in summary and "Compute, cost model" in summary
+    assert "eta is not computed" in summary and "Compute, cost model" in summary  # one seed: no gap shown
     log = []
     run_study(study, tmp_path / "out", log=log.append)  # finished points are not trained again
     assert log[0] == f"study up: 3 points, 3 finished, 0 to run -> {tmp_path / 'out'}"
