@@ -23,6 +23,7 @@ from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
 from moe_lit.callbacks.upcycling import ModelSwapCallback
 from moe_lit.config import BALANCING, ConfigError
 from moe_lit.convert.expand import (
+    MAX_COPIES,
     SELECTIONS,
     UTILITY_METRICS,
     UtilityAccumulator,
@@ -46,7 +47,7 @@ class ExpertUpcycling(ModelSwapCallback):
         optimizer_state: str = "copy",
         utility_batches: int = 10,
         utility_metric: str = "grad_sq",
-        max_copies: int = 3,
+        max_copies: int = MAX_COPIES,
         noise: float = 1e-3,
         balancing: str | None = "bias",
         seed: int = 0,

@@ -48,6 +48,8 @@ from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.router import finish_routing_step
 
 SELECTIONS = ("uniform", "utility")
+MAX_COPIES = 3
+"""Default cap on the copies of one expert under utility selection."""
 UTILITY_METRICS = ("grad_sq", "weight_grad", "frequency")
 EXPERT_MATRICES = ("w1", "v1", "w2")
 
@@ -157,7 +159,7 @@ def expert_utility(model: Transformer, batches: Iterable[torch.Tensor], num_batc
     return accumulator.result()
 
 
-def allocate_copies(utility_E: torch.Tensor, extra: int, max_copies: int = 3) -> list[int]:
+def allocate_copies(utility_E: torch.Tensor, extra: int, max_copies: int = MAX_COPIES) -> list[int]:
     """Instances per expert (>= 1) after greedily adding ``extra`` copies, highest utility first."""
     num_experts = utility_E.numel()
     if extra > max_copies * num_experts:
@@ -218,7 +220,7 @@ def plan_expansion(
     selection: str = "uniform",
     utility: ExpertUtility | None = None,
     metric: str = "grad_sq",
-    max_copies: int = 3,
+    max_copies: int = MAX_COPIES,
 ) -> ExpertExpansion:
     """Decide the copies: ``factor`` m (uniform: m-1 copies of each expert; utility: (m-1)*E copies
     allocated by :func:`allocate_copies`) or explicit per-expert ``counts`` (instances, >= 1)."""
@@ -358,7 +360,7 @@ def expand_experts(
     selection: str = "uniform",
     utility: ExpertUtility | None = None,
     metric: str = "grad_sq",
-    max_copies: int = 3,
+    max_copies: int = MAX_COPIES,
     noise: float = 1e-3,
     balancing: Balancing | None = "bias",
     seed: int = 0,

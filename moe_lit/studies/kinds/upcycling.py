@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lit.config import ConfigError, ModelConfig
+from moe_lit.convert.expand import MAX_COPIES, SELECTIONS
 from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
 from moe_lit.stats import format_difference, format_estimate, format_p, format_values, paired_difference, summarize
 from moe_lit.studies import plots
@@ -57,11 +58,9 @@ class ArmSpec:
     drop_fraction: float = 0.0
     """Fraction of each copy's neurons re-initialised (drop-upcycling the copies)."""
     max_copies: int | None = None
-    """Utility selection: at most this many copies of one expert; null: the callback's 3."""
+    """Utility selection: at most this many copies of one expert; null: moe_lit.convert.expand.MAX_COPIES."""
 
     def __post_init__(self) -> None:
-        from moe_lit.convert.expand import SELECTIONS
-
         check.label(self.name, "name")
         check.choice(self.selection, "selection", SELECTIONS)
         check.choice(self.optimizer_state, "optimizer_state", OPTIMIZER_STATES)
@@ -105,8 +104,9 @@ class UpcyclingSpec:
         check.boolean(self.rewarm, "rewarm")
         for arm in (a for a in self.arms if a.selection == "utility"):
             # NOTE: with at most m-1 copies an expert, m-1 copies of every expert is the only allocation.
-            why = f"must be >= factor={self.factor} for utility selection to copy unevenly, got {arm.max_copies or 3}"
-            check.require((arm.max_copies or 3) >= self.factor, f"arms[{arm.name}].max_copies", why)
+            cap = arm.max_copies or MAX_COPIES
+            why = f"must be >= factor={self.factor} for utility selection to copy unevenly, got {cap}"
+            check.require(cap >= self.factor, f"arms[{arm.name}].max_copies", why)
 
     @property
     def fork_step(self) -> int:
