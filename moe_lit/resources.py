@@ -5,7 +5,7 @@ repository's ``configs/`` and ``eval/templates/`` (the one copy that is edited);
 (``pip install .``) holds them as package data, so the same paths resolve after an install.
 
 A command-line argument that names a file under ``configs/`` (``moe-lit fit --config
-configs/experiments/tiny-moe.yaml``, ``moe-lit study run configs/studies/upcycling.yaml``) and does
+configs/experiments/tiny-moe.yaml``, ``moe-lit study run configs/studies/upcycling-e8-e32.yaml``) and does
 not exist under the working directory names the packaged file: the documented commands run from
 any directory. A ``configs/`` tree in the working directory always wins.
 """

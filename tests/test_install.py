@@ -41,7 +41,7 @@ except SystemExit as exc:
 codes = {
     "demo --help": demo_help,
     "accounting": main(["accounting", "--config", "configs/model/tiny-moe.yaml"]),
-    "study": main(["study", "list", "configs/studies/upcycling.yaml", "--out", "study"]),
+    "study": main(["study", "list", "configs/studies/upcycling-e8-e32.yaml", "--out", "study"]),
     "fit": main(["fit", "--config", "configs/experiments/tiny-moe.yaml", "--print_config"]),
 }
 Path(sys.argv[1]).write_text(json.dumps({
@@ -98,7 +98,7 @@ def test_commands_find_the_packaged_configs(site, tmp_path):
     assert info["templates"] == sorted(p.name for p in (REPO / "eval" / "templates").iterdir())
     assert Path(info["data_dir"]) == tmp_path / "data_cache" / "default"  # not inside the install
     assert "| tiny-moe | 256 | 8 | 2 |" in proc.stdout  # accounting's table (seq_len, experts, top_k)
-    assert "up_utility_copy/s0" in proc.stdout  # the study's points
+    assert "up_utility_noise/s0" in proc.stdout  # the study's points
     assert "seed_everything: 0" in proc.stdout  # the experiment's config, composed from ../model, ../trainer
 
 
@@ -122,7 +122,7 @@ TOUR = [
         ["export", "--checkpoint", "runs/tiny-mixtral/checkpoints/last.ckpt", "--format", "mixtral", "--out"],
         ["hf-mixtral"],
     ),
-    (["study", "run", "configs/studies/upcycling.yaml"], ["--dry-run"]),
+    (["study", "run", "configs/studies/upcycling-e8-e32.yaml"], ["--dry-run"]),
 ]
 TOUR_SCRIPT = """
 import json, sys
@@ -159,4 +159,4 @@ def test_the_readme_tour_runs_from_the_installed_wheel_outside_the_checkout(site
     assert (work / "data_cache" / "default" / "meta.json").is_file() and not (site / "moe_lit" / "data_cache").exists()
     assert f"fit: checkpoint {Path(CKPT)}" in proc.stdout or f"fit: checkpoint {work / CKPT}" in proc.stdout
     assert "val/loss" in proc.stdout and "Items per language: ppl 2" in proc.stdout
-    assert (work / "hf-mixtral" / "config.json").is_file() and "up_utility_copy/s0" in proc.stdout
+    assert (work / "hf-mixtral" / "config.json").is_file() and "up_utility_noise/s0" in proc.stdout

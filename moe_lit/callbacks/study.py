@@ -9,6 +9,7 @@ Shape legend: E experts, S stacked expert rows, D d_model (see ``model/experts/l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,25 @@ class CopySeparation(pl.Callback):
 
     def study_record(self) -> dict[str, Any]:
         return {"copy_separation": self.series}
+
+    @staticmethod
+    def last(series: list[dict[str, Any]]) -> tuple[float, float, float]:
+        """At the last measurement of ``series`` (a record's ``copy_separation``): the mean cosine of
+        the copies to their sources, the fraction still > 0.99, and the share of routed tokens that
+        went to copies (0.5 = as many as the sources); NaNs for an empty series."""
+        if not series:
+            return math.nan, math.nan, math.nan
+        layers = list(series[-1]["layers"].values())
+        cosines = [c for layer in layers for c in layer["cosine"]]
+        copies = [(lay["tokens"][len(lay["tokens"]) - len(lay["cosine"]) :], lay["tokens"]) for lay in layers]
+        shares = [sum(copied) / max(1.0, sum(tokens)) for copied, tokens in copies]
+        return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
+
+    @staticmethod
+    def cosines(series: list[dict[str, Any]]) -> dict[int, float]:
+        """step -> mean cosine of the copies to their sources (over layers and copies) in ``series``."""
+        by_step = {e["step"]: [c for layer in e["layers"].values() for c in layer["cosine"]] for e in series}
+        return {step: sum(values) / len(values) for step, values in by_step.items()}
 
 
 def _first_swap(trainer: pl.Trainer) -> dict[str, Any] | None:

@@ -8,9 +8,10 @@ child resuming fixed_E's checkpoint (the prefix is never retrained) that grows a
 reset, router-row noise or drop-upcycling of the copies), with validation probes around the swap
 and the copies' cosine to their sources after it (:class:`~moe_lit.callbacks.study.CopySeparation`).
 Claims, paired by seed: m*E beats E at the same steps (the gap to close); each arm beats fixed_E
-and, given ``margin``, matches fixed_mE; the compute saving is the GPU's (untestable on a CPU).
-Findings: the gap closure ``eta = (L_E - L_up) / (L_E - L_mE)`` and the compute, measured and
-from a cost model with a stated ``r = s_mE / s_E`` (``saving = tau/T (1 - 1/r)``).
+and, given ``margin``, matches fixed_mE; a utility arm closes more of the gap
+``eta = (L_E - L_up) / (L_E - L_mE)`` than its uniform twin (paper: more than 3x); the compute
+saving is the GPU's (untestable on a CPU). Findings: eta and the compute, measured and from a cost
+model with a stated ``r = s_mE / s_E`` (``saving = tau/T (1 - 1/r)``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
+from moe_lit.callbacks.study import CopySeparation, ValidationProbe
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.convert.expand import MAX_COPIES, SELECTIONS
 from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
@@ -31,7 +34,7 @@ from moe_lit.studies.engine import Call, Point, stable_dict
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import step_times
 from moe_lit.studies.records import by_seed, group, minus, paired
-from moe_lit.studies.verdicts import EQUIVALENT, LOWER, Claim
+from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, LOWER, Claim
 
 FIXED_E, FIXED_ME = "fixed_E", "fixed_mE"
 LOSS = "final val loss"
@@ -135,9 +138,6 @@ def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
 
 
 def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
-    from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
-    from moe_lit.callbacks.study import CopySeparation, ValidationProbe
-
     grow = {"at_steps": [spec.expand_at], "factor": spec.factor, "utility_batches": spec.utility_batches, "seed": seed}
     arm_fields = ("selection", "optimizer_state", "noise", "router_noise", "drop_fraction")
     # NOTE: max_copies joins the callback's arguments only when set: the points without it keep their hashes.
@@ -187,32 +187,27 @@ def _by_arm(records: list[dict[str, Any]]) -> Arms:
     return {arm: {r["seed"]: r for r in rs} for arm, rs in group(records, lambda r: r.get("arm")).items()}
 
 
-def _eta(arms: Arms, arm: str) -> list[float]:
-    """Gap closure per seed (paired: the seed's own fixed_E and fixed_mE)."""
+def _eta(arms: Arms, arm: str) -> dict[int, float]:
+    """seed -> gap closure (paired: the seed's own fixed_E and fixed_mE)."""
     e, me = arms.get(FIXED_E, {}), arms.get(FIXED_ME, {})
-    return [
-        (e[s]["val_loss"] - r["val_loss"]) / (e[s]["val_loss"] - me[s]["val_loss"])
+    return {
+        s: (e[s]["val_loss"] - r["val_loss"]) / (e[s]["val_loss"] - me[s]["val_loss"])
         for s, r in arms.get(arm, {}).items()
         if s in e and s in me and e[s]["val_loss"] != me[s]["val_loss"]
-    ]
+    }
 
 
-def _last_separation(record: dict[str, Any]) -> tuple[float, float, float]:
-    """At the last measurement: mean cosine of the copies to their sources, the fraction still
-    > 0.99, and the share of routed tokens that went to copies (0.5 = as many as the sources)."""
-    series = record.get("copy_separation") or []
-    if not series:
-        return float("nan"), float("nan"), float("nan")
-    layers = list(series[-1]["layers"].values())
-    cosines = [c for layer in layers for c in layer["cosine"]]
-    copies = [(lay["tokens"][len(lay["tokens"]) - len(lay["cosine"]) :], lay["tokens"]) for lay in layers]
-    shares = [sum(copied) / max(1.0, sum(tokens)) for copied, tokens in copies]
-    return sum(cosines) / len(cosines), sum(c > 0.99 for c in cosines) / len(cosines), sum(shares) / len(shares)
+def _twins(specs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(utility arm, uniform arm) pairs that differ only in the selection: the utility claim's contrasts."""
+    same = ("optimizer_state", "noise", "router_noise", "drop_fraction")
+    utility, uniform = ([a for a in specs if a["selection"] == kind] for kind in ("utility", "uniform"))
+    pairs = ((u, v) for u in utility for v in uniform if all(u[k] == v[k] for k in same))
+    return [(f"up_{u['name']}", f"up_{v['name']}") for u, v in pairs]
 
 
 def _eta_cell(arms: Arms, arm: str) -> str:
     """eta's mean over seeds with its 95% CI (a one-sample t over the per-seed values)."""
-    values = _eta(arms, arm)
+    values = list(_eta(arms, arm).values())
     return format_estimate(paired_difference(values, 0.0)).lstrip("+") + f" (n={len(values)})" if values else ""
 
 
@@ -231,7 +226,7 @@ def _arm_row(arms: Arms, arm: str, factor: int, eta_shown: bool) -> dict[str, An
     upcycled = arm.startswith("up_")
     versus = paired_difference(*paired(by_seed(runs, "val_loss"), by_seed(arms[FIXED_E].values(), "val_loss")))
     jump = [r["probe_after"] - r["probe_before"] for r in runs if r.get("probe_before") is not None]
-    separation = [_last_separation(r) for r in runs] if upcycled else []
+    separation = [CopySeparation.last(r.get("copy_separation") or []) for r in runs] if upcycled else []
     return {
         "arm": arm,
         "experts": runs[0]["num_experts"] * (factor if upcycled else 1),
@@ -265,16 +260,26 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     tested.append(saving.missing(GPU_SAVING.format(r=ratio)))
     gap = tested[0].difference
     eta_shown = gap is not None and gap.testable and gap.estimate < 0 and gap.p < GAP_ALPHA
+    twins = _twins(plan["spec"].get("arms", []))
+    tested[-1:-1] = [_utility_claim(arms, utility, uniform, eta_shown) for utility, uniform in twins]  # ahead of the compute claim
     findings = [f"- **{arm}**: gap closure eta = {_eta_cell(arms, arm)}." for arm in ups if eta_shown]
     if not eta_shown:
         p = format_p(gap.p) if gap is not None else "n/a"
-        findings.append(
-            f"- eta is not computed: the gap L_fixedE - L_fixedmE is not shown at p < {GAP_ALPHA} (p = {p})."
-        )
+        findings.append(f"- eta is not computed: the gap L_E - L_mE is not shown at p < {GAP_ALPHA} (p = {p}).")
     findings += _compute_findings(plan["spec"]["cost_ratios"], tau, total, times)
     table = {"Arms (mean ± std over seeds)": [_arm_row(arms, arm, some["factor"], eta_shown) for arm in arms]}
     plot = plots.save(curves_figure(arms, tau), plots_dir, "val_loss")
     return Analysis(claims=tested, findings=findings, tables=table, plots=[plot])
+
+
+def _utility_claim(arms: Arms, utility: str, uniform: str, eta_shown: bool):
+    """Utility selection "more than triples gap closure": the paper's effect on eta is 2 x the uniform arm's."""
+    base = list(_eta(arms, uniform).values())
+    text = f"{utility}: utility selection closes more of the gap than {uniform}"
+    claim = Claim(text, "eta", (utility, uniform), HIGHER, paper=2 * sum(base) / len(base) if base else None)
+    if not eta_shown:
+        return claim.missing(f"eta needs the gap L_fixedE - L_fixedmE shown at p < {GAP_ALPHA}")
+    return claim.on(_eta(arms, utility), _eta(arms, uniform))
 
 
 def _compute_findings(ratios: list[float], tau: int, total: int, times: list[dict[str, float]]) -> list[str]:
@@ -322,7 +327,9 @@ def curves_figure(arms: Arms, tau: int):
         diffs = {s: minus(c, base[s]) for s, c in curves.items() if s in base} if arm != FIXED_E else {}
         if diffs:
             seed_band(ax_diff, *plots.per_step(diffs, tau), **style)
-        cosines = {s: _cosines(r) for s, r in arms[arm].items() if r.get("copy_separation")}
+        cosines = {
+            s: CopySeparation.cosines(r["copy_separation"]) for s, r in arms[arm].items() if r.get("copy_separation")
+        }
         if cosines:
             seed_errorbar(ax_copy, *plots.per_step(cosines), marker=".", capsize=2, color=style["color"])
     zero_line(ax_diff)
@@ -337,14 +344,6 @@ def curves_figure(arms: Arms, tau: int):
         ax.grid(alpha=0.3)
     ax_all.legend(fontsize=7)
     return fig
-
-
-def _cosines(record: dict[str, Any]) -> dict[int, float]:
-    """step -> mean cosine of the copies to their sources (over layers and copies)."""
-    by_step = {
-        e["step"]: [c for layer in e["layers"].values() for c in layer["cosine"]] for e in record["copy_separation"]
-    }
-    return {step: sum(cosines) / len(cosines) for step, cosines in by_step.items()}
 
 
 __all__ = ["UpcyclingSpec", "analyse", "curves_figure", "expand", "measure_step_times", "parse"]

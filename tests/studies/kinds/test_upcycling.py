@@ -138,6 +138,29 @@ def test_analysis_gap_closure_per_seed_and_compute_both_ways(tmp_path):
     assert [p.name for p in analysis.plots] == ["val_loss.png"] and analysis.plots[0].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_utility_claim_pairs_each_utility_arm_with_its_uniform_twin_on_eta(tmp_path):
+    base = {"optimizer_state": "copy", "noise": 1e-3, "router_noise": 0.5, "drop_fraction": 0.0}
+    arms = [
+        {"name": "uni", "selection": "uniform", **base},
+        {"name": "util", "selection": "utility", **base, "max_copies": 6},
+        {"name": "plain", "selection": "uniform", **base, "router_noise": 0.0},  # not a twin: other noise
+    ]
+    losses = {"fixed_E": (3.0, 3.2, 3.1), "fixed_mE": (2.5, 2.6, 2.55), "up_uni": (2.9, 3.1, 3.0)}
+    losses |= {"up_util": (2.8, 2.95, 2.9), "up_plain": (3.0, 3.2, 3.1)}
+    records = [_record(arm, s, loss) for arm, values in losses.items() for s, loss in enumerate(values)]
+    claims = analyse({"spec": {"cost_ratios": [1.9], "arms": arms}}, records, tmp_path).claims
+    (utility,) = [c for c in claims if c.claim.metric == "eta"]
+    assert utility.claim.arms == ("up_util", "up_uni") and utility.claim.direction == "higher"
+
+    def eta(arm):
+        return [(e - x) / (e - m) for e, m, x in zip(losses["fixed_E"], losses["fixed_mE"], losses[arm])]
+
+    assert utility.difference.test == "paired t-test"
+    assert utility.difference.estimate == pytest.approx(np.mean(np.subtract(eta("up_util"), eta("up_uni"))))
+    assert utility.claim.paper == pytest.approx(2 * np.mean(eta("up_uni")))  # "more than tripling" eta
+    assert claims[-1].claim.metric == "compute"  # the compute claim stays last
+
+
 def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path):
     records = [_record("fixed_E", s, loss) for s, loss in ((0, 3.0), (1, 3.2))]
     records += [_record("fixed_mE", s, loss) for s, loss in ((0, 2.5), (1, 2.6))]  # 2 seeds: p = 0.058
@@ -145,7 +168,7 @@ def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path)
     analysis = analyse({"spec": {"cost_ratios": [1.9]}}, records, tmp_path)
     assert not any(f.startswith("- **up_a**") for f in analysis.findings)
     assert (
-        "- eta is not computed: the gap L_fixedE - L_fixedmE is not shown at p < 0.01 (p = 0.0577)."
+        "- eta is not computed: the gap L_E - L_mE is not shown at p < 0.01 (p = 0.0577)."
         in analysis.findings
     )
     row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
