@@ -94,7 +94,7 @@ def test_shipped_studies_load_and_expand():
     }
     gpu = load_study(STUDIES / "dense_vs_sparse_gpu.yaml").points
     assert len(gpu) > len(tiny)
-    for other in ("upcycling", "language_expansion"):
+    for other in ("upcycling-e8-e32", "language_expansion"):
         assert load_study(STUDIES / f"{other}.yaml").points
 
 
