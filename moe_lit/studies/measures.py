@@ -361,11 +361,13 @@ def step_times(source: ModelConfig, grown: ModelConfig, batch_size: int, lr: flo
 
 
 def routing_divergence(checkpoint: str | Path, run, new_languages: list[str]) -> dict[str, Any]:
-    """JS divergence (bits, mean over MoE layers) of each new language's expert usage from the mean
-    usage of the other languages, on the run's validation batches."""
+    """On the run's validation batches: the JS divergence (bits, mean over MoE layers) of each new
+    language's expert usage from the mean usage of the other languages, and for every pair of
+    languages ("a|b") the JS divergence of their expert usage and of their token-unigram
+    distributions (the part of any sharing that shared subwords and scripts explain)."""
     import torch
 
-    from moe_lit.analysis.routing import js_divergence, usage_by_language
+    from moe_lit.analysis.routing import js_divergence, language_js, usage_by_language
     from moe_lit.checkpoint import load_model
     from moe_lit.evaluation.routing_trace import routing_trace
 
@@ -380,7 +382,20 @@ def routing_divergence(checkpoint: str | Path, run, new_languages: list[str]) ->
     usage_GME = usage_by_language(recorder.trace(), languages)
     base_ME = usage_GME[[i for i, lang in enumerate(languages) if lang not in new_languages]].mean(dim=0)
     js = {lang: float(js_divergence(usage_GME[languages.index(lang)], base_ME).mean()) for lang in new_languages}
-    return {"routing_js_new_vs_base": js}
+    routing_GG = language_js(usage_GME).mean(dim=0)
+    counts_GV = [
+        torch.bincount(torch.cat([b[:, :-1].flatten() for b in batches[lang]]), minlength=model.config.vocab_size)
+        for lang in languages
+    ]
+    unigram_GV = torch.stack(counts_GV).double()
+    unigram_GV /= unigram_GV.sum(dim=-1, keepdim=True)
+    unigram_GG = js_divergence(unigram_GV[:, None], unigram_GV[None]).clamp(0.0, 1.0)
+    pairs = [(i, j) for i in range(len(languages)) for j in range(i + 1, len(languages))]
+    return {
+        "routing_js_new_vs_base": js,
+        "routing_js_pairs": {f"{languages[i]}|{languages[j]}": float(routing_GG[i, j]) for i, j in pairs},
+        "unigram_js_pairs": {f"{languages[i]}|{languages[j]}": float(unigram_GG[i, j]) for i, j in pairs},
+    }
 
 
 def conversion_screen(

@@ -1,11 +1,13 @@
 """The language_expansion kind: points and parent links, analysis on hand-made records, and a tiny
 real study whose MoE arms measure the new language's routing."""
 
+import numpy as np
 import pytest
+import scipy.stats
 
-from moe_lit.studies.kinds.language_expansion import analyse
+from moe_lit.studies.kinds.language_expansion import analyse, per_arm, related
 from moe_lit.studies.study import parse_study
-from moe_lit.studies.verdicts import UNTESTABLE, judge
+from moe_lit.studies.verdicts import NO_MARGIN, UNTESTABLE, judge
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -26,17 +28,23 @@ TINY = {
 }
 
 
-def test_each_arm_continues_from_its_pretrained_parent_on_all_languages():
+def test_each_arm_continues_from_its_pretrained_parent_with_and_without_the_new_languages():
     study = parse_study(TINY)
     by_name = {p.name: p for p in study.points}
-    assert list(by_name) == ["dense/base", "dense/continued", "moe/base", "moe/continued", "moe_grown/continued"]
+    arms = [f"{arm}/{phase}" for arm in ("dense", "moe", "moe_grown") for phase in ("continued", "control")]
+    assert list(by_name) == ["dense/base", *arms[:2], "moe/base", *arms[2:]]
     base = by_name["moe/base"].run.data
     assert base.languages == ["en", "de", "ru"] and base.language_weights == {"en": 1.0, "de": 1.0}  # ru: val only
-    grown = by_name["moe_grown/continued"]
-    assert (grown.start.parent, grown.start.mode) == ("moe/base", "init") and grown.transform.kwargs["factor"] == 2
-    cont = by_name["dense/continued"].run
+    for phase in ("continued", "control"):
+        grown = by_name[f"moe_grown/{phase}"]
+        assert (grown.start.parent, grown.start.mode) == ("moe/base", "init") and grown.transform.kwargs["factor"] == 2
+    cont, control = by_name["dense/continued"].run, by_name["dense/control"].run
     assert cont.data.language_weights is None and cont.steps == 2 and cont.optim.warmup_steps == 1
+    # the control: the same budget and schedule on the base languages alone, the same data seed
+    assert control.data.language_weights == {"en": 1.0, "de": 1.0} and control.steps == 2
+    assert control.optim == cont.optim and control.train.seed == cont.train.seed
     assert by_name["moe/base"].model.moe.num_experts == 4 and by_name["dense/base"].model.moe is None
+    assert by_name["moe/continued"].measure is not None and by_name["moe/control"].measure is None
 
 
 def test_unknown_and_missing_fields_are_named():
@@ -60,7 +68,7 @@ def _record(name, family, phase, losses, seed=0, **extra):
     }
 
 
-def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
+def test_interference_is_against_the_base_only_control_paired_by_seed(tmp_path):
     records = []
     for seed, jitter in ((0, 0.0), (1, 0.02)):
         for family, rise in (("dense", 0.30), ("moe", 0.05)):
@@ -76,19 +84,59 @@ def test_interference_gain_and_verdict_from_hand_made_records(tmp_path):
                     base_point=base,
                     **({"routing_js_new_vs_base": {"ru": 0.4}} if family == "moe" else {}),
                 ),
+                _record(f"{family}/control/s{seed}", family, "control", (2.9, 2.9, 5.5), seed, base_point=base),
             ]
-    analysis = analyse({"spec": {"base_languages": ["en", "de"], "new_languages": ["ru"]}}, records, tmp_path)
+    spec = {"base_languages": ["en", "de"], "new_languages": ["ru"], "margin": 0.1}
+    analysis = analyse({"spec": spec}, records, tmp_path)
     rows = {r["arm"]: r for r in analysis.tables["Switch to the new languages (mean ± std over seeds)"]}
-    assert rows["dense"]["interference (base-language loss change; < 0: improved)"] == "0.3050 ± 0.0071 (n=2)"
+    interference = "interference (with new languages minus without; > 0: interferes)"
+    assert rows["dense"][interference] == "0.4050 ± 0.0071 (n=2)"  # 3.3 (+0.01) - 2.9
+    assert rows["dense"]["base languages, base-only control"] == "2.9000 ± 0.0000 (n=2)"
     assert rows["moe"]["final loss, new languages"] == "4.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["gain on new languages"] == "2.0000 ± 0.0000 (n=2)"
     assert rows["moe"]["JS(new vs base usage), bits"] == "0.4000 ± 0.0000 (n=2)"
-    (claim,) = analysis.claims
-    assert claim.claim.arms == ("moe", "dense") and claim.claim.direction == "lower"
+    dense, less, none, sharing = analysis.claims
+    assert dense.claim.arms == ("dense", "0") and dense.claim.direction == "higher"
+    assert dense.difference.test == "one-sample t-test" and dense.difference.estimate == pytest.approx(0.405)
+    assert less.claim.arms == ("moe", "dense") and less.claim.direction == "lower"
     # paired by seed the jitter cancels exactly: no noise estimate, so nothing is called significant
-    assert claim.difference.estimate == pytest.approx(-0.25) and claim.difference.test == "paired t-test"
-    (verdict,) = judge(analysis.claims)
-    assert verdict.word == UNTESTABLE and verdict.evidence.reason.startswith("no noise estimate: the 2 differences")
+    assert less.difference.estimate == pytest.approx(-0.25) and less.difference.test == "paired t-test"
+    assert none.claim.bounds == (-0.1, 0.1) and none.difference.estimate == pytest.approx(0.155)
+    assert sharing.reason == "families: no related and unrelated pairs of measured languages"
+    verdicts = judge(analysis.claims)
+    assert verdicts[1].word == UNTESTABLE and verdicts[1].evidence.reason.startswith(
+        "no noise estimate: the 2 differences"
+    )
+    without = analyse({"spec": {**spec, "margin": None}}, records, tmp_path).claims[2]
+    assert without.reason == NO_MARGIN
+
+
+def test_sharing_claim_is_the_residual_of_routing_js_after_a_line_on_unigram_js(tmp_path):
+    families = {"romance": ["fr", "es", "it"], "germanic": ["en", "de"]}
+    unigram = {"en|de": 0.30, "en|fr": 0.50, "en|es": 0.55, "en|it": 0.52, "de|fr": 0.60}
+    unigram |= {"de|es": 0.62, "de|it": 0.58, "fr|es": 0.35, "fr|it": 0.33, "es|it": 0.28}
+    records, expected = [_record("moe/base/s0", "moe", "base", (3.0, 3.0, 3.0))], {}
+    for seed in (0, 1, 2):
+        shift = {p: -0.05 - 0.01 * seed if related(p, families) else 0.01 * seed for p in unigram}
+        routing = {p: 0.2 + 0.5 * u + shift[p] for p, u in unigram.items()}
+        measures = {"routing_js_new_vs_base": {"ru": 0.3}, "routing_js_pairs": routing, "unigram_js_pairs": unigram}
+        name = f"moe/continued/s{seed}"
+        records.append(_record(name, "moe", "continued", (3.0,) * 3, seed, base_point="moe/base/s0", **measures))
+        fit = scipy.stats.linregress(list(unigram.values()), list(routing.values()))  # scipy's line, not the kind's
+        residual = {p: routing[p] - (fit.intercept + fit.slope * u) for p, u in unigram.items()}
+        rel = np.mean([r for p, r in residual.items() if related(p, families)])
+        expected[seed] = (rel, np.mean([r for p, r in residual.items() if not related(p, families)]))
+    spec = {"base_languages": ["en", "de"], "new_languages": ["ru"], "families": families}
+    values = per_arm({"spec": spec}, records)["moe"]
+    assert values["related_residual"] == pytest.approx({s: e[0] for s, e in expected.items()})
+    assert values["unrelated_residual"] == pytest.approx({s: e[1] for s, e in expected.items()})
+    analysis = analyse({"spec": spec}, records, tmp_path)
+    (sharing,) = [c for c in analysis.claims if c.claim.metric == "routing JS residual"]
+    assert sharing.claim.arms == ("related pairs", "unrelated pairs") and sharing.difference.test == "paired t-test"
+    assert sharing.difference.estimate == pytest.approx(np.mean([e[0] - e[1] for e in expected.values()]))
+    pairs = {r["pair"]: r for r in analysis.tables["Language pairs after the continuation (mean ± std over seeds)"]}
+    assert pairs["fr|es"]["related"] == "yes" and pairs["en|fr"]["related"] == "no"
+    assert pairs["en|de"]["unigram JS, bits"] == "0.3000 ± 0.0000 (n=3)"
 
 
 @pytest.mark.slow
@@ -105,6 +153,16 @@ def test_tiny_study_end_to_end(tmp_path):
     assert grown["active_params"] - moe["active_params"] == 4 * 32  # only the 4 new router rows are active
     js = records["moe_grown/continued"]["routing_js_new_vs_base"]["ru"]
     assert 0.0 <= js <= 1.0 and "routing_js_new_vs_base" not in records["dense/continued"]
+    pairs = ["en|de", "en|ru", "de|ru"]
+    for arm in ("moe", "moe_grown"):
+        measured = records[f"{arm}/continued"]
+        assert list(measured["routing_js_pairs"]) == pairs and list(measured["unigram_js_pairs"]) == pairs
+        assert all(
+            0.0 <= v <= 1.0 for v in [*measured["routing_js_pairs"].values(), *measured["unigram_js_pairs"].values()]
+        )
+    # the unigram baseline is a property of the text: the same for both arms
+    assert records["moe/continued"]["unigram_js_pairs"] == records["moe_grown/continued"]["unigram_js_pairs"]
+    assert "routing_js_pairs" not in records["moe/control"]
 
 
 def test_interference_plot_per_arm_and_paired_with_dense():
@@ -117,7 +175,7 @@ def test_interference_plot_per_arm_and_paired_with_dense():
         "moe_grown": {},
     }
     fig = interference_figure(per_arm)
-    ax_arm, ax_diff = fig.axes
+    ax_arm, ax_diff, ax_pairs = fig.axes
     assert [t.get_text() for t in ax_arm.get_xticklabels()] == ["dense", "moe"]
     dots = ax_arm.containers[0].lines[0]
     assert list(dots.get_ydata()) == pytest.approx([0.31, 0.35 / 3])
