@@ -46,3 +46,28 @@ def test_a_slice_judges_what_it_has_and_leaves_the_rest_untestable_without_faili
     assert f"(moe_lit_pairs_en): {z:+.1f} item-paired standard errors" in "\n".join(analysis.findings)
     (models,) = [rows for title, rows in analysis.tables.items() if title.startswith("Every model")]
     assert [row["point"] for row in models] == ["dense", "E8k4/random"]
+
+
+def test_the_sparsity_table_has_a_row_per_target_and_the_speedups_on_the_highest_within_the_margin(tmp_path):
+    def point(target, increases, inactive):
+        return [
+            {"target": target, "language": lang, "increase": inc, "inactive": inactive}
+            for lang, inc in zip(("en", "de"), increases, strict=True)
+        ]
+
+    curve = point(0.0, (0.0, 0.0), 0.0) + point(0.5, (0.004, 0.008), 0.49) + point(0.9, (0.2, 0.3), 0.9)
+    fields = {"curve": curve, "best_target": 0.5, "layer_speedup": 1.5, "decode_speedup": 1.1}
+    sparse = {"status": "ok", "config_name": "sparsity/gate", "seed": 0, "stage": "sparsity", **fields}
+    analysis = analyse(PLAN, [sparse], tmp_path)
+    (rows,) = [rows for title, rows in analysis.tables.items() if title.startswith("Intra-expert")]
+    assert [r["target"] for r in rows] == ["0", "0.5", "0.9"]
+    assert (
+        rows[1]["loss increase"] == "+0.60%" and rows[1]["increase de"] == "+0.80%" and rows[1]["inactive"] == "0.490"
+    )
+    speedups = [r["highest within margin: FFN-layer, decode speedup"] for r in rows]
+    assert speedups == ["", "1.50x, 1.10x", ""]
+    dense_only = analyse(PLAN, [sparse | {"best_target": 0.0, "layer_speedup": None, "decode_speedup": None}], tmp_path)
+    (rows,) = [rows for title, rows in dense_only.tables.items() if title.startswith("Intra-expert")]
+    assert rows[0]["highest within margin: FFN-layer, decode speedup"] == "no target > 0 within it"
+    (gate,) = [e for e in analysis.claims if e.claim.text.startswith("gate: 90%")]
+    assert gate.difference.estimate == pytest.approx(0.25) and gate.difference.n_a == 2  # the languages at 0.9

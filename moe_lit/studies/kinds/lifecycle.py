@@ -232,16 +232,35 @@ def _model_row(config: str, r: dict[str, Any]) -> dict[str, Any]:
     return row | {f"bpb {lang}": f"{v:.4f}" for lang, v in r.get("bpb", {}).items()}
 
 
+def _sparsity_rows(config: str, r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per target: the inactive fraction and relative loss increase (mean over languages, and per
+    language); the highest target within the margin and the speedups there on that target's row."""
+    rows = []
+    for target in sorted({c["target"] for c in r.get("curve", [])}):
+        at = [c for c in r["curve"] if c["target"] == target]
+        row = {"point": config, "target": f"{target:g}"}
+        row["inactive"] = f"{sum(c['inactive'] for c in at) / len(at):.3f}"
+        row["loss increase"] = f"{sum(c['increase'] for c in at) / len(at):+.2%}"
+        row |= {f"increase {c['language']}": f"{c['increase']:+.2%}" for c in at}
+        best = target == r.get("best_target")
+        speedups = (r.get("layer_speedup"), r.get("decode_speedup"))
+        shown = "x, ".join(f"{v:.2f}" for v in speedups) + "x" if None not in speedups else "no target > 0 within it"
+        row["highest within margin: FFN-layer, decode speedup"] = shown if best else ""
+        rows.append(row)
+    return rows
+
+
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     seed = min(plan["seeds"])
     arms = {r["config_name"]: r for r in select(records, seed=seed)}
     models = [_model_row(config, r) for config, r in arms.items() if r.get("stage") != "sparsity"]
-    keys = ("best_target", "best_inactive", "layer_speedup", "decode_speedup")
-    sparse = [{"point": c} | {k: r.get(k) for k in keys} for c, r in arms.items() if r.get("stage") == "sparsity"]
+    sparse = [row for c, r in arms.items() if r.get("stage") == "sparsity" for row in _sparsity_rows(c, r)]
     tables = {f"Every model of the chain (seed {seed}; task acc over the suite's items, item-level SE)": models}
     source, pruned = arms.get(plan["spec"]["prune_source"]), [(c, r) for c, r in arms.items() if r["stage"] == "prune"]
     tables["Pruned: retention against the prune source"] = [_retention_row(c, r, source) for c, r in pruned if source]
-    tables["Intra-expert activation sparsity of the prune source (per-layer thresholds)"] = sparse
+    tables["Intra-expert activation sparsity of the prune source (per-layer thresholds; loss increase relative)"] = (
+        sparse
+    )
     claims = _chain_claims(arms, plan["spec"])
     apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]
     note = ["- One seed: the noise is item to item (tasks), language to language (sparsity)."]
