@@ -261,7 +261,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     gap = tested[0].difference
     eta_shown = gap is not None and gap.testable and gap.estimate < 0 and gap.p < GAP_ALPHA
     twins = _twins(plan["spec"].get("arms", []))
-    tested[-1:-1] = [_utility_claim(arms, utility, uniform, eta_shown) for utility, uniform in twins]  # ahead of the compute claim
+    tested[-1:-1] = [_utility_claim(arms, utility, uniform, eta_shown) for utility, uniform in twins]  # before compute
     findings = [f"- **{arm}**: gap closure eta = {_eta_cell(arms, arm)}." for arm in ups if eta_shown]
     if not eta_shown:
         p = format_p(gap.p) if gap is not None else "n/a"

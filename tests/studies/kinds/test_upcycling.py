@@ -153,7 +153,7 @@ def test_utility_claim_pairs_each_utility_arm_with_its_uniform_twin_on_eta(tmp_p
     assert utility.claim.arms == ("up_util", "up_uni") and utility.claim.direction == "higher"
 
     def eta(arm):
-        return [(e - x) / (e - m) for e, m, x in zip(losses["fixed_E"], losses["fixed_mE"], losses[arm])]
+        return [(e - x) / (e - m) for e, m, x in zip(losses["fixed_E"], losses["fixed_mE"], losses[arm], strict=True)]
 
     assert utility.difference.test == "paired t-test"
     assert utility.difference.estimate == pytest.approx(np.mean(np.subtract(eta("up_util"), eta("up_uni"))))
@@ -167,10 +167,7 @@ def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path)
     records += [_record("up_a", s, loss) for s, loss in ((0, 2.8), (1, 2.9))]
     analysis = analyse({"spec": {"cost_ratios": [1.9]}}, records, tmp_path)
     assert not any(f.startswith("- **up_a**") for f in analysis.findings)
-    assert (
-        "- eta is not computed: the gap L_E - L_mE is not shown at p < 0.01 (p = 0.0577)."
-        in analysis.findings
-    )
+    assert "- eta is not computed: the gap L_E - L_mE is not shown at p < 0.01 (p = 0.0577)." in analysis.findings
     row = next(r for r in analysis.tables["Arms (mean ± std over seeds)"] if r["arm"] == "up_a")
     assert row["eta [95% CI]"] == ""
 
