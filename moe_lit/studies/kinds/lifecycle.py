@@ -235,6 +235,8 @@ def _model_row(config: str, r: dict[str, Any]) -> dict[str, Any]:
 def _sparsity_rows(config: str, r: dict[str, Any]) -> list[dict[str, Any]]:
     """Per target: the inactive fraction and relative loss increase (mean over languages, and per
     language); the highest target within the margin and the speedups there on that target's row."""
+    speedups = (r.get("layer_speedup"), r.get("decode_speedup"))
+    shown = "x, ".join(f"{v:.2f}" for v in speedups) + "x" if None not in speedups else "no target > 0 within it"
     rows = []
     for target in sorted({c["target"] for c in r.get("curve", [])}):
         at = [c for c in r["curve"] if c["target"] == target]
@@ -242,10 +244,7 @@ def _sparsity_rows(config: str, r: dict[str, Any]) -> list[dict[str, Any]]:
         row["inactive"] = f"{sum(c['inactive'] for c in at) / len(at):.3f}"
         row["loss increase"] = f"{sum(c['increase'] for c in at) / len(at):+.2%}"
         row |= {f"increase {c['language']}": f"{c['increase']:+.2%}" for c in at}
-        best = target == r.get("best_target")
-        speedups = (r.get("layer_speedup"), r.get("decode_speedup"))
-        shown = "x, ".join(f"{v:.2f}" for v in speedups) + "x" if None not in speedups else "no target > 0 within it"
-        row["highest within margin: FFN-layer, decode speedup"] = shown if best else ""
+        row["highest within margin: FFN-layer, decode speedup"] = shown if target == r.get("best_target") else ""
         rows.append(row)
     return rows
 
