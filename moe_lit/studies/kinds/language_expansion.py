@@ -56,6 +56,10 @@ class LanguageExpansionSpec:
     """Optimizer steps of each continuation, with and without the new languages (pretraining: run.train)."""
     continue_warmup: int = 20
     """Warmup steps of the continuation's fresh schedule."""
+    control_steps: int | None = None
+    """Optimizer steps of the base-only control; null: ``continue_steps`` (the same token budget). Set it to
+    ``continue_steps`` times the base languages' share of the continued mix to give the control the same
+    base-language tokens, so that interference does not count the dilution of the base languages."""
     grow_factor: int = 2
     """moe_grown: m, the MoE grows E -> m*E experts at the switch."""
     margin: float | None = None
@@ -73,6 +77,8 @@ class LanguageExpansionSpec:
         if self.dense.moe is not None:
             raise ConfigError("dense.moe: the dense model must be dense (moe: null)")
         check.number(self.margin, "margin", 0, optional=True)
+        check.positive_fields(self, "continue_steps", "grow_factor")
+        check.positive_int(self.control_steps, "control_steps", optional=True)
         check.require(isinstance(self.families, dict), "families", "must map a group name to its languages")
         grouped = [lang for langs in self.families.values() for lang in langs]
         if grouped:
@@ -96,7 +102,8 @@ def expand(spec: LanguageExpansionSpec, header) -> list[Point]:
         pretrain = header.seeded_run(seed, header.run.replace(data=base_mix))
         train, optim = {"max_steps": spec.continue_steps}, {"warmup_steps": spec.continue_warmup}
         runs = {"continued": pretrain.replace(data={"language_weights": None}, train=train, optim=optim)}
-        runs["control"] = pretrain.replace(train=train, optim=optim)  # the same budget, base languages only
+        control = {"max_steps": spec.control_steps or spec.continue_steps}
+        runs["control"] = pretrain.replace(train=control, optim=optim)  # base languages only
         for family, model in (("dense", spec.dense), ("moe", moe)):
             points.append(header.point(f"{family}/base", seed, model, pretrain, {"phase": "base", "family": family}))
             base, start = header.point_name(f"{family}/base", seed), header.start(f"{family}/base", seed)

@@ -47,6 +47,23 @@ def test_each_arm_continues_from_its_pretrained_parent_with_and_without_the_new_
     assert by_name["moe/continued"].measure is not None and by_name["moe/control"].measure is None
 
 
+def test_control_steps_give_the_control_the_base_language_tokens_of_the_continued_run():
+    by_name = {p.name: p for p in parse_study({**TINY, "control_steps": 1}).points}
+    assert by_name["dense/control"].run.steps == 1 and by_name["dense/continued"].run.steps == 2
+    assert by_name["moe_grown/control"].run.steps == 1
+    default = {p.name: p for p in parse_study(TINY).points}
+    assert by_name["dense/continued"].hash == default["dense/continued"].hash  # only the control changes
+    assert by_name["dense/control"].hash != default["dense/control"].hash
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "3"])
+def test_control_steps_must_be_a_positive_integer(bad):
+    from moe_lit.config import ConfigError
+
+    with pytest.raises(ConfigError, match="control_steps: must be null or a positive integer"):
+        parse_study({**TINY, "control_steps": bad})
+
+
 def test_unknown_and_missing_fields_are_named():
     from moe_lit.config import ConfigError
 
