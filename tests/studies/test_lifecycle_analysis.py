@@ -46,6 +46,7 @@ def test_a_slice_judges_what_it_has_and_leaves_the_rest_untestable_without_faili
     assert f"(moe_lit_pairs_en): {z:+.1f} item-paired standard errors" in "\n".join(analysis.findings)
     (models,) = [rows for title, rows in analysis.tables.items() if title.startswith("Every model")]
     assert [row["point"] for row in models] == ["dense", "E8k4/random"]
+    assert [p.name for p in analysis.plots] == ["chain.png"] and analysis.plots[0].stat().st_size > 0
 
 
 def test_the_sparsity_table_has_a_row_per_target_and_the_speedups_on_the_highest_within_the_margin(tmp_path):

@@ -21,7 +21,7 @@ from moe_lit.convert.partition import ASSIGNMENTS, partitioned_config
 from moe_lit.convert.recipes import PRUNING, prune_by_importance
 from moe_lit.errors import MoeLitError
 from moe_lit.inference.sparsity import RULES
-from moe_lit.studies import measures
+from moe_lit.studies import measures, plots
 from moe_lit.studies import spec as check
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
 from moe_lit.studies.kinds import Analysis
@@ -264,4 +264,27 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]
     note = ["- One seed: the noise is item to item (tasks), language to language (sparsity)."]
     note += [f"- {t}: {d.estimate / d.sd * d.n_a**0.5:+.1f} item-paired standard errors" for t, d in apart if d.sd > 0]
-    return Analysis(claims=claims, findings=note, tables=tables)
+    plotted = [(c, r) for c, r in arms.items() if r.get("stage") != "sparsity" and "task_acc" in r]
+    plot = [plot_chain(plotted, plots_dir)] if plotted else []
+    return Analysis(claims=claims, findings=note, tables=tables, plots=plot)
+
+
+def plot_chain(models: list[tuple[str, dict[str, Any]]], plots_dir: Path) -> Path:
+    """Task accuracy (± its item-level SE) against bits per byte, one marker per model (its shape by
+    stage); a recovered model's arrow starts at the hollow marker of right after its conversion."""
+    import matplotlib
+
+    fig, (ax,) = plots.panels(1, 9.0, 6.5)
+    shapes, colours = {"dense": "*", "partition": "o", "prune": "s", "to_dense": "^"}, matplotlib.colormaps["tab20"]
+    for i, (config, r) in enumerate(models):
+        style = {"marker": shapes.get(r.get("stage"), "o"), "color": colours(i % 20), "capsize": 3}
+        ax.errorbar(r["bpb_mean"], r["task_acc"], yerr=r["task_acc_se"], label=config, **style)
+        if before := r.get("before"):
+            ax.plot(before["bpb_mean"], before["task_acc"], style["marker"], mfc="none", color=style["color"])
+            tail, head = (before["bpb_mean"], before["task_acc"]), (r["bpb_mean"], r["task_acc"])
+            ax.annotate("", head, tail, arrowprops={"arrowstyle": "->", "color": style["color"], "alpha": 0.5})
+    ax.set(xlabel="bits per byte (mean over languages; lower is better)", ylabel="task accuracy (items)")
+    ax.set_title("Every model of the chain: after recovery (filled), right after conversion (hollow)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return plots.save(fig, plots_dir, "chain")
