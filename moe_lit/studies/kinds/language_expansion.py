@@ -1,14 +1,15 @@
 """Study kind ``language_expansion``: does an MoE add languages without the interference of a dense model?
 
 Per seed a dense model and its active-matched MoE pretrain on the base languages (the new ones are validated on,
-never trained on); each arm then continues from its weights twice (fresh optimizer and schedule, the same token
-budget): on a mix that adds the new languages (``<arm>/continued``) and on the base languages alone
-(``<arm>/control``). Arms: ``dense``, ``moe``, ``moe_grown`` (grown E -> m*E experts at the switch by
-:func:`moe_lit.convert.expand.expand_experts`, in both runs). Interference = the base languages' final val loss
-with the new languages minus without them (paired by seed: one seed's runs read one data stream); gain = the drop
-on the new languages. Routing, after the continuation: the JS divergence of each new language's expert usage from
-the base languages' mean, and for every pair of languages the JS divergence of their expert usage beside that of
-their token-unigram distributions on the same text (shared subwords and scripts explain part of any sharing).
+never trained on); each arm then continues from its weights twice (fresh optimizer and schedule): on a mix that adds
+the new languages (``<arm>/continued``) and on the base languages alone (``<arm>/control``, ``control_steps`` steps:
+as many as the continuation, or its base-language tokens). Arms: ``dense``, ``moe``, ``moe_grown`` (grown E -> m*E
+experts at the switch by :func:`moe_lit.convert.expand.expand_experts`, in both runs). Interference = the base
+languages' final val loss with the new languages minus without them (paired by seed: one seed's runs read one data
+stream); gain = the drop on the new languages. Routing, after the continuation: the JS divergence of each new
+language's expert usage from the base languages' mean, and for every pair of languages the JS divergence of their
+expert usage beside that of their token-unigram distributions on the same text (shared subwords and scripts explain
+part of any sharing).
 Claims (Marco-MoE): dense interferes; each MoE arm interferes less than dense and, given ``margin``, not at all;
 related languages (``families``) share experts beyond their shared tokens: the residual of routing JS after a
 linear fit on unigram JS over all pairs is lower for related pairs than for unrelated ones.
