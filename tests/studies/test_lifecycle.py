@@ -59,6 +59,17 @@ def test_the_chain_forks_from_the_model_on_disk_and_from_the_named_moe(tiny):
     assert budgets == {"maestro": True, "naee": False}  # naee searches each layer's subset on its own
     assert points["to_dense/moe"].model.d_ff == points["to_dense/dense"].model.d_ff == 2 * 16  # 2 experts of 64 / 4
     assert points["E4k2/pruning"].model.d_ff == 32 and points["E4k2/dot_moe"].model.moe.num_experts == 4
+    calibrated = ("prune/0.25/maestro", "to_dense/moe", "to_dense/dense")
+    assert all(points[name].transform.kwargs["split"] == "train" for name in calibrated)  # never the suite's text
+
+
+def test_calibration_on_the_test_split_keeps_the_hashes_of_records_made_before_the_field(tiny):
+    """The records of configs/studies/lifecycle-smollm2.yaml calibrated on the recipes' default, test."""
+    on_test = {p.name: p for p in parse_study({**tiny[2], "calibration_split": "test"}).points}
+    on_train = {p.name: p for p in parse_study(tiny[2]).points}
+    assert all("split" not in p.transform.kwargs for p in on_test.values() if p.transform)
+    changed = {name for name, point in on_test.items() if point.hash != on_train[name].hash}
+    assert changed == {name for name in on_test if name.startswith(("prune/", "to_dense/"))}
 
 
 @pytest.mark.parametrize(
@@ -69,6 +80,7 @@ def test_the_chain_forks_from_the_model_on_disk_and_from_the_named_moe(tiny):
         ({"to_dense": {"keep": 1, "groups": 2}}, "to_dense.keep: must be >= groups=2"),
         ({"prune_methods": ["pagerank"]}, "prune_methods: unknown ['pagerank']"),
         ({"limit": 0}, "limit: must be null or a positive integer, got 0"),
+        ({"calibration_split": "val"}, "calibration_split: got 'val', allowed values: train, test"),
     ],
 )
 def test_spec_errors_name_the_field(tiny, change, message):

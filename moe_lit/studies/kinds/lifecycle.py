@@ -52,7 +52,10 @@ class LifecycleSpec:
     to_dense: dict[str, Any] = field(default_factory=lambda: {"keep": 4, "groups": 4})
     """MoeToDenseConfig fields of the MoE->dense arm; width = groups x expert size (the dense arm's too)."""
     calibration_tokens: int = 4096
-    """Calibration tokens (per language of the test split; co-activation, pruning: of the train stream)."""
+    """Calibration tokens (per language of ``calibration_split``; co-activation, pruning: of the train stream)."""
+    calibration_split: str = "train"
+    """The split the expert pruning and MoE->dense (and dense->dense) calibrate on: train, never the test text the
+    suite's items are drawn from; test: how configs/studies/lifecycle-smollm2.yaml's records were made."""
     train_tokens: int = 65_536
     """DOT-MoE: training tokens of its assignment and routers (the dense model as teacher)."""
     recovery: check.FineTune = field(default_factory=lambda: check.FineTune(steps=96, lr=1e-4, warmup=10))
@@ -79,6 +82,7 @@ class LifecycleSpec:
         check.distinct(self.prune_methods, "prune_methods", allowed=PRUNE_METHODS)
         check.build(MoeToDenseConfig, self.to_dense, "to_dense")
         check.positive_fields(self, "calibration_tokens", "train_tokens", "bpb_tokens")
+        check.choice(self.calibration_split, "calibration_split", ["train", "test"])
         check.number(self.max_increase, "max_increase", 0)
         check.languages(self.languages, "languages")
         check.languages(self.suite_languages, "suite_languages")
@@ -98,6 +102,9 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
     quality = {"data_dir": data_dir, "languages": spec.languages, "bpb_split": "val", "bpb_tokens": spec.bpb_tokens}
     quality |= {"tasks": spec.tasks, "limit": spec.limit, "suite_languages": spec.suite_languages or spec.languages}
     calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
+    # NOTE: test is the recipes' default: named only when it differs, so that the records made
+    # before calibration_split existed keep their hashes.
+    text = calibration | ({"split": spec.calibration_split} if spec.calibration_split != "test" else {})
     first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
     for seed in header.seeds:
         runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
@@ -125,13 +132,13 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
         from_source = header.start(spec.prune_source, seed)
         for fraction in spec.fractions:
             for method in spec.prune_methods:
-                kwargs = {"method": method, "fraction": fraction, "data_dir": data_dir, "seed": seed, **calibration}
+                kwargs = {"method": method, "fraction": fraction, "data_dir": data_dir, "seed": seed, **text}
                 kwargs |= {"damping": DAMPING, "global_budget": method != "naee"}
                 info = {"stage": "prune", "method": method, "fraction": fraction}
                 add(f"prune/{fraction:g}/{method}", moe, info, from_source, Call.of(prune_by_importance, **kwargs))
         width = spec.to_dense["groups"] * moe.moe_section().expert_size
-        to_dense = Call.of(recipes.moe_to_dense_on_text, data_dir=data_dir, **calibration, **spec.to_dense)
-        pruned = Call.of(recipes.prune_dense_to_width, width=width, data_dir=data_dir, **calibration)
+        to_dense = Call.of(recipes.moe_to_dense_on_text, data_dir=data_dir, **text, **spec.to_dense)
+        pruned = Call.of(recipes.prune_dense_to_width, width=width, data_dir=data_dir, **text)
         info = {"stage": "to_dense", "width": width}
         add("to_dense/moe", dense.replace(d_ff=width), info | {"method": "moe"}, from_source, to_dense, True)
         add("to_dense/dense", dense.replace(d_ff=width), info | {"method": "dense"}, on_disk, pruned, True)
