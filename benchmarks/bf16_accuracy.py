@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.common import report
 from moe_lit.commands.demo import MODELS, load_module_config, prepare_default_data
-from moe_lit.lit.precision import native_bf16_flags
+from moe_lit.inference.precision import native_bf16_flags
 from moe_lit.lit.run import train_run
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from moe_lit.stats import summarize

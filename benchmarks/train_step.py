@@ -37,8 +37,8 @@ from torch import nn
 from benchmarks.common import CLOCKS, interleaved_times, median, paired_ratio, report, set_threads
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.inference.precision import native_bf16_flags
 from moe_lit.lit.optim import ADAMW_KERNELS
-from moe_lit.lit.precision import native_bf16_flags
 from moe_lit.lit.throughput import training_step
 from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts.torch_backend import STRATEGIES

@@ -46,8 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap resamples for stderr (0: none)")
     parser.add_argument("--out", type=Path, help="results directory (default: runs/eval/<checkpoint name>-<hash>)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    from moe_lit.commands.generate import add_sparsity_arguments
+    from moe_lit.commands.generate import add_precision_argument, add_sparsity_arguments
 
+    add_precision_argument(parser)
     add_sparsity_arguments(parser)
 
 
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         raise MoeLitError(f"--checkpoint: no such file or directory {args.checkpoint}")
     out = check_output(args.out or default_out(args.checkpoint, "eval"), {"--checkpoint": args.checkpoint}, args.force)
     results, suite = _evaluate(args)
-    markdown = results_markdown(out.name, _command(args), result_rows(results), task_languages(results), suite)
+    rows, languages = result_rows(results), task_languages(results)
+    markdown = results_markdown(out.name, _command(args), rows, languages, suite, results["moe_lit_precision"])
     out = _write(out, results, suite, markdown)
     print(markdown)
     print(f"wrote {out}/results.json and results.md")
@@ -89,6 +91,7 @@ def _evaluate(args: argparse.Namespace) -> tuple[dict, dict | None]:
             sparsity_rule=args.sparsity_rule,
             sparsity_granularity=args.sparsity_granularity,
             calibration=args.calibration,
+            precision=args.precision,
         )
         results = evaluate(
             lm,
@@ -98,6 +101,7 @@ def _evaluate(args: argparse.Namespace) -> tuple[dict, dict | None]:
             num_fewshot=args.num_fewshot,
             bootstrap_iters=args.bootstrap_iters,
         )
+        results["moe_lit_precision"] = lm.precision_choice.line()
         manifest = Path(work) / SUITE_MANIFEST
         return results, json.loads(manifest.read_text()) if manifest.is_file() else None
 
@@ -119,12 +123,18 @@ def _write(out: Path, results: dict, suite: dict | None, markdown: str) -> Path:
 
 
 def results_markdown(
-    name: str, command: str, rows: list[dict], languages: dict[str, str], suite: dict | None = None
+    name: str,
+    command: str,
+    rows: list[dict],
+    languages: dict[str, str],
+    suite: dict | None = None,
+    precision: str | None = None,
 ) -> str:
-    """The local suite by language (when it ran; with chance accuracy), then every metric."""
+    """The local suite by language (when it ran; with chance accuracy), then every metric; under
+    the command, the ``precision`` line of the run."""
     from moe_lit.accounting import markdown_table
 
-    lines = [f"# Evaluation: {name}", "", f"`{command}`", ""]
+    lines = [f"# Evaluation: {name}", "", f"`{command}`", "", *([precision, ""] if precision else [])]
     table = suite_by_language(rows, languages)
     if table:
         chance = (suite or {}).get("chance_acc", {})
@@ -208,7 +218,9 @@ def _command(args: argparse.Namespace) -> str:
         ("--sparsity-granularity", args.sparsity_granularity if args.sparsity is not None else None),
         ("--calibration", args.calibration),
     )
-    for flag, value in (("--limit", _limit(args.limit)), ("--data", args.data), ("--out", args.out), *sparsity):
+    options = (("--limit", _limit(args.limit)), ("--data", args.data), ("--out", args.out))
+    options += (("--precision", args.precision if args.precision != "auto" else None),)
+    for flag, value in (*options, *sparsity):
         if value is not None:
             parts += [flag, str(value)]
     for item in args.task_data:

@@ -5,6 +5,8 @@ unless ``--tokenizer`` is given. Each row stops at the end-of-text token or afte
 ``--max-new-tokens``. ``--stream`` prints the tokens of one prompt as they come; ``--compile``
 decodes through compiled blocks (``moe_lit.inference.generate``). ``--sparsity``
 runs the model with calibrated intra-expert activation sparsity (``moe_lit.inference.sparsity``).
+``--precision`` (default auto: bf16 weights only where the CPU computes bf16 natively and a probe
+measures it faster, ``moe_lit.inference.precision``) is said in one line on stderr.
 """
 
 from __future__ import annotations
@@ -42,6 +44,28 @@ def sparse_from_args(model, tokenizer, args: argparse.Namespace):
     return sparse_model(model, cfg, batches)
 
 
+def add_precision_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--precision`` option shared by the commands that run a model."""
+    from moe_lit.inference.precision import INFERENCE_PRECISIONS
+
+    parser.add_argument(
+        "--precision",
+        choices=INFERENCE_PRECISIONS,
+        default="auto",
+        help="32-true (fp32 weights) | bf16-true (bf16 weights and KV cache) | auto (default): bf16-true for a "
+        "dense model where the CPU has native bf16 and a probe measures it faster, else fp32",
+    )
+
+
+def precision_from_args(model, args: argparse.Namespace):
+    """``model`` in the precision ``--precision`` means for it, said in one line on stderr."""
+    from moe_lit.inference.precision import choose_inference_precision, run_in_precision
+
+    choice = choose_inference_precision(args.precision, model, str(next(model.parameters()).device))
+    print(choice.line(), file=sys.stderr)
+    return run_in_precision(model, choice)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
@@ -56,6 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="decode through torch.compile'd blocks (pays the compile once)"
     )
+    add_precision_argument(parser)
     add_sparsity_arguments(parser)
 
 
@@ -63,12 +88,15 @@ def run(args: argparse.Namespace) -> int:
     from moe_lit.convert.model_input import load_any_model
     from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference import generate, stream
+    from moe_lit.inference.generate import check_arguments
 
     if args.stream and len(args.prompt) != 1:
         raise MoeLitError(f"--stream: prints one prompt as it grows; got {len(args.prompt)} --prompt")
     tokenizer = model_tokenizer(args.checkpoint, tokenizer=args.tokenizer)
     model = sparse_from_args(load_any_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
+    check_arguments(model, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    model = precision_from_args(model, args)
     options = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

@@ -23,6 +23,7 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,6 +86,7 @@ class MoeLitLM(TemplateLM):
         sparsity_rule: str = "gate",
         sparsity_granularity: str = "layer",
         calibration: str | Path | None = None,
+        precision: str | None = None,
     ) -> None:
         """
         Args:
@@ -103,6 +105,8 @@ class MoeLitLM(TemplateLM):
             sparsity_rule: ``gate`` or ``gate_up``.
             sparsity_granularity: thresholds per ``layer`` or per ``expert``.
             calibration: a text file the sparsity thresholds are calibrated on (needed with sparsity).
+            precision: ``auto``, ``32-true`` or ``bf16-true`` (``moe_lit.inference.precision``), said in
+                one line on stderr and kept as ``precision_choice``; default: the model's dtype as loaded.
         """
         super().__init__()
         del max_batch_size
@@ -134,6 +138,15 @@ class MoeLitLM(TemplateLM):
         self._eot_id = resolve_eot_id(self.tokenizer, eot_token)
         if sparsity is not None:
             self.model = self._sparse(float(sparsity), sparsity_rule, sparsity_granularity, calibration)
+        self.precision_choice = None if precision is None else self._in_precision(precision, device)
+
+    def _in_precision(self, requested: str, device: str):
+        from moe_lit.inference.precision import choose_inference_precision, run_in_precision
+
+        choice = choose_inference_precision(requested, self.model, device)
+        print(choice.line(), file=sys.stderr)
+        self.model = run_in_precision(self.model, choice)
+        return choice
 
     def _sparse(self, target: float, rule: str, granularity: str, calibration) -> torch.nn.Module:
         from moe_lit.inference.sparsity import SparsityConfig, sparse_model, text_calibration

@@ -83,7 +83,7 @@ def stream(
     tokens). A stop token ends its row and is not yielded. ``compile`` runs the decode steps through
     compiled blocks (see the module docstring).
     """
-    window = _check(model, prompts, max_new_tokens, temperature, top_k, top_p, window)
+    window = check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, window)
     if compile:
         compile_blocks(model)
     rows = [list(prompt) for prompt in prompts]
@@ -176,8 +176,8 @@ def next_tokens(
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
 
 
-def _check(model, prompts, max_new_tokens, temperature, top_k, top_p, window) -> int:
-    """Validate the arguments; returns the context window."""
+def check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, window=None) -> int:
+    """Validate the arguments of :func:`stream` (an error names the first bad one); returns the context window."""
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise MoeLitError("prompt: every prompt needs at least one token")
     if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:

@@ -1,7 +1,8 @@
 """The training precision of a CPU run: bf16 autocast where it is native and measured faster.
 
 ``train.precision: auto`` means bf16-mixed on a CPU whose flags include a native bf16 instruction
-set (``avx512_bf16`` or ``amx_bf16``, as ``lscpu`` lists them), for a model without MoE layers
+set (``avx512_bf16`` or ``amx_bf16``, as ``lscpu`` lists them;
+:func:`moe_lit.inference.precision.native_bf16_flags`, which inference shares), for a model without MoE layers
 (:data:`MOE_BF16_REASON`), *and* where a short probe (the
 model's own forward and backward on one batch, interleaved with fp32) runs at least
 :data:`MIN_SPEEDUP` times faster; 32-true otherwise. The model matters: autocast casts every
@@ -14,62 +15,25 @@ optimizer state and the loss in fp32 (the chunked cross-entropy reduces in fp32)
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from moe_lit.inference.precision import MIN_SPEEDUP, PROBE_ROUNDS, PrecisionChoice, native_bf16_flags
 from moe_lit.lit.throughput import training_step
 from moe_lit.model.transformer import Transformer
 from moe_lit.timing import interleaved_times, paired_ratio
 
 PRECISIONS = ("auto", "32-true", "bf16-mixed")
 """Values of ``train.precision``: auto (below), or a Lightning precision forced as given."""
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-"""CPU flags (``/proc/cpuinfo``) of hardware bf16 arithmetic."""
-MIN_SPEEDUP = 1.3
-"""fp32 / bf16 probe time from which ``auto`` picks bf16 (below it, the precision change is not
-worth its rounding)."""
 MOE_BF16_REASON = "whose bf16 loss fails the accuracy check (benchmarks/results/bf16_accuracy-20261202-064027.json)"
 """Why ``auto`` keeps an MoE model in fp32: after 300 demo steps its bf16-mixed validation losses
 scatter with 5-7x fp32's seed-to-seed spread, and their equivalence to fp32's within 0.05 is not
 shown (``python -m benchmarks.bf16_accuracy``; docs/performance.md)."""
 PROBE_MAX_TOKENS = 2048
 """Tokens of the probe batch at most (the probe takes a few training steps' time)."""
-PROBE_ROUNDS = 3
-"""Interleaved rounds of the probe (their median ratio decides)."""
-CPUINFO = Path("/proc/cpuinfo")
 FP32 = ("32-true", "32", "None")
 """``trainer.precision`` values that mean fp32 (Lightning's default), which ``auto`` may replace."""
-
-
-@dataclass(frozen=True)
-class PrecisionChoice:
-    """The precision a run uses and why (printed as one line at the start of the run)."""
-
-    precision: str
-    """A Lightning precision: 32-true | bf16-mixed."""
-    reason: str
-    """Why: forced by the config, or the capability and the probe's measured speedup."""
-
-    def line(self) -> str:
-        return f"precision: {self.precision} ({self.reason})"
-
-
-def native_bf16_flags(cpuinfo: Path | None = None) -> list[str]:
-    """The native bf16 flags this CPU reports in ``cpuinfo`` (default :data:`CPUINFO`; none where
-    it does not exist)."""
-    try:
-        text = (cpuinfo or CPUINFO).read_text(errors="replace")
-    except OSError:
-        return []
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-            break
-    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
 def probe_speedup(model: Transformer, batch_size: int, seq_len: int) -> float:
@@ -122,13 +86,4 @@ def choose_precision(
     return PrecisionChoice("32-true", f"auto: {probe}, below {MIN_SPEEDUP}x")
 
 
-__all__ = [
-    "MIN_SPEEDUP",
-    "NATIVE_BF16_FLAGS",
-    "PRECISIONS",
-    "PrecisionChoice",
-    "choose_precision",
-    "native_bf16_flags",
-    "probe_speedup",
-    "runs_on_cpu",
-]
+__all__ = ["PRECISIONS", "choose_precision", "probe_speedup", "runs_on_cpu"]

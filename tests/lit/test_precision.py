@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lit.inference import precision as capability
+from moe_lit.inference.precision import PrecisionChoice, native_bf16_flags
 from moe_lit.lit import precision
-from moe_lit.lit.precision import PrecisionChoice, choose_precision, native_bf16_flags, probe_speedup
+from moe_lit.lit.precision import choose_precision, probe_speedup
 from moe_lit.lit.run_config import TrainConfig
 from moe_lit.model import Transformer
 from tests.helpers.models import tiny
@@ -30,7 +32,7 @@ def dense():
 def bf16_cpu(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
-    monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(capability, "CPUINFO", cpuinfo)
 
 
 def test_flags_are_read_from_cpuinfo(tmp_path):
@@ -71,7 +73,7 @@ def test_auto_keeps_an_moe_model_in_fp32(model, bf16_cpu, monkeypatch):
 
 def test_auto_without_native_bf16_keeps_fp32(dense, tmp_path, monkeypatch):
     (tmp_path / "cpuinfo").write_text("flags : sse avx2\n")
-    monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
+    monkeypatch.setattr(capability, "CPUINFO", tmp_path / "cpuinfo")
     monkeypatch.setattr(precision, "probe_speedup", lambda *args: pytest.fail("no probe without native bf16"))
     assert choose_precision("auto", CPU, dense, 2, 16) == PrecisionChoice("32-true", "auto: no native bf16 on this CPU")
 
