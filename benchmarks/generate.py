@@ -13,7 +13,7 @@ One process times, INTERLEAVED, greedy decoding of ``--new-tokens`` tokens after
   Llama built offline with ``transformers.LlamaConfig``; our dense model is that same model
   imported with ``moe_lit.convert.hf.from_hf_llama``, so both run equal weights and dims;
 * with ``--compile``: ``kv_cache_compiled``, the same decode with ``generate(..., compile=True)`` on
-  a copy of the model (blocks compiled in place, static cache; the warmup round holds the compile);
+  a copy of the model (each decode step one compiled graph, static cache; the warmup round holds the compile);
 * with ``--sparsity``: ``kv_cache_sparse``, our KV-cache decode with calibrated intra-expert
   activation sparsity (calibrated on random tokens: a speed measurement, not a quality one).
 

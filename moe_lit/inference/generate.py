@@ -9,13 +9,14 @@ the window every further step recomputes each row's last ``window`` tokens from 
 as a sliding-window recompute would. Rows end independently (a stop token, the ``stop`` predicate
 or ``max_new_tokens``); the batch ends when every row has.
 
-With ``compile=True`` the model's transformer blocks are compiled in place
-(:func:`moe_lit.model.compile.compile_blocks`, as ``train.compile`` does) and the decode steps run
-them on a *static* cache (``moe_lit/model/kv_cache.py``): one shape for every step, so one compiled decode graph
-per batch size (after a second cache length, dynamo's automatic dynamic shapes make the slot
-dimension symbolic: one more graph, then none); the first decode step on a cache checks dynamo's
-guards, the later ones skip them (``_stance``). Prefills run eager (their length is the
-prompt's), and so does all of a ``compile=False`` generation, even with blocks compiled earlier
+With ``compile=True`` each decode step's forward (:func:`decode_logits`: the embedding, every
+block, the final norm and the head) runs as one compiled graph on a *static* cache
+(``moe_lit/model/kv_cache.py``): one shape for every step, so one compiled decode graph per batch
+size (after a second cache length, dynamo's automatic dynamic shapes make the slot dimension
+symbolic: one more graph, then none); the cache's step bookkeeping (Python ints) stays outside it,
+the first decode step on a cache checks dynamo's guards and the later ones skip them
+(``_stance``). The model is not changed. Prefills run eager (their length is the prompt's), and
+so does all of a ``compile=False`` generation, even with blocks compiled earlier
 (``train.compile``): its key length grows every step, which would trace a graph per step.
 
 Dropless MoE models decode exactly as a full recompute does (up to float rounding). With token
@@ -26,12 +27,13 @@ assignments are dropped differs from a full-window forward, as it already does b
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from moe_lit.errors import MoeLitError
-from moe_lit.model.compile import compile_blocks
+from moe_lit.model.compile import use_inductor_cache_dir
 from moe_lit.model.kv_cache import KVCache
 
 StopRule = Callable[[list[int]], bool]
@@ -80,12 +82,11 @@ def stream(
     ``temperature`` 0 decodes greedily; otherwise tokens are sampled from the softmax of
     ``logits / temperature`` restricted to the ``top_k`` most likely and the smallest set whose
     probability reaches ``top_p``, with a ``torch.Generator`` seeded by ``seed`` (same seed, same
-    tokens). A stop token ends its row and is not yielded. ``compile`` runs the decode steps through
-    compiled blocks (see the module docstring).
+    tokens). A stop token ends its row and is not yielded. ``compile`` runs each decode step as one
+    compiled graph (see the module docstring).
     """
     window = check_arguments(model, prompts, max_new_tokens, temperature, top_k, top_p, window)
-    if compile:
-        compile_blocks(model)
+    step_logits = compiled_decode_logits() if compile else None
     rows = [list(prompt) for prompt in prompts]
     stop_set = set(stop_tokens)
     device = next(model.parameters()).device
@@ -113,11 +114,40 @@ def stream(
         if cache.length < cache.max_slots:
             idx_B1 = torch.tensor([[row[-1]] for row in rows], device=device)
             with _stance(compiled=compile, guarded=cache is guarded):
-                logits_BV = model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
+                logits_BV = _decode(model, idx_B1, cache, step_logits)
             guarded = cache
         else:
             windows = [row[-window:] for row in rows]
             cache, logits_BV = _prefill(model, windows, max(len(w) for w in windows), device, compile)
+
+
+def decode_logits(model, idx_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The next-token logits ``(B, V)`` of one decode step on ``cache`` (its step begun): what
+    ``compile=True`` runs as one graph."""
+    x_BLD, _ = model.hidden_states(idx_B1, cache)
+    return model.lm_head(x_BLD[:, -1])
+
+
+@functools.cache
+def compiled_decode_logits() -> Callable[..., torch.Tensor]:
+    """:func:`decode_logits` through ``torch.compile``, made once per process.
+
+    NOTE: one wrapper for every generation, so that dynamo's graphs (cached on the function's code,
+    guarded by the model and the shapes) serve every later generation of the same model and batch.
+    """
+    use_inductor_cache_dir()
+    return torch.compile(decode_logits)
+
+
+def _decode(model, idx_B1: torch.Tensor, cache: KVCache, step_logits: Callable[..., torch.Tensor] | None):
+    """One decode step's next-token logits: eager through ``model``, or ``step_logits`` between the
+    cache's step bookkeeping (the Python ints that would otherwise be traced into the graph)."""
+    if step_logits is None:
+        return model(idx_B1, kv_cache=cache).logits_BLV[:, -1]
+    cache.begin(idx_B1.shape[1])
+    logits_BV = step_logits(model, idx_B1, cache)
+    cache.advance()
+    return logits_BV
 
 
 def _prefill(model, rows: list[list[int]], max_slots: int, device, static: bool) -> tuple[KVCache, torch.Tensor]:

@@ -133,23 +133,30 @@ class Transformer(nn.Module):
         With ``kv_cache`` (``moe_lit.model.kv_cache``) ``idx_BL`` holds the next tokens of every
         row: they attend to the cached ones, are cached in turn, and the cache advances.
         """
-        x_BLD = self.tok_embeddings(idx_BL)
-        aux_losses: dict[str, torch.Tensor] = {}
         if kv_cache is not None:
             kv_cache.begin(idx_BL.shape[1])
-        for i, block in enumerate(self.blocks):
-            x_BLD, losses = block(x_BLD, None if kv_cache is None else kv_cache.layers[i])
-            for name, value in losses.items():
-                aux_losses[name] = aux_losses[name] + value if name in aux_losses else value
+        x_BLD, aux_losses = self.hidden_states(idx_BL, kv_cache)
         if kv_cache is not None:
             kv_cache.advance()
-        x_BLD = self.norm(x_BLD)
         if targets_BL is None:
             return LMOutput(self.lm_head(x_BLD), aux_losses)
         ce = linear_cross_entropy(
             x_BLD.flatten(0, 1), self.lm_head.weight, targets_BL.flatten(), self.config.loss_chunk_tokens
         )
         return LMOutput(None, aux_losses, ce=ce)
+
+    def hidden_states(
+        self, idx_BL: torch.Tensor, kv_cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The final norm's output ``(B, L, D)`` and the summed auxiliary losses; with ``kv_cache``
+        its step must have begun (``forward`` begins and advances it around this call)."""
+        x_BLD = self.tok_embeddings(idx_BL)
+        aux_losses: dict[str, torch.Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            x_BLD, losses = block(x_BLD, None if kv_cache is None else kv_cache.layers[i])
+            for name, value in losses.items():
+                aux_losses[name] = aux_losses[name] + value if name in aux_losses else value
+        return self.norm(x_BLD), aux_losses
 
     @torch.no_grad()
     def update_router_biases(self) -> bool:
