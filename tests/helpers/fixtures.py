@@ -1,4 +1,4 @@
-"""Session fixtures shared by several test folders: a prepared dir, a tiny MoE and its export.
+"""Session fixtures shared by several test folders: a prepared dir, a tiny MoE and its export, a bf16 CPU.
 
 The prepared dir follows the data pipeline's contract: ``meta.json``, ``tokenizer.json`` and
 ``text/<split>/<lang>.jsonl`` with one ``{"id", "doc", "text"}`` per paragraph, parallel ids.
@@ -59,3 +59,13 @@ def prepared(tmp_path_factory):
     """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs."""
     root = tmp_path_factory.mktemp("cli_runs")
     return prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
+
+
+@pytest.fixture
+def bf16_cpu(monkeypatch, tmp_path):
+    """A CPU whose flags list native bf16 (``moe_lit.inference.precision`` reads this cpuinfo)."""
+    from moe_lit.inference import precision
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
+    monkeypatch.setattr(precision, "CPUINFO", cpuinfo)

@@ -27,13 +27,6 @@ def dense():
     return random_init(Transformer(tiny(dense=True, seq_len=32)).eval())
 
 
-@pytest.fixture
-def bf16_cpu(monkeypatch, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("flags\t\t: fpu sse avx512f avx512_bf16 fma\n")
-    monkeypatch.setattr(capability, "CPUINFO", cpuinfo)
-
-
 def test_forced_precisions_and_a_bad_value(dense):
     assert choose_inference_precision("32-true", dense, "cpu") == PrecisionChoice("32-true", "--precision")
     assert choose_inference_precision("bf16-true", dense, "cuda").precision == "bf16-true"

@@ -28,13 +28,6 @@ def dense():
     return Transformer(tiny(dense=True))
 
 
-@pytest.fixture
-def bf16_cpu(monkeypatch, tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
-    monkeypatch.setattr(capability, "CPUINFO", cpuinfo)
-
-
 def test_flags_are_read_from_cpuinfo(tmp_path):
     (tmp_path / "amx").write_text("flags : sse amx_bf16 amx_tile\n")
     (tmp_path / "none").write_text("flags : sse avx2 fma\n")
