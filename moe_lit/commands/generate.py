@@ -3,7 +3,7 @@
 The checkpoint is a Lightning ``.ckpt`` or an exported directory; its stored tokenizer is used
 unless ``--tokenizer`` is given. Each row stops at the end-of-text token or after
 ``--max-new-tokens``. ``--stream`` prints the tokens of one prompt as they come; ``--compile``
-decodes through compiled blocks (``moe_lit.inference.generate``). ``--sparsity``
+decodes each step as one compiled graph (``moe_lit.inference.generate``). ``--sparsity``
 runs the model with calibrated intra-expert activation sparsity (``moe_lit.inference.sparsity``).
 ``--precision`` (default auto: bf16 weights only where the CPU computes bf16 natively and a probe
 measures it faster, ``moe_lit.inference.precision``) is said in one line on stderr.
@@ -78,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: the one stored with the checkpoint)")
     parser.add_argument("--device", default="auto", help="torch device; auto: CUDA when available, else CPU")
     parser.add_argument(
-        "--compile", action="store_true", help="decode through torch.compile'd blocks (pays the compile once)"
+        "--compile", action="store_true", help="decode each step as one torch.compile'd graph (pays the compile once)"
     )
     add_precision_argument(parser)
     add_sparsity_arguments(parser)
