@@ -57,15 +57,6 @@ def add_precision_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def precision_from_args(model, args: argparse.Namespace):
-    """``model`` in the precision ``--precision`` means for it, said in one line on stderr."""
-    from moe_lit.inference.precision import choose_inference_precision, run_in_precision
-
-    choice = choose_inference_precision(args.precision, model, str(next(model.parameters()).device))
-    print(choice.line(), file=sys.stderr)
-    return run_in_precision(model, choice)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="Lightning .ckpt or exported directory")
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
@@ -89,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_lit.data.tokenizer import model_tokenizer
     from moe_lit.inference import generate, stream
     from moe_lit.inference.generate import check_arguments
+    from moe_lit.inference.precision import to_precision
 
     if args.stream and len(args.prompt) != 1:
         raise MoeLitError(f"--stream: prints one prompt as it grows; got {len(args.prompt)} --prompt")
@@ -96,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     model = sparse_from_args(load_any_model(args.checkpoint, map_location=args.device), tokenizer, args)
     prompts = [tokenizer.encode(text, add_special_tokens=False).ids for text in args.prompt]
     check_arguments(model, prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
-    model = precision_from_args(model, args)
+    model, _ = to_precision(model, args.precision, str(next(model.parameters()).device))
     options = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,

@@ -23,7 +23,6 @@ Use it from Python (importing ``moe_lit.evaluation.harness`` registers it)::
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -138,15 +137,11 @@ class MoeLitLM(TemplateLM):
         self._eot_id = resolve_eot_id(self.tokenizer, eot_token)
         if sparsity is not None:
             self.model = self._sparse(float(sparsity), sparsity_rule, sparsity_granularity, calibration)
-        self.precision_choice = None if precision is None else self._in_precision(precision, device)
+        self.precision_choice = None
+        if precision is not None:
+            from moe_lit.inference.precision import to_precision
 
-    def _in_precision(self, requested: str, device: str):
-        from moe_lit.inference.precision import choose_inference_precision, run_in_precision
-
-        choice = choose_inference_precision(requested, self.model, device)
-        print(choice.line(), file=sys.stderr)
-        self.model = run_in_precision(self.model, choice)
-        return choice
+            self.model, self.precision_choice = to_precision(self.model, precision, device)
 
     def _sparse(self, target: float, rule: str, granularity: str, calibration) -> torch.nn.Module:
         from moe_lit.inference.sparsity import SparsityConfig, sparse_model, text_calibration

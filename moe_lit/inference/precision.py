@@ -12,6 +12,7 @@ faster in bf16; fp32 otherwise. Log-probabilities are taken in fp32 either way.
 from __future__ import annotations
 
 import copy
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,8 @@ def native_bf16_flags(cpuinfo: Path | None = None) -> list[str]:
 @torch.no_grad()
 def probe_forward_speedup(model: torch.nn.Module) -> float:
     """Median over :data:`PROBE_ROUNDS` interleaved rounds (after one warm-up) of the fp32 over the
-    bf16 time of ``model``'s forward on one random row of up to :data:`PROBE_TOKENS` tokens; the
-    bf16 side runs a copy, so ``model`` stays as it is."""
+    bf16 time of ``model``'s forward (in eval mode) on one random row of up to :data:`PROBE_TOKENS`
+    tokens; the bf16 side runs a copy, so ``model``'s weights stay as they are."""
     config = model.config
     gen = torch.Generator().manual_seed(0)
     idx_1L = torch.randint(0, config.vocab_size, (1, min(config.seq_len, PROBE_TOKENS)), generator=gen)
@@ -105,6 +106,14 @@ def run_in_precision(model: torch.nn.Module, choice: PrecisionChoice) -> torch.n
     return model.to(INFERENCE_DTYPES[choice.precision])
 
 
+def to_precision(model: torch.nn.Module, requested: str, device: str) -> tuple[torch.nn.Module, PrecisionChoice]:
+    """``model`` in the precision ``requested`` means for it on ``device``
+    (:func:`choose_inference_precision`), and that choice, said in one line on stderr."""
+    choice = choose_inference_precision(requested, model, device)
+    print(choice.line(), file=sys.stderr)
+    return run_in_precision(model, choice), choice
+
+
 __all__ = [
     "INFERENCE_PRECISIONS",
     "MIN_SPEEDUP",
@@ -114,4 +123,5 @@ __all__ = [
     "native_bf16_flags",
     "probe_forward_speedup",
     "run_in_precision",
+    "to_precision",
 ]
