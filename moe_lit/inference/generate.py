@@ -14,6 +14,7 @@ block, the final norm and the head) runs as one compiled graph on a *static* cac
 (``moe_lit/model/kv_cache.py``): one shape for every step, so one compiled decode graph per batch
 size (after a second cache length, dynamo's automatic dynamic shapes make the slot dimension
 symbolic: one more graph, then none); the cache's step bookkeeping (Python ints) stays outside it,
+linears of one input row on CPU trace as matrix-vector loops of inductor's own (:class:`RowVectorLinear`),
 the first decode step on a cache checks dynamo's guards and the later ones skip them
 (``_stance``). The model is not changed. Prefills run eager (their length is the prompt's), and
 so does all of a ``compile=False`` generation, even with blocks compiled earlier
@@ -31,6 +32,8 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from moe_lit.errors import MoeLitError
 from moe_lit.model.compile import use_inductor_cache_dir
@@ -136,7 +139,34 @@ def compiled_decode_logits() -> Callable[..., torch.Tensor]:
     guarded by the model and the shapes) serve every later generation of the same model and batch.
     """
     use_inductor_cache_dir()
-    return torch.compile(decode_logits)
+    return torch.compile(_traced_decode_logits)
+
+
+def _traced_decode_logits(model, idx_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """:func:`decode_logits` with one-row linears as :class:`RowVectorLinear` traces them."""
+    with RowVectorLinear():
+        return decode_logits(model, idx_B1, cache)
+
+
+class RowVectorLinear(TorchFunctionMode):
+    """``F.linear`` of a single input row on CPU as a product and a sum over the input features,
+    which inductor compiles into one vectorized matrix-vector loop split over the threads.
+
+    NOTE: torch's CPU GEMM given one row reads the weights at about half the rate of a plain read
+    and gains nothing from a second thread, and a batch-1 decode step is almost only such products
+    (docs/performance.md, "SmolLM2-135M against the floor"). Only for traced code: run eagerly, the
+    product would materialise an (out, in) tensor per call.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            if x.device.type == "cpu" and x.numel() == x.shape[-1]:
+                y = (weight * x.reshape(1, -1)).sum(-1).reshape(*x.shape[:-1], weight.shape[0])
+                return y if bias is None else y + bias
+        return func(*args, **kwargs)
 
 
 def _decode(model, idx_B1: torch.Tensor, cache: KVCache, step_logits: Callable[..., torch.Tensor] | None):

@@ -131,3 +131,29 @@ def test_compiled_decoding_gives_the_eager_tokens_with_one_graph_for_all_steps(k
     # another batch size: its first decode step checks the guards (and compiles), the later ones,
     # which skip them, run that graph, not the 3-row one
     assert generate(model, [[5, 6, 7]], 6, compile=True) == generate(model, [[5, 6, 7]], 6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_linears_trace_as_row_sums_with_the_linear_values(bias):
+    from moe_lit.inference.generate import RowVectorLinear
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op.startswith("call_")})
+        return gm.forward
+
+    def project(layer, x):
+        with RowVectorLinear():
+            return layer(x)
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    traced = torch.compile(project, backend=record, dynamic=False)
+    with torch.no_grad():
+        for rows in (1, 2):
+            x = torch.randn(rows, 1, 24)
+            torch.testing.assert_close(traced(layer, x), layer(x), rtol=1e-5, atol=1e-5)
+    one_row, two_rows = graphs
+    assert not any("linear" in op for op in one_row) and any("sum" in op for op in one_row)
+    assert any("linear" in op for op in two_rows)
