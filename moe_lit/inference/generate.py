@@ -152,10 +152,10 @@ class RowVectorLinear(TorchFunctionMode):
     """``F.linear`` of a single input row on CPU as a product and a sum over the input features,
     which inductor compiles into one vectorized matrix-vector loop split over the threads.
 
-    NOTE: torch's CPU GEMM given one row reads the weights at about half the rate of a plain read
-    and gains nothing from a second thread, and a batch-1 decode step is almost only such products
-    (docs/performance.md, "SmolLM2-135M against the floor"). Only for traced code: run eagerly, the
-    product would materialise an (out, in) tensor per call.
+    NOTE: torch's CPU GEMM given one row reads the weights well below the rate of a plain read, and
+    a batch-1 decode step is almost only such products (docs/performance.md, "One-row linears as
+    inductor's own matrix-vector loops"). Only while dynamo traces: run eagerly (in a graph break
+    under the mode), the product would materialise an (out, in) tensor per call.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -163,7 +163,7 @@ class RowVectorLinear(TorchFunctionMode):
         if func is F.linear:
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
-            if x.device.type == "cpu" and x.numel() == x.shape[-1]:
+            if torch.compiler.is_compiling() and x.device.type == "cpu" and x.numel() == x.shape[-1]:
                 y = (weight * x.reshape(1, -1)).sum(-1).reshape(*x.shape[:-1], weight.shape[0])
                 return y if bias is None else y + bias
         return func(*args, **kwargs)
