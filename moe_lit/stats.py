@@ -171,6 +171,14 @@ def _mde_paired(sd: float, n: int, alpha: float, power: float) -> float:
     return sd * float(TTestPower().solve_power(nobs=n, alpha=alpha, power=power, alternative="two-sided"))
 
 
+def seeds_needed(sd: float, effect: float, alpha: float = ALPHA, power: float = POWER) -> int:
+    """Pairs a paired t-test needs to detect ``effect`` at noise ``sd`` (sd of the differences) with ``power``."""
+    from statsmodels.stats.power import TTestPower
+
+    nobs = TTestPower().solve_power(effect_size=abs(effect) / sd, alpha=alpha, power=power, alternative="two-sided")
+    return math.ceil(float(nobs))
+
+
 def _mde_welch(pooled_sd: float, n_a: int, n_b: int, alpha: float, power: float) -> float:
     from statsmodels.stats.power import TTestIndPower
 
@@ -283,6 +291,7 @@ __all__ = [
     "format_values",
     "holm",
     "paired_difference",
+    "seeds_needed",
     "summarize",
     "welch_difference",
 ]

@@ -1,6 +1,8 @@
 """The upcycling kind: expansion of points with parent links, analysis on hand-made records, and a
 tiny real study (train_run) where the arms fork from fixed_E's checkpoint."""
 
+import math
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -159,6 +161,29 @@ def test_utility_claim_pairs_each_utility_arm_with_its_uniform_twin_on_eta(tmp_p
     assert utility.difference.estimate == pytest.approx(np.mean(np.subtract(eta("up_util"), eta("up_uni"))))
     assert utility.claim.paper == pytest.approx(2 * np.mean(eta("up_uni")))  # "more than tripling" eta
     assert claims[-1].claim.metric == "compute"  # the compute claim stays last
+
+
+def test_utility_claim_is_untestable_where_the_uniform_closure_is_not_shown_above_zero(tmp_path):
+    from statsmodels.stats.power import TTestPower
+
+    base = {"optimizer_state": "copy", "noise": 1e-3, "router_noise": 0.5, "drop_fraction": 0.0}
+    arms = [{"name": "uni", "selection": "uniform", **base}, {"name": "util", "selection": "utility", **base}]
+    losses = {"fixed_E": (3.0, 3.2, 3.1, 3.05), "fixed_mE": (2.5, 2.6, 2.55, 2.5)}
+    losses |= {"up_uni": (2.98, 3.21, 3.08, 3.05), "up_util": (2.99, 3.2, 3.09, 3.06)}  # eta about 0 in both
+    records = [_record(arm, s, loss) for arm, values in losses.items() for s, loss in enumerate(values)]
+    claims = analyse({"spec": {"cost_ratios": [1.9], "arms": arms}}, records, tmp_path).claims
+    (utility,) = [c for c in claims if c.claim.metric == "eta"]
+
+    def eta(arm):
+        e, m, x = (np.array(losses[a]) for a in ("fixed_E", "fixed_mE", arm))
+        return (e - x) / (e - m)
+
+    assert utility.difference is None and "3x of up_uni's eta has no size: that eta is" in utility.reason
+    paper = 2 * eta("up_uni").mean()
+    assert paper > 0 and utility.claim.paper == pytest.approx(paper)
+    sd = np.std(eta("up_util") - eta("up_uni"), ddof=1)
+    needed = math.ceil(TTestPower().solve_power(effect_size=paper / sd, alpha=0.05, power=0.8))
+    assert f"would need about {needed} seeds" in utility.reason and needed > 4
 
 
 def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path):
