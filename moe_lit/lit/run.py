@@ -188,6 +188,12 @@ def _fit_and_validate(
     # last validation fell on the last step is read from the curve, not computed from the interval.
     if not curve.curve or curve.curve[-1]["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
+    elif "val/loss" not in trainer.callback_metrics:
+        # NOTE: resumed from its final checkpoint: the curve (restored) and metrics.csv hold the
+        # last validation already, but this process has no losses to return, so it validates
+        # the same weights again without logging them twice.
+        trainer.loggers = []
+        trainer.validate(module, datamodule=datamodule, verbose=False)
 
 
 def _earlier_metrics(out_dir: Path, resume_from: str | Path | None) -> list[dict[str, str]]:

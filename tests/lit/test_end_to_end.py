@@ -170,10 +170,12 @@ def test_the_record_holds_the_dropped_fraction_of_a_capacity_limited_run(prepare
     assert dropless.dropped_fraction == dense.dropped_fraction == 0.0
 
 
-def test_a_run_resumed_from_its_final_checkpoint_keeps_its_metrics_and_result(prepared, tmp_path):
-    """A run killed after its final checkpoint, before the validation of its last step (not a
-    ``val_every`` step), continues into its own directory: the same result, its metrics kept."""
-    run = dataclasses.replace(_run_config(prepared), train=TrainConfig(max_steps=STEPS, val_every=3, seed=0))
+@pytest.mark.parametrize("val_every", [3, 4], ids=["last-step-not-validated", "last-step-validated"])
+def test_a_run_resumed_from_its_final_checkpoint_keeps_its_metrics_and_result(prepared, tmp_path, val_every):
+    """A run killed after its final checkpoint continues into its own directory: the same result,
+    its metrics kept, whether or not its last step was a ``val_every`` step (the restored curve
+    then ends there, but this process has validated nothing)."""
+    run = dataclasses.replace(_run_config(prepared), train=TrainConfig(max_steps=STEPS, val_every=val_every, seed=0))
     first = train_run(tiny(), run, tmp_path / "run")
     first_losses = _logged_losses(first)
     again = train_run(tiny(), run, tmp_path / "run", resume_from=first.checkpoint)
