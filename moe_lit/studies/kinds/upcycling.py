@@ -289,22 +289,22 @@ def _utility_claim(arms: Arms, utility: str, uniform: str, eta_shown: bool):
 
     A multiple of the uniform arm's closure has a size only where that closure is shown above 0.
     """
-    base = list(_eta(arms, uniform).values())
+    util, uni = _eta(arms, utility), _eta(arms, uniform)
     text = f"{utility}: utility selection closes more of the gap than {uniform}"
-    claim = Claim(text, "eta", (utility, uniform), HIGHER, paper=2 * sum(base) / len(base) if base else None)
+    claim = Claim(text, "eta", (utility, uniform), HIGHER, paper=2 * sum(uni.values()) / len(uni) if uni else None)
     if not eta_shown:
         return claim.missing(f"eta needs the gap L_fixedE - L_fixedmE shown at p < {GAP_ALPHA}")
-    closure = paired_difference(base, 0.0)
+    tested = claim.on(util, uni)
+    closure = paired_difference(list(uni.values()), 0.0)
     if closure.testable and closure.estimate > 0 and closure.p < ALPHA:
-        return claim.on(_eta(arms, utility), _eta(arms, uniform))
-    return claim.missing(_no_base_closure(arms, utility, uniform, closure, claim.paper))
+        return tested
+    return claim.missing(_no_base_closure(uniform, closure, tested.difference, claim.paper))
 
 
-def _no_base_closure(arms: Arms, utility: str, uniform: str, closure: Difference, paper: float | None) -> str:
+def _no_base_closure(uniform: str, closure: Difference, contrast: Difference | None, paper: float | None) -> str:
     """Why a "3x the uniform closure" claim has no size: the uniform eta, the contrast, the seeds it would need."""
     reason = f"3x of {uniform}'s eta has no size: that eta is {format_estimate(closure)} (p = {format_p(closure.p)})"
-    contrast = paired_difference(*paired(_eta(arms, utility), _eta(arms, uniform)))
-    if paper is None or paper <= 0 or not contrast.testable:
+    if paper is None or paper <= 0 or contrast is None or not contrast.testable:
         return reason
     return (
         f"{reason}; the contrast measured {format_estimate(contrast)} (sd {contrast.sd:.4f}), and the paper's "
