@@ -41,16 +41,23 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# NOTE: one pytest-xdist worker per core (`auto`: physical cores; TEST_WORKERS=4 sets the count), one
+# torch thread per worker (tests/conftest.py; here also for the workers' subprocesses). loadgroup
+# hands out single tests, keeping together those marked xdist_group (docs/install.md#testing).
+TEST_WORKERS ?= auto
+PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest
+PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) -q $(PARALLEL) tests
 
 # The edit loop: every test not marked slow (docs/install.md#testing).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -q $(PARALLEL) -m "not slow" tests
 
 # A built wheel installed without -e runs from outside the checkout (packaged configs, console script).
 test-install: $(STAMP)
-	$(PY) -m pytest -q tests/test_install.py
+	$(PYTEST) -q tests/test_install.py
 
 demo: $(STAMP)
 	$(PY) -m moe_lit.console_script demo --force

@@ -3,10 +3,13 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
-# NOTE: pins the thread count of CPU runs (moe_lit.callbacks.threads.ThreadShare stays out), here
-# and in the subprocesses tests start: runs a test compares bit for bit use the same kernels.
-os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+# NOTE: one torch thread per test process, here and in the subprocesses tests start (OMP_NUM_THREADS;
+# moe_lit.callbacks.threads.ThreadShare stays out): `make test` runs one pytest-xdist worker per
+# core, and runs a test compares bit for bit use the same kernels however many workers there are.
+# A test that needs more threads sets them itself; OMP_NUM_THREADS set outside pytest is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # NOTE: fixtures shared by several test folders live in a helpers module, registered here.
 pytest_plugins = ("tests.helpers.fixtures",)
 
