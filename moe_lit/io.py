@@ -4,6 +4,10 @@
 or lies inside one of the command's inputs is always refused; an existing non-empty one only
 without ``--force``.
 
+Every output follows the user's umask, as a plain ``open`` or ``mkdir`` would: directories get
+``0o777`` and files ``0o666`` less the umask (the temporaries that ``tempfile`` creates are private,
+``0o700`` and ``0o600``, and would keep that mode after their rename into place).
+
 A write that the system refuses (disk full, permission denied, read-only file system) raises
 :class:`~moe_lit.errors.MoeLitError` naming the target (one line, exit 2) and leaves no temporary
 file or directory behind; the previous content of the target, if any, stays as it was.
@@ -45,20 +49,61 @@ def check_output(
     return out
 
 
-def atomic_write_text(path: PathLike, text: str) -> Path:
-    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
+def umask() -> int:
+    """The process's file mode creation mask (``/proc/self/status`` where the system has it)."""
+    # NOTE: os.umask can only read the mask by setting it, and a file another thread creates in
+    # between would get the wrong mode; Linux states it in /proc (kernel 4.7 and later).
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode of a new file under the umask: ``0o666`` less it."""
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    """The mode of a new directory under the umask: ``0o777`` less it."""
+    return 0o777 & ~umask()
+
+
+@contextmanager
+def atomic_file(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary file beside ``path`` (mode :func:`file_mode`) that replaces ``path`` only
+    when the block succeeds; for writers that take a file name (``torch.save``, safetensors)."""
     path = Path(path)
     with _refused_writes(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
         try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
+            tmp.chmod(file_mode())
+            yield tmp
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    return path
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> Path:
+    """Write ``data`` to a temporary file beside ``path`` and rename it into place."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: PathLike, text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 def atomic_write_json(path: PathLike, data: Any) -> Path:
@@ -73,6 +118,7 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
         try:
+            tmp.chmod(dir_mode())
             yield tmp
             if path.is_dir():
                 shutil.rmtree(path)

@@ -29,8 +29,6 @@ backward pass and would record them twice: trace forwards without it (e.g. under
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ import torch
 from torch import nn
 
 from moe_lit.errors import MoeLitError
+from moe_lit.io import atomic_file
 
 TRACE_FORMAT_VERSION = 1
 
@@ -220,15 +219,9 @@ class RoutingTrace:
             "probs_MNE": self.probs_MNE,
             "inputs_MND": self.inputs_MND,
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # NOTE: write beside the target and rename, so a crash never leaves a truncated trace.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        # NOTE: written beside the target and renamed, so a crash never leaves a truncated trace.
+        with atomic_file(path) as tmp:
             torch.save(state, tmp)
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
         return path
 
     @classmethod

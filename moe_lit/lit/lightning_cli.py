@@ -80,7 +80,14 @@ from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar,
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
-from moe_lit.lit.resume import existing_run_message, fit_resume_command, requeued_run, resume_checkpoint
+from moe_lit.lit.resume import (
+    ONE_LAST_CHECKPOINT,
+    AtomicCheckpointIO,
+    existing_run_message,
+    fit_resume_command,
+    requeued_run,
+    resume_checkpoint,
+)
 from moe_lit.lit.run import throughput_monitor
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
@@ -88,7 +95,7 @@ LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 ModelCheckpoint, or a fresh start when there is none); it loads them with weights_only=True too."""
 DEFAULT_LOG_DIR = "runs"
 """The parent of the default run directories (``runs/<config stem>``)."""
-CHECKPOINT_DEFAULTS = {"checkpoint.save_last": True, "checkpoint.save_top_k": 0}
+CHECKPOINT_DEFAULTS = {"checkpoint.save_top_k": 0, **{f"checkpoint.{k}": v for k, v in ONE_LAST_CHECKPOINT.items()}}
 """last.ckpt at every validation (``--train.checkpoint_every N``: every N steps), as train_run does."""
 LIGHTNING_LOG_EVERY = 50
 """Lightning's ``log_every_n_steps`` when a trainer config leaves it null."""
@@ -238,6 +245,8 @@ class MoELightningCLI(LightningCLI):
         requested = (section.get("train") or {}).get("precision")
         if requested == "auto" and self.config["subcommand"] != "fit":
             requested = None  # NOTE: auto is a training choice; validate and test keep the trainer's
+        if section["trainer"].get("plugins") is None:  # NOTE: plugins the config gives are the user's choice
+            kwargs["plugins"] = [AtomicCheckpointIO()]
         choice = choose_precision(requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len)
         if choice is not None:
             kwargs["precision"] = section["trainer"]["precision"] = choice.precision

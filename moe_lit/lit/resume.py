@@ -8,6 +8,11 @@ checkpoint, is replaced with ``--force`` (or kept, with another ``--out``); a re
 continues its run without either (:func:`requeued_run`).
 :func:`fit_resume_command` is the command an interrupted fit prints: the same arguments with
 ``--resume``.
+
+A run has one ``last.ckpt``, always its newest state: its ModelCheckpoint overwrites it
+(:data:`ONE_LAST_CHECKPOINT`; Lightning's default writes ``last-v1.ckpt`` beside a ``last.ckpt``
+it did not write itself, e.g. one saved at an interrupt), and every checkpoint is written
+beside its target and renamed into place with the umask's mode (:class:`AtomicCheckpointIO`).
 """
 
 from __future__ import annotations
@@ -16,12 +21,35 @@ import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from typing_extensions import override
 
 from moe_lit.errors import MoeLitError
+from moe_lit.io import atomic_file
 
 RESUME_FLAG, FORCE_FLAG = "--resume", "--force"
 _BOOLEAN_WORDS = ("true", "false", "yes", "no")
 _VALUE_OPTIONS = ("--ckpt_path",)
+ONE_LAST_CHECKPOINT: dict[str, Any] = {"save_last": True, "enable_version_counter": False}
+"""ModelCheckpoint arguments of every run: ``last.ckpt`` written at each save, overwritten (never
+a ``last-vN.ckpt`` beside it: a resumed run would then leave its newest state where no resume looks)."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing beside the target and renaming into place (a kill
+    mid-write leaves the previous checkpoint), with the umask's file mode."""
+
+    # NOTE: Lightning's own writer goes through a temporary file of the system's temp dir, which is
+    # private (0o600) and, on another file system, copied into place rather than renamed.
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        with atomic_file(path) as tmp:
+            torch.save(checkpoint, tmp)
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -114,4 +142,12 @@ def fit_resume_command(argv: Sequence[str], run_dir: Path) -> str:
     return shlex.join(["moe-lit", *args, RESUME_FLAG])
 
 
-__all__ = ["checkpoint_step", "existing_run_message", "fit_resume_command", "requeued_run", "resume_checkpoint"]
+__all__ = [
+    "ONE_LAST_CHECKPOINT",
+    "AtomicCheckpointIO",
+    "checkpoint_step",
+    "existing_run_message",
+    "fit_resume_command",
+    "requeued_run",
+    "resume_checkpoint",
+]

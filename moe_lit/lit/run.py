@@ -39,6 +39,7 @@ from moe_lit.lit.console import progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
+from moe_lit.lit.resume import ONE_LAST_CHECKPOINT, AtomicCheckpointIO
 from moe_lit.lit.run_config import RunConfig
 
 ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
@@ -254,7 +255,10 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
     eval_every = run.eval_every
     # NOTE: every_n_train_steps None: last.ckpt at every validation, as `moe-lit fit` does.
     checkpoint = ModelCheckpoint(
-        dirpath=out_dir / CHECKPOINT_DIR, save_last=True, save_top_k=0, every_n_train_steps=run.train.checkpoint_every
+        dirpath=out_dir / CHECKPOINT_DIR,
+        save_top_k=0,
+        every_n_train_steps=run.train.checkpoint_every,
+        **ONE_LAST_CHECKPOINT,
     )
     log_every = run.trainer.get("log_every_n_steps") or max(1, min(50, eval_every // 4))
     callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), ThreadShare()]
@@ -276,6 +280,7 @@ def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Cal
         "logger": CSVLogger(out_dir, name="", version=""),
         "enable_model_summary": False,
         "default_root_dir": out_dir,
+        "plugins": [AtomicCheckpointIO()],
     }
     kwargs.update(run.trainer)
     kwargs["callbacks"] = callbacks

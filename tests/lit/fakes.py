@@ -90,3 +90,18 @@ class RandomTokenDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self._position = state["position"]
+
+
+class SignalAt(pl.Callback):
+    """Sends ``signum`` (default SIGINT, a Ctrl-C) to this process at the start of optimizer step
+    ``step + 1``, once: usable as ``--trainer.callbacks`` in a ``moe-lit fit`` run in the test's process."""
+
+    def __init__(self, step: int, signum: int = 2) -> None:
+        self.step, self.signum, self.sent = step, signum, False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import os
+
+        if trainer.global_step == self.step and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), self.signum)
