@@ -7,7 +7,6 @@ from typing import Any
 from torch import nn
 
 from moe_lit.errors import MoeLitError
-from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
 from moe_lit.model.moe import MoELayer
 
 
@@ -28,16 +27,11 @@ def expert_parallel_mesh(device_type: str, world_size: int, expert_parallel_size
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Any) -> None:
-    """Split every MoE layer's experts over a 1-D expert-parallel mesh (in place, idempotent)."""
-    for name, module in model.named_modules():
-        if not isinstance(module, MoELayer):
-            continue
-        if not isinstance(module.experts, MegaBlocksExperts):
-            raise MoeLitError(
-                f"strategy.expert_parallel_size: {mesh.size()} needs the MegaBlocks backend "
-                f"(moe.backend: megablocks), but {name}.experts is {type(module.experts).__name__}"
-            )
-        module.experts.shard_experts(mesh)
+    """Split every MoE layer's experts over a 1-D expert-parallel mesh (in place, idempotent); a
+    backend that cannot split them raises a one-line ``strategy.expert_parallel_size`` error."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.experts.shard_experts(mesh)
 
 
 __all__ = ["apply_expert_parallel", "expert_parallel_mesh"]

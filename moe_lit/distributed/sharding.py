@@ -9,7 +9,7 @@ from torch import nn
 
 from moe_lit._compat import composable_checkpoint
 from moe_lit.errors import MoeLitError
-from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
+from moe_lit.model.experts import ExpertsBackend
 from moe_lit.model.transformer import Block
 
 MixedPrecisionName = Literal["bf16"] | None
@@ -38,7 +38,7 @@ def apply_fsdp2(
 ) -> None:
     """``fully_shard`` each Block (with optional activation checkpointing), then the whole model.
 
-    With ``experts_mesh`` (expert parallelism), each expert-parallel MegaBlocks ``experts.mlp``
+    With ``experts_mesh`` (expert parallelism), each expert-parallel ``experts.mlp`` (MegaBlocks)
     first becomes its own unit over that mesh.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -51,7 +51,7 @@ def apply_fsdp2(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if experts_mesh is not None:
         for module in model.modules():
-            if isinstance(module, MegaBlocksExperts) and module.expert_parallel_group is not None:
+            if isinstance(module, ExpertsBackend) and module.expert_parallel_group is not None:
                 # NOTE: the expert weights (DTensors over the expert-parallel mesh) are sharded and
                 # their gradients averaged over the ranks holding the SAME experts only; MegaBlocks
                 # already scaled them by 1/ep, so together: the mean over every rank's tokens. The

@@ -40,8 +40,8 @@ from torch import nn
 from moe_lit.config import ConfigError, refuse_unknown_keys
 from moe_lit.model.experts.grouped_swiglu import combine_slots
 from moe_lit.model.experts.layout import ExpertLayout
-from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
-from moe_lit.model.experts.torch_backend import Dispatch, TorchExperts, plan_dispatch
+from moe_lit.model.experts.protocol import ExpertsBackend
+from moe_lit.model.experts.torch_backend import Dispatch, plan_dispatch
 from moe_lit.model.mlp import SwiGLU
 
 Rule = Literal["gate", "gate_up"]
@@ -118,11 +118,7 @@ def ffn_view(module: nn.Module) -> FFNView:
 
 def ffn_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Every dense FFN of a Transformer by module name: dense SwiGLUs, shared experts, routed experts."""
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, (SwiGLU, TorchExperts, MegaBlocksExperts))
-    }
+    return {name: module for name, module in model.named_modules() if isinstance(module, (SwiGLU, ExpertsBackend))}
 
 
 def expert_inputs(

@@ -31,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
+
 SDISTS = {"megablocks-0.10.0": "megablocks==0.10.0", "stanford_stk-0.7.1": "stanford-stk==0.7.1"}
 STANDIN_MODULES = ("megablocks_ops", "grouped_gemm", "megablocks.backend.kernels", "stk.backend.triton_kernels")
 
@@ -150,6 +152,9 @@ def installed() -> Iterator[types.ModuleType]:
         for source_root in roots:
             mp.syspath_prepend(str(source_root))
         sys.modules.update(_standins())
+        # NOTE: these kernels take CPU tensors, so MegaBlocksExperts runs them there too (off the
+        # kernels' device types it would run the torch backend's forward instead).
+        mp.setattr(MegaBlocksExperts, "kernel_device_types", ("cuda", "cpu"))
         try:
             yield importlib.import_module("megablocks")
         finally:

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import moe_lit.model.experts as experts_pkg
+import moe_lit.model.experts.megablocks_backend as megablocks_backend
 from moe_lit.config import ConfigError
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
@@ -59,7 +59,7 @@ def test_supported_configs_pick_megablocks_when_it_is_there(fields, monkeypatch,
     # NOTE: routing stays in our router, so sigmoid scores, bias balancing and a shared expert
     # all run on MegaBlocks' expert kernels.
     assert unsupported_reason(tiny(**fields).moe) is None
-    monkeypatch.setattr(experts_pkg, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(megablocks_backend, "unavailable_reason", lambda: None)
     assert resolve_backend(tiny(**fields).moe) == "megablocks"
     assert resolve_backend(tiny(backend="torch", **fields).moe) == "torch"
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from torch.func import functional_call
 from moe_lit.config import MoEConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts, register_output_bias
+from moe_lit.model.experts.torch_backend import Strategy, TorchExperts
 
 INSTALL_HINT = "install the gpu extra as docs/gpu.md says"
 
@@ -141,8 +142,18 @@ def _compute_dtype(x_TD: torch.Tensor) -> torch.dtype:
 
 
 class MegaBlocksExperts(nn.Module):
-    """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``."""
+    """Dropless routed experts on MegaBlocks kernels; parameters ``mlp.w1|v1|w2`` and ``bias``.
 
+    Off CUDA tensors the layer runs the torch backend's forward on the same parameters
+    (``moe.backend: auto``) or raises a one-line ``moe.backend`` error (``megablocks``).
+    """
+
+    name: ClassVar[str] = "megablocks"
+    """``moe.backend: megablocks``."""
+    kernel_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    """Device types MegaBlocks' kernels take (the CPU stand-ins of tests/gpu/ add 'cpu')."""
+    strategy: ClassVar[Strategy] = "auto"
+    """The torch forward's slot geometry, off CUDA tensors."""
     bias: torch.Tensor
     """The (D,) expert output bias (:func:`~moe_lit.model.experts.layout.register_output_bias`)."""
 
@@ -158,6 +169,22 @@ class MegaBlocksExperts(nn.Module):
         self.sort_end_bit = max(math.ceil(math.log2(cfg.num_experts)), 1)
         self.mlp = megablocks.layers.dmlp_registry.get(args)
         register_output_bias(self, d_model, cfg.expert_output_bias, device=args.device)
+
+    @classmethod
+    def from_config(cls, d_model: int, cfg: MoEConfig) -> MegaBlocksExperts:
+        return cls(d_model, cfg)
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig, device: torch.device) -> str | None:
+        """Why MegaBlocks cannot run a layer of ``cfg`` on ``device`` here (None when it can)."""
+        return unsupported_reason(cfg) or unavailable_reason() or cls.device_reason(device)
+
+    @classmethod
+    def device_reason(cls, device: torch.device) -> str | None:
+        """Why MegaBlocks' kernels cannot take tensors on ``device`` (None when they can)."""
+        if device.type in cls.kernel_device_types:
+            return None
+        return f"the layer's tensors are on {device.type} (MegaBlocks' kernels take CUDA tensors only)"
 
     @property
     def num_experts(self) -> int:
@@ -201,14 +228,27 @@ class MegaBlocksExperts(nn.Module):
             setattr(mlp, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False)))
         self.mlp = mlp
 
-    # NOTE: eager under torch.compile, as TorchExperts.forward: MegaBlocks' kernels are opaque
-    # extension calls with data-dependent output sizes.
-    @torch.compiler.disable
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
     ) -> tuple[torch.Tensor, RoutingCounts]:
         if capacity is not None:
             raise MoeLitError("moe.capacity_factor: the MegaBlocks backend is dropless; use moe.backend: torch")
+        reason = self.device_reason(x_TD.device)
+        if reason is None:
+            return self._kernel_forward(x_TD, weights_TK, indices_TK)
+        if self.cfg.backend == "megablocks" or self.expert_parallel_group is not None:
+            raise MoeLitError(f"moe.backend: 'megablocks' cannot run this layer: {reason}; use backend: auto or torch")
+        # NOTE: moe.backend: auto chose this class because the machine has CUDA and megablocks, but
+        # these tensors are not on CUDA (a CPU eval, convert or load_model): the torch backend's
+        # forward reads nothing but the shared layout (mlp.w1|v1|w2, bias, layout) and a strategy.
+        return TorchExperts.forward(cast(TorchExperts, self), x_TD, weights_TK, indices_TK, None)
+
+    # NOTE: eager under torch.compile: MegaBlocks' kernels are opaque extension calls with
+    # data-dependent output sizes. Only the CUDA path is excluded; the torch path off CUDA compiles.
+    @torch.compiler.disable
+    def _kernel_forward(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor
+    ) -> tuple[torch.Tensor, RoutingCounts]:
         if self.expert_parallel_group is not None:
             return self._expert_parallel_forward(x_TD, weights_TK, indices_TK)
         # NOTE: looked up per call, not stored: a module attribute would make the layer un-copyable.

@@ -14,12 +14,14 @@ contributes nothing, the residual stream carries the token.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from moe_lit._compat import grouped_mm_op
+from moe_lit.config import MoEConfig
+from moe_lit.errors import MoeLitError
 from moe_lit.model.experts.grouped_swiglu import ALIGN_BYTES, Dispatch, Geometry, plan_dispatch
 from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts, register_output_bias
 from moe_lit.model.experts.ops import no_autocast, routed_swiglu
@@ -101,6 +103,29 @@ class TorchExperts(nn.Module):
     @property
     def layout(self) -> ExpertLayout:
         return self.mlp.layout
+
+    # ------------------------------------------------------------ the ExpertsBackend protocol
+    name: ClassVar[str] = "torch"
+    """``moe.backend: torch``."""
+
+    @classmethod
+    def from_config(cls, d_model: int, cfg: MoEConfig) -> TorchExperts:
+        return cls(d_model, ExpertLayout.of(cfg.expert_sizes), output_bias=cfg.expert_output_bias)
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig, device: torch.device) -> str | None:
+        """Every config on every device."""
+        return None
+
+    @property
+    def expert_parallel_group(self) -> None:
+        return None
+
+    def shard_experts(self, mesh: Any) -> None:
+        raise MoeLitError(
+            f"strategy.expert_parallel_size: {mesh.size()} needs the MegaBlocks backend (moe.backend: megablocks); "
+            "the torch backend keeps every expert on every rank"
+        )
 
     def forward(
         self, x_TD: torch.Tensor, weights_TK: torch.Tensor, indices_TK: torch.Tensor, capacity: int | None
