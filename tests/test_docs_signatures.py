@@ -195,8 +195,10 @@ def name_of(obj: Any) -> str:
 def signature(obj: Any) -> inspect.Signature:
     """The signature a call of ``obj`` binds to (an instance's ``forward`` / ``__call__``, without ``self``)."""
     if isinstance(obj, Method):
-        params = list(inspect.signature(getattr(obj.cls, obj.name)).parameters.values())[1:]
-        return inspect.Signature(params)
+        method = getattr(obj.cls, obj.name)
+        if isinstance(inspect.getattr_static(obj.cls, obj.name), classmethod | staticmethod):
+            return inspect.signature(method)  # no self: a classmethod's cls is bound already
+        return inspect.Signature(list(inspect.signature(method).parameters.values())[1:])
     if isinstance(obj, Instance):
         return signature(Method(obj.cls, "forward" if hasattr(obj.cls, "forward") else "__call__"))
     return inspect.signature(obj)
