@@ -4,15 +4,19 @@
         [--compiled moe-180m:megablocks,moe-180m:grouped]
 
 For each model (~180M and ~720M total parameters, bf16 autocast over fp32 master weights, fused
-AdamW) and each expert backend, times full training steps (forward, backward, optimizer) with CUDA
-events and reports tokens/s, step time, peak memory and MFU = training FLOPs/token * tokens/s over
-the bf16 peak (the datasheet's dense 989 TFLOP/s and, beside it, a measured 8192^3 bf16 matmul).
-Backends: ``megablocks`` (MegaBlocksExperts), ``grouped`` (TorchExperts, ``torch._grouped_mm``
-over packed slots) and ``batched`` (TorchExperts, one ``bmm`` over padded chunks). ``--compiled``
-names the (model, backend) pairs also timed with their transformer blocks compiled
-(``moe_lit.model.compile.compile_blocks``, inductor/Triton; the warmup steps hold the compile;
-``compiled_speedup`` in the summary). Prints one
-JSON object and writes it to ``--out`` (default ``benchmarks/results/gpu-<date>.json``).
+AdamW, built on the GPU) and each expert backend, times full training steps (forward, backward,
+optimizer) with CUDA events and reports tokens/s, step time, peak memory and MFU = training
+FLOPs/token * tokens/s over the bf16 peak (the datasheet's dense 989 TFLOP/s and, beside it, a
+measured 8192^3 bf16 matmul). Backends: ``megablocks`` (MegaBlocksExperts), ``grouped``
+(TorchExperts, ``torch._grouped_mm`` over packed slots) and ``batched`` (TorchExperts, one ``bmm``
+over padded chunks). ``--compiled`` names the (model, backend) pairs also timed with their
+transformer blocks compiled (``moe_lit.model.compile.compile_blocks``, inductor/Triton; the warmup
+steps hold the compile; ``compiled_speedup`` in the summary), after every eager case.
+
+Writes JSON lines to ``--out`` (default ``benchmarks/results/gpu-<date>.jsonl``) as it goes, so a
+run stopped by a time limit keeps every case that finished: first ``{"benchmark", "environment",
+"measured_bf16_matmul_tflops"}``, then one row per case as it ends (``error`` where it could not
+run), then ``{"summary": ...}``: per model, each backend's tokens/s over ``batched``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import torch
 
 from moe_lit.accounting import count_config_params, training_flops_per_token
 from moe_lit.config import ModelConfig, MoEConfig
-from moe_lit.io import atomic_write_json
 from moe_lit.model import Transformer
 from moe_lit.model.compile import compile_blocks
 from moe_lit.model.experts import TorchExperts
@@ -69,15 +72,16 @@ MODELS: dict[str, tuple[ModelConfig, int]] = {
 
 
 def build(cfg: ModelConfig, backend: str, compiled: bool = False) -> Transformer:
-    """The model on CUDA with the requested expert backend, its blocks compiled if ``compiled``
-    (raises when it cannot run here)."""
-    model = Transformer(cfg.replace(moe={"backend": "megablocks" if backend == "megablocks" else "torch"}))
+    """The model built on CUDA with the requested expert backend, its blocks compiled if
+    ``compiled`` (raises when it cannot run here)."""
+    # NOTE: built on the device: initialising a 720M model on the CPU takes longer than its timed steps.
+    with torch.device("cuda"):
+        model = Transformer(cfg.replace(moe={"backend": "megablocks" if backend == "megablocks" else "torch"}))
     for layer in model.moe_layers():
         if backend != "megablocks":
             if not isinstance(layer.experts, TorchExperts):
                 raise RuntimeError(f"expected TorchExperts for backend {backend}, got {type(layer.experts).__name__}")
             layer.experts.strategy = backend
-    model = model.cuda()
     if compiled:
         compile_blocks(model)
     return model
@@ -174,10 +178,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line at the end of ``path``, printed too."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     stamp = _dt.date.today().isoformat()
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / f"gpu-{stamp}.json")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / f"gpu-{stamp}.jsonl")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default=",".join(MODELS))
@@ -188,29 +199,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_throughput needs a CUDA device")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("")
     peak = measured_matmul_flops()
-    rows = [
-        run_case(name, backend, args.warmup, args.steps, peak)
-        for name in args.models.split(",")
-        for backend in args.backends.split(",")
-    ]
+    environment = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
+    append_line(
+        args.out,
+        {
+            "benchmark": "gpu_throughput",
+            "environment": environment,
+            "measured_bf16_matmul_tflops": round(peak / 1e12, 1),
+        },
+    )
+    cases = [(name, backend, False) for name in args.models.split(",") for backend in args.backends.split(",")]
     for pair in filter(None, args.compiled.split(",")):
         name, backend = pair.split(":")
-        rows.append(run_case(name, backend, args.warmup, args.steps, peak, compiled=True))
-    result = {
-        "benchmark": "gpu_throughput",
-        "environment": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        },
-        "measured_bf16_matmul_tflops": round(peak / 1e12, 1),
-        "results": rows,
-        "summary": summarize(rows),
-    }
-    print(json.dumps(result, indent=2))
-    atomic_write_json(args.out, result)
+        cases.append((name, backend, True))
+    rows = []
+    for name, backend, compiled in cases:
+        rows.append(run_case(name, backend, args.warmup, args.steps, peak, compiled=compiled))
+        append_line(args.out, rows[-1])
+    append_line(args.out, {"summary": summarize(rows)})
     return 0
 
 
