@@ -44,6 +44,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, 
     return tokenizer
 
 
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """The SHA-256 of a ``tokenizer.json`` (hex, first 16 digits): what a checkpoint records of
+    the tokenizer it was trained with, so that a resume onto other data is refused."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def load_tokenizer(path: str | Path, expected_vocab_size: int | None = None, *, require_eos: bool = True):
     """A ``tokenizers.Tokenizer`` from its ``tokenizer.json``; a one-line error naming the file when it
     is missing or unreadable, has another vocab size than ``expected_vocab_size``, or (``require_eos``,

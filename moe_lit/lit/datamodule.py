@@ -27,13 +27,15 @@ from torch.utils.data import DataLoader, Subset
 
 from moe_lit.config import refuse_unknown_keys
 from moe_lit.data.layout import SPLITS, default_data_dir, import_litdata, read_meta, tokenizer_file, tokens_dir
-from moe_lit.data.tokenizer import load_tokenizer
+from moe_lit.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from moe_lit.errors import MoeLitError
 
 if TYPE_CHECKING:
     from moe_lit.lit.run_config import DataConfig
 
 TRAIN_LOADER_KEY = "train_loader"
+TOKENIZER_KEY = "tokenizer_sha256"
+"""Key of the tokenizer's fingerprint in the datamodule's checkpointed state (a resume compares it)."""
 ConfigRelativePath = path_type("")
 """A path jsonargparse resolves (no existence check): a relative one in a config file against that
 file's directory, on the command line against the working directory (docs/training.md, Paths)."""
@@ -97,6 +99,7 @@ class MoEDataModule(LightningDataModule):
         self.languages: list[str] = _select_languages(languages, meta["languages"])
         self.tokenizer_path = tokenizer_file(self.data_dir)
         self.vocab_size: int = load_tokenizer(self.tokenizer_path, meta["vocab_size"]).get_vocab_size()
+        self.tokenizer_sha256 = tokenizer_fingerprint(self.tokenizer_path)
         self.tokens: dict[str, dict[str, int]] = meta["tokens"]
         self._check_block_fits()
         self.mixture: dict[str, float] = _mixture(language_weights, self.languages, self.tokens["train"])
@@ -184,10 +187,14 @@ class MoEDataModule(LightningDataModule):
         return self._eval_loaders("test", None)
 
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's position (what ``load_state_dict`` needs to resume)."""
+        """The training loader's position (what ``load_state_dict`` needs to resume) and the
+        tokenizer's fingerprint (what a resume checks)."""
+        state: dict[str, Any] = {TOKENIZER_KEY: self.tokenizer_sha256}
         if self._train_loader is not None:
-            return {TRAIN_LOADER_KEY: self._train_loader.state_dict()}
-        return {TRAIN_LOADER_KEY: self._train_state} if self._train_state is not None else {}
+            state[TRAIN_LOADER_KEY] = self._train_loader.state_dict()
+        elif self._train_state is not None:
+            state[TRAIN_LOADER_KEY] = self._train_state
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training stream where ``state_dict`` was taken."""

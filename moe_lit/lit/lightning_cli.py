@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from jsonargparse import ActionYesNo
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -77,16 +78,20 @@ from moe_lit.convert.model_input import load_any_config, load_any_model
 from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output
 from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
+from moe_lit.lit.datamodule import MoEDataModule
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.resume import (
     ONE_LAST_CHECKPOINT,
     AtomicCheckpointIO,
+    check_resumed_data,
+    check_resumed_model,
     existing_run_message,
     fit_resume_command,
     requeued_run,
     resume_checkpoint,
+    resumed_precision,
 )
 from moe_lit.lit.run import throughput_monitor
 
@@ -132,7 +137,17 @@ class MoELightningCLI(LightningCLI):
             default=False,
             help="fit: continue the run in --out from its checkpoints/last.ckpt (e.g. after an interrupt)",
         )
+        parser.add_argument(
+            "--init_from",
+            type=str | None,
+            default=None,
+            help="fit: a new run from the weights of a .ckpt or exported model (its model, fresh optimizer, "
+            "schedule and step; other data allowed): fine-tuning, not resuming",
+        )
         parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
+        parser.add_argument(
+            "--train.extend_schedule", type=Literal["keep", "replan"] | None, default=None, help=EXTEND_HELP
+        )
         parser.add_argument(
             "--train.precision", type=Literal["auto", "32-true", "bf16-mixed"] | None, default=None, help=PRECISION_HELP
         )
@@ -163,26 +178,46 @@ class MoELightningCLI(LightningCLI):
             )
         if "weights_only" in section:
             section["weights_only"] = True
-        last = last_checkpoint(section, run_dir_of(section, self.config["subcommand"]))
+        subcommand = self.config["subcommand"]
+        last = last_checkpoint(section, run_dir_of(section, subcommand))
+        init_from = section.get("init_from")
+        if init_from and (section.get("resume") or section.get("ckpt_path")):
+            raise MoeLitError("--init_from starts a new run from weights, --resume/--ckpt_path continue one: give one")
         if section.get("resume"):
             section["ckpt_path"] = str(resume_checkpoint(last, section.get("ckpt_path"), section["force"]))
-        elif self.config["subcommand"] == "fit" and not section.get("ckpt_path") and requeued_run(last):
+        elif subcommand == "fit" and not section.get("ckpt_path") and not init_from and requeued_run(last):
             section["ckpt_path"], section["force"] = str(last), False
-        ckpt_path = section.get("ckpt_path")
+        ckpt_path = section.get("ckpt_path") or init_from
         self.exported: Path | None = None
         self.start_step: int | None = None
+        self.resumed: dict[str, Any] | None = None
         trained: ModelConfig | None = None
+        given = given_model(section, self.argv)
         if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES and not str(ckpt_path).startswith("registry"):
-            if Path(ckpt_path).is_dir():
+            if init_from or Path(ckpt_path).is_dir():
+                trained = load_any_config(ckpt_path)
+                if given is not None and subcommand == "fit":
+                    check_resumed_model(
+                        {"hyper_parameters": {"model": trained.to_dict()}}, given[0], None, "--init_from"
+                    )
                 # NOTE: Lightning resumes from files only; an export's config goes in the model
                 # section here and its weights into the module before the run (_start_from_export).
-                self.exported, section["ckpt_path"], trained = Path(ckpt_path), None, load_any_config(ckpt_path)
+                self.exported, section["ckpt_path"] = Path(ckpt_path), None
                 model = {"model": {"model": trained.to_dict()}}
-                self.config = self.parser.parse_object({self.config["subcommand"]: model}, self.config)
+                self.config = self.parser.parse_object({subcommand: model}, self.config)
             else:
-                checkpoint = read_lightning_checkpoint(ckpt_path)
-                self.start_step, trained = checkpoint.get("global_step"), checkpoint_config(checkpoint, ckpt_path)
+                self.resumed = read_lightning_checkpoint(ckpt_path)
+                self.start_step, trained = self.resumed.get("global_step"), checkpoint_config(self.resumed, ckpt_path)
+                if given is not None and subcommand == "fit":
+                    check_resumed_model(self.resumed, *given, "--ckpt_path")
         default_seq_len = self._section()["data"]["seq_len"] == data_default("seq_len")
+        if trained is not None and not default_seq_len and subcommand == "fit" and self.resumed is not None:
+            seq_len = self._section()["data"]["seq_len"]
+            if seq_len != trained.seq_len:
+                raise MoeLitError(
+                    f"--ckpt_path: data.seq_len is {trained.seq_len} in the checkpoint but {seq_len} given; "
+                    "a resume continues the run as it was; --init_from starts a new run from its weights"
+                )
         super()._parse_ckpt_path()
         if trained is not None and default_seq_len:
             # NOTE: the link data.seq_len -> model.model.seq_len ran at parse time, with the default.
@@ -247,7 +282,10 @@ class MoELightningCLI(LightningCLI):
             requested = None  # NOTE: auto is a training choice; validate and test keep the trainer's
         if section["trainer"].get("plugins") is None:  # NOTE: plugins the config gives are the user's choice
             kwargs["plugins"] = [AtomicCheckpointIO()]
-        choice = choose_precision(requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len)
+        resumed = resumed_precision(self.resumed) if self.config["subcommand"] == "fit" else None
+        choice = choose_precision(
+            requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len, resumed
+        )
         if choice is not None:
             kwargs["precision"] = section["trainer"]["precision"] = choice.precision
             if rank_zero_only.rank == 0:
@@ -269,13 +307,24 @@ class MoELightningCLI(LightningCLI):
             raise MoeLitError(line) from exc
 
     def before_fit(self) -> None:
+        self._check_resumed_data()
+        extend = (self._section().get("train") or {}).get("extend_schedule")
+        if extend is not None and isinstance(self.model, MoELitModule):
+            self.model.extend_schedule = extend
         self._start_from_export()
 
     def before_validate(self) -> None:
+        self._check_resumed_data()
         self._start_from_export()
 
     def before_test(self) -> None:
+        self._check_resumed_data()
         self._start_from_export()
+
+    def _check_resumed_data(self) -> None:
+        """A ``--ckpt_path`` checkpoint needs the data it was trained on (its vocabulary and tokenizer)."""
+        if self.resumed is not None and isinstance(self.datamodule, MoEDataModule):
+            check_resumed_data(self.resumed, self.datamodule, "--ckpt_path")
 
     def after_fit(self) -> None:
         # NOTE: Trainer.log_dir is a broadcast (a collective): called on rank 0 only, it waits for
@@ -315,6 +364,10 @@ TRAIN_FIELDS = {
 }
 """The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
 TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
+EXTEND_HELP = (
+    "a resume with another step budget than the run's: keep (default; the run's lr schedule, at its end value "
+    "past it) | replan (stretched over the new budget)"
+)
 PRECISION_HELP = (
     "auto: bf16-mixed on a CPU with native bf16 where a probe of the model's step measures it faster, "
     "else fp32 | 32-true | bf16-mixed: sets trainer.precision (moe_lit.lit.precision)"
@@ -382,6 +435,25 @@ def validate_module_config(model_section: Any) -> None:
     (one line naming the field) comes before any run output; the linked vocab size is checked later."""
     ModelConfig.from_dict(model_section["model"].as_dict())
     OptimConfig(**model_section["optim"].as_dict())
+
+
+def given_model(section: Any, argv: Sequence[str]) -> tuple[ModelConfig, OptimConfig] | None:
+    """The model and optim settings of the command line when it gives any (a ``--model...``
+    argument, or a ``--config`` file with a ``model`` section); None: none given (a resume or an
+    evaluation then takes the checkpoint's)."""
+    configs = [Path(str(config)) for config in section.get("config") or []]
+    if not any(arg.startswith("--model") for arg in argv) and not any(_has_model(config) for config in configs):
+        return None
+    model = section["model"]
+    return ModelConfig.from_dict(model["model"].as_dict()), OptimConfig(**model["optim"].as_dict())
+
+
+def _has_model(config: Path) -> bool:
+    try:
+        doc = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(doc, dict) and "model" in doc
 
 
 def data_default(name: str) -> Any:

@@ -27,10 +27,14 @@ from typing_extensions import override
 from moe_lit.accounting import training_flops_per_token
 from moe_lit.config import ConfigError, ModelConfig
 from moe_lit.distributed.grad_norm import clip_grad_norm
-from moe_lit.lit.optim import OptimConfig, build_optimizer
+from moe_lit.lit.optim import OptimConfig, build_optimizer, resumed_schedule_steps
 from moe_lit.model import Transformer
 
 OVERALL = "overall"
+RUN_STATE = "moe_lit_run"
+"""Checkpoint key of what a resume keeps and checks: ``model``, the config the run started with
+(before any upcycling grew it), and ``precision``, the Trainer's (``train.precision: auto``
+decides once per run)."""
 
 
 class MoELitModule(pl.LightningModule):
@@ -50,7 +54,13 @@ class MoELitModule(pl.LightningModule):
         # NOTE: moe_lit.checkpoint rebuilds the network from hyper_parameters['model'].
         self.save_hyperparameters()
         self.config = model
+        self.started_config = model
+        """The model the run started as (``config`` is the current one, grown by upcycling)."""
         self.optim_config = optim
+        self.extend_schedule = "keep"
+        """What a resume with another step budget does with the schedule (TrainConfig.extend_schedule)."""
+        self.schedule_steps: int | None = None
+        """Steps the lr schedule spans: the run's first budget, restored from its checkpoint on resume."""
         # NOTE: the network is built here (not in configure_model) so that a module is usable
         # right after construction; a sharded strategy can move this into configure_model.
         self.model = Transformer(model)
@@ -90,6 +100,10 @@ class MoELitModule(pl.LightningModule):
             saved = ModelConfig.from_dict(saved)
         if saved is not None and saved != self.config:
             self.replace_model(Transformer(saved).to(self.device))
+        state = checkpoint.get(RUN_STATE) or {}
+        if state.get("model") is not None:
+            self.started_config = ModelConfig.from_dict(state["model"])
+        self.schedule_steps = state.get("schedule_steps", self.schedule_steps)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -100,6 +114,11 @@ class MoELitModule(pl.LightningModule):
         for key, value in hparams.items():
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 hparams[key] = dataclasses.asdict(value)
+        checkpoint[RUN_STATE] = {
+            "model": self.started_config.to_dict(),
+            "precision": str(self.trainer.precision),
+            "schedule_steps": self.schedule_steps,
+        }
 
     def _losses(self, batch_BL1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Cross-entropy (mean over tokens, fp32) and the model's weighted auxiliary losses."""
@@ -139,6 +158,13 @@ class MoELitModule(pl.LightningModule):
                     f"optim.schedule={self.optim_config.schedule} needs a known number of steps; set trainer.max_steps"
                 )
             total_steps = 0
+        total_steps = int(total_steps)
+        if self.schedule_steps is not None and self.schedule_steps != total_steps:
+            # NOTE: a resume with another budget; Lightning restores the scheduler's step, not its span.
+            total_steps, line = resumed_schedule_steps(self.schedule_steps, total_steps, self.extend_schedule)
+            if self.trainer.is_global_zero:
+                print(line, flush=True)
+        self.schedule_steps = total_steps
         optim = self.optim_config
         scaled = getattr(self.trainer.precision_plugin, "scaler", None) is not None
         if optim.implementation == "fused" and scaled and self.trainer.gradient_clip_val:
@@ -146,8 +172,23 @@ class MoELitModule(pl.LightningModule):
             # would have to see unscaled gradients; foreach is the fastest kernel that allows both.
             rank_zero_info("optim.implementation: foreach, not fused (16-mixed loss scaling with gradient clipping)")
             optim = dataclasses.replace(optim, implementation="foreach")
-        optimizer, scheduler = build_optimizer(self.model, optim, int(total_steps))
+        optimizer, scheduler = build_optimizer(self.model, optim, total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_train_start(self) -> None:
+        # NOTE: a resume restores the optimizer's lr of the next step as the checkpoint's schedule
+        # computed it; a schedule re-planned over a new budget (extend_schedule replan) sets it anew
+        # (for an unchanged schedule this is the same value).
+        scheduler = self.lr_schedulers()
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            lrs = [
+                base * rule(scheduler.last_epoch)
+                for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+            ]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            scheduler._last_lr = lrs  # NOTE: what get_last_lr() returns (train/lr is logged from it)
 
     @override
     def configure_gradient_clipping(
@@ -234,4 +275,4 @@ class MoELitModule(pl.LightningModule):
         self._end_eval("test")
 
 
-__all__ = ["MoELitModule", "OptimConfig"]
+__all__ = ["RUN_STATE", "MoELitModule", "OptimConfig"]

@@ -114,6 +114,25 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return 1.0 - (1 - floor) * progress
 
 
+EXTEND_SCHEDULE = ("keep", "replan")
+"""What a resume with another step budget than the run's does with the schedule (TrainConfig.extend_schedule)."""
+
+
+def resumed_schedule_steps(planned: int, budget: int, extend: str) -> tuple[int, str]:
+    """The steps the lr schedule of a resumed run spans, and the line that says so: the run's
+    ``planned`` steps (``extend`` keep) or its new ``budget`` (replan)."""
+    if extend == "replan":
+        return budget, (
+            f"schedule: re-planned over {budget} steps (the run's was {planned}; train.extend_schedule replan)"
+        )
+    past = (
+        f"past step {planned} the lr stays at its end value" if budget > planned else f"the run stops at step {budget}"
+    )
+    return planned, (
+        f"schedule: the run's, over {planned} steps ({past}); --train.extend_schedule replan re-plans it over {budget}"
+    )
+
+
 NORMS = (nn.RMSNorm, nn.LayerNorm)
 """Modules whose parameters are never decayed."""
 
@@ -169,10 +188,12 @@ def build_optimizer(
 
 __all__ = [
     "ADAMW_KERNELS",
+    "EXTEND_SCHEDULE",
     "IMPLEMENTATIONS",
     "OptimConfig",
     "SCHEDULES",
     "build_optimizer",
     "lr_multiplier",
     "param_groups",
+    "resumed_schedule_steps",
 ]

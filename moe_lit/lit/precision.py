@@ -10,16 +10,28 @@ weight at each matmul, which costs more than bf16 saves on small GEMMs, while a 
 head or wide projections gain; without native bf16 the CPU emulates it. On accelerators other
 than the CPU, ``auto`` leaves ``trainer.precision`` as configured. bf16-mixed keeps fp32 master weights, fp32
 optimizer state and the loss in fp32 (the chunked cross-entropy reduces in fp32).
+
+A run decides once: the probe's speedup is cached per machine (:func:`probe_cache_file`, keyed by
+the CPU's model name and flags, the torch version, the model's config and the batch shape), so the
+same command on the same machine always chooses the same precision; a resumed run keeps the
+precision its checkpoint records (``MoELitModule`` stores it), whatever a probe would say now.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from moe_lit.errors import MoeLitError
+from moe_lit.inference import precision as capability
 from moe_lit.inference.precision import MIN_SPEEDUP, PROBE_ROUNDS, PrecisionChoice, native_bf16_flags
+from moe_lit.io import atomic_write_json
 from moe_lit.lit.throughput import training_step
 from moe_lit.model.transformer import Transformer
 from moe_lit.timing import interleaved_times, paired_ratio
@@ -49,18 +61,60 @@ def probe_speedup(model: Transformer, batch_size: int, seq_len: int) -> float:
     return paired_ratio(times, "bf16=False", "bf16=True")
 
 
+def probe_cache_file() -> Path:
+    """``$XDG_CACHE_HOME/moe_lit/precision_probes.json`` (default ``~/.cache``): the probes' speedups
+    measured on this machine."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "moe_lit" / "precision_probes.json"
+
+
+def probe_key(model: Transformer, batch_size: int, seq_len: int) -> str:
+    """What a probe's speedup depends on: the CPU (model name and flags, as ``/proc/cpuinfo`` lists
+    them for its first processor), the torch version, the model's config and the batch shape."""
+    try:
+        cpu = capability.CPUINFO.read_text(errors="replace").split("\n\n")[0]
+    except OSError:
+        cpu = ""
+    lines = sorted(line for line in cpu.splitlines() if line.split(":")[0].strip() in ("model name", "flags"))
+    key = {"cpu": lines, "torch": torch.__version__, "model": model.config.to_dict(), "batch": [batch_size, seq_len]}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cached_speedup(model: Transformer, batch_size: int, seq_len: int, cache: Path) -> tuple[float, bool]:
+    """The probe's speedup of ``model`` on this machine from ``cache``, else measured and stored
+    there; and whether it came from the cache."""
+    key = probe_key(model, batch_size, seq_len)
+    try:
+        stored = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    if isinstance(stored, dict) and isinstance(stored.get(key), int | float):
+        return float(stored[key]), True
+    speedup = probe_speedup(model, batch_size, seq_len)
+    try:
+        atomic_write_json(cache, {**(stored if isinstance(stored, dict) else {}), key: speedup})
+    except MoeLitError:
+        pass  # NOTE: an unwritable cache only costs the next start a probe
+    return speedup, False
+
+
 def runs_on_cpu(accelerator: str | None) -> bool:
     """Whether a Trainer with this ``accelerator`` setting trains on the CPU."""
     return accelerator == "cpu" or (accelerator in (None, "auto") and not torch.cuda.is_available())
 
 
 def choose_precision(
-    requested: str | None, trainer: dict[str, Any], model: Transformer, batch_size: int, seq_len: int
+    requested: str | None,
+    trainer: dict[str, Any],
+    model: Transformer,
+    batch_size: int,
+    seq_len: int,
+    resumed: str | None = None,
 ) -> PrecisionChoice | None:
     """The precision that ``train.precision: requested`` means for training ``model`` (a
     Transformer) on batches of ``batch_size`` x ``seq_len`` under the Trainer arguments ``trainer``;
     None: keep ``trainer.precision`` (no request, or ``auto`` off the CPU or where the trainer asks
-    for a mixed precision itself).
+    for a mixed precision itself). ``resumed``: the precision the checkpoint of a resumed run
+    records, which ``auto`` keeps.
 
     NOTE: several processes of one run must agree, so there ``auto`` decides by the CPU flags
     alone: each process would time its own probe on a share of the cores."""
@@ -70,6 +124,8 @@ def choose_precision(
         return PrecisionChoice(requested, "train.precision")
     if str(trainer.get("precision", "32-true")) not in FP32 or not runs_on_cpu(trainer.get("accelerator")):
         return None
+    if resumed is not None:
+        return PrecisionChoice(resumed, "auto: the run's, decided at its start")
     if model.moe_layers():
         return PrecisionChoice(
             "32-true", f"auto: an MoE model, {MOE_BF16_REASON}; --train.precision bf16-mixed forces it"
@@ -79,11 +135,20 @@ def choose_precision(
         return PrecisionChoice("32-true", "auto: no native bf16 on this CPU")
     if trainer.get("devices", 1) not in (1, "1") or trainer.get("num_nodes", 1) != 1:
         return PrecisionChoice("bf16-mixed", f"auto: {'+'.join(flags)}, several processes (no probe)")
-    speedup = probe_speedup(model, batch_size, seq_len)
-    probe = f"{'+'.join(flags)}, bf16 step probe {speedup:.2f}x fp32"
+    cache = probe_cache_file()
+    speedup, cached = cached_speedup(model, batch_size, seq_len, cache)
+    probe = f"{'+'.join(flags)}, bf16 step probe {speedup:.2f}x fp32" + (f" (cached in {cache})" if cached else "")
     if speedup >= MIN_SPEEDUP:
         return PrecisionChoice("bf16-mixed", f"auto: {probe}; --train.precision 32-true for fp32")
     return PrecisionChoice("32-true", f"auto: {probe}, below {MIN_SPEEDUP}x")
 
 
-__all__ = ["PRECISIONS", "choose_precision", "probe_speedup", "runs_on_cpu"]
+__all__ = [
+    "PRECISIONS",
+    "cached_speedup",
+    "choose_precision",
+    "probe_cache_file",
+    "probe_key",
+    "probe_speedup",
+    "runs_on_cpu",
+]

@@ -13,13 +13,20 @@ A run has one ``last.ckpt``, always its newest state: its ModelCheckpoint overwr
 (:data:`ONE_LAST_CHECKPOINT`; Lightning's default writes ``last-v1.ckpt`` beside a ``last.ckpt``
 it did not write itself, e.g. one saved at an interrupt), and every checkpoint is written
 beside its target and renamed into place with the umask's mode (:class:`AtomicCheckpointIO`).
+
+A resume continues a run as it was: :func:`check_resumed_model` refuses a model or optimizer
+setting given with another value than the checkpoint's, :func:`check_resumed_data` data of
+another vocabulary or tokenizer (one line naming the field, both values, exit 2). Starting a new
+run from a checkpoint's weights, on other data or with other settings, is ``--init_from``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +34,12 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
+from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_file
+from moe_lit.lit.datamodule import TOKENIZER_KEY, MoEDataModule
+from moe_lit.lit.module import RUN_STATE
+from moe_lit.lit.optim import OptimConfig
 
 RESUME_FLAG, FORCE_FLAG = "--resume", "--force"
 _BOOLEAN_WORDS = ("true", "false", "yes", "no")
@@ -94,6 +105,80 @@ def resume_checkpoint(last: Path, ckpt_path: object, force: bool) -> Path:
     return last
 
 
+FROM_DATA = ("vocab_size", "seq_len")
+"""Model fields a run takes from its data, not from its model settings (checked against the data)."""
+NEW_RUN_HINT = "a resume continues the run as it was; --init_from starts a new run from its weights"
+
+
+def first_difference(
+    saved: Mapping[str, Any], given: Mapping[str, Any], prefix: str = ""
+) -> tuple[str, Any, Any] | None:
+    """The first field (dotted, ``prefix`` first) whose value differs between two nested dicts, with
+    both values; None when they are equal."""
+    for key in [*given, *(k for k in saved if k not in given)]:
+        old, new = saved.get(key), given.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            found = first_difference(old, new, f"{prefix}{key}.")
+            if found is not None:
+                return found
+        elif old != new:
+            return f"{prefix}{key}", old, new
+    return None
+
+
+def _refusal(flag: str, field: str, saved: Any, given: Any, where: str = "given") -> MoeLitError:
+    return MoeLitError(f"{flag}: {field} is {saved!r} in the checkpoint but {given!r} {where}; {NEW_RUN_HINT}")
+
+
+def check_resumed_model(
+    checkpoint: Mapping[str, Any], model: ModelConfig, optim: OptimConfig | None, flag: str
+) -> None:
+    """Refuse to resume ``checkpoint`` with a ``model`` (compared with the one the run started as,
+    :data:`FROM_DATA` aside) or an ``optim`` (None: not given) other than its own."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    started = (checkpoint.get(RUN_STATE) or {}).get("model") or hparams.get("model")
+    if started is None:
+        return
+    saved = ModelConfig.from_dict(dict(_plain(started))).to_dict()
+    given = model.to_dict()
+    found = first_difference(
+        {k: v for k, v in saved.items() if k not in FROM_DATA},
+        {k: v for k, v in given.items() if k not in FROM_DATA},
+        "model.",
+    )
+    if found is None and optim is not None and hparams.get("optim") is not None:
+        # NOTE: as JSON: a checkpoint holds the tuples of a config (betas) as lists.
+        saved_optim, given_optim = (
+            json.loads(json.dumps(v)) for v in (_plain(hparams["optim"]), dataclasses.asdict(optim))
+        )
+        found = first_difference(saved_optim, given_optim, "optim.")
+    if found is not None:
+        raise _refusal(flag, *found)
+
+
+def check_resumed_data(checkpoint: Mapping[str, Any], data: MoEDataModule, flag: str) -> None:
+    """Refuse to resume ``checkpoint`` on ``data`` of another vocabulary size or tokenizer."""
+    model = (checkpoint.get("hyper_parameters") or {}).get("model")
+    vocab_size = _plain(model).get("vocab_size") if model is not None else None
+    where = f"in the data {data.data_dir}"
+    if vocab_size is not None and vocab_size != data.vocab_size:
+        raise _refusal(flag, "vocab_size", vocab_size, data.vocab_size, where)
+    saved = (checkpoint.get(type(data).__qualname__) or {}).get(TOKENIZER_KEY)
+    if saved is not None and saved != data.tokenizer_sha256:
+        raise _refusal(flag, "the tokenizer's sha256", saved, data.tokenizer_sha256, f"{where} (another tokenizer)")
+
+
+def resumed_precision(checkpoint: Mapping[str, Any] | None) -> str | None:
+    """The Trainer precision a checkpoint's run trained with (None: no checkpoint, or one written
+    before it was recorded)."""
+    return ((checkpoint or {}).get(RUN_STATE) or {}).get("precision")
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """A config as a plain dict (checkpoints before plain hyper-parameters hold the dataclass)."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else dict(value)
+
+
 def requeued_run(last: Path) -> bool:
     """Whether this is a SLURM job run again after a requeue (``SLURM_RESTART_COUNT`` > 0) whose
     run has a ``last`` checkpoint: the same command then continues it, as Lightning's HPC resume
@@ -145,9 +230,12 @@ def fit_resume_command(argv: Sequence[str], run_dir: Path) -> str:
 __all__ = [
     "ONE_LAST_CHECKPOINT",
     "AtomicCheckpointIO",
+    "check_resumed_data",
+    "check_resumed_model",
     "checkpoint_step",
     "existing_run_message",
     "fit_resume_command",
     "requeued_run",
+    "resumed_precision",
     "resume_checkpoint",
 ]

@@ -32,6 +32,7 @@ from moe_lit.callbacks.compile import CompileBlocks
 from moe_lit.callbacks.preemption import Preemption
 from moe_lit.callbacks.study import ValidationCurve
 from moe_lit.callbacks.threads import ThreadShare
+from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_text
@@ -39,7 +40,13 @@ from moe_lit.lit.console import progress_bar, quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
-from moe_lit.lit.resume import ONE_LAST_CHECKPOINT, AtomicCheckpointIO
+from moe_lit.lit.resume import (
+    ONE_LAST_CHECKPOINT,
+    AtomicCheckpointIO,
+    check_resumed_data,
+    check_resumed_model,
+    resumed_precision,
+)
 from moe_lit.lit.run_config import RunConfig
 
 ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
@@ -84,6 +91,9 @@ class RunResult:
     """Path of the CSV log."""
     curve: list[dict[str, float]]
     """``{step, val_loss}`` at every validation of the run (step: of the validated weights)."""
+    precision: str = "32-true"
+    """The Trainer precision the run trained with (``train.precision: auto`` decides it at the run's
+    first start; a resume keeps it)."""
 
 
 def tokens_in_batch(batch_BL1) -> int:
@@ -124,7 +134,8 @@ def train_run(
     """Train ``model_cfg`` (vocab size from the data, seq_len from ``run.data``) as ``run`` says.
 
     The only place outside LightningCLI that builds a Trainer. ``resume_from`` continues a run from
-    its Lightning checkpoint (weights, optimizer, schedule, data position, step counter);
+    its Lightning checkpoint (weights, optimizer, schedule, data position, step counter), with the
+    same model, optim and data (vocabulary, tokenizer), else a one-line MoeLitError;
     ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
     or exported model directory, whose model replaces ``model_cfg`` when it differs. With
     ``train.max_steps: 0`` nothing trains: the initial weights are validated and checkpointed.
@@ -143,14 +154,26 @@ def train_run(
     pl.seed_everything(seed, verbose=False)
     data = run.data
     datamodule = MoEDataModule.from_config(data, seed)
+    checkpoint = read_lightning_checkpoint(resume_from) if resume_from is not None else None
+    if checkpoint is not None:
+        check_resumed_data(checkpoint, datamodule, "resume_from")
+        check_resumed_model(checkpoint, model_cfg, run.optim, "resume_from")
     module = _initial_module(model_cfg, run, datamodule.vocab_size, init_from, module_factory)
+    module.extend_schedule = run.train.extend_schedule
     curve = ValidationCurve()
     # NOTE: a 0-step run (train.max_steps: 0) only validates its initial weights; fit would build
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
     earlier = _earlier_metrics(out_dir, resume_from)
     trainer_kwargs = _trainer_kwargs(out_dir, run, [curve, *callbacks])
-    precision = choose_precision(run.train.precision, trainer_kwargs, module.model, data.batch_size, data.seq_len)
+    precision = choose_precision(
+        run.train.precision,
+        trainer_kwargs,
+        module.model,
+        data.batch_size,
+        data.seq_len,
+        resumed_precision(checkpoint),
+    )
     if precision is not None:
         trainer_kwargs["precision"] = precision.precision
         print(precision.line(), flush=True)
@@ -332,6 +355,7 @@ def _result(
         checkpoint=str(out_dir / CHECKPOINT_DIR / LAST_CHECKPOINT),
         metrics_csv=str(metrics_csv),
         curve=curve,
+        precision=str(trainer.precision),
     )
 
 

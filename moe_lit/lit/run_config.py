@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from moe_lit.config import ConfigError, refuse_unknown_keys
-from moe_lit.lit.optim import OptimConfig
+from moe_lit.lit.optim import EXTEND_SCHEDULE, OptimConfig
 from moe_lit.lit.precision import PRECISIONS
 
 DEFAULT_EVALUATIONS = 8
@@ -130,6 +130,10 @@ class TrainConfig:
     """auto (bf16-mixed on a CPU with native bf16 where a GEMM probe measures it faster, else
     fp32; moe_lit.lit.precision) | 32-true | bf16-mixed (forced) | null: the trainer's precision
     as configured."""
+    extend_schedule: str = "keep"
+    """A resume with another step budget than the run's (e.g. a finished run extended): keep (the
+    learning-rate schedule of the run's budget; past its end the lr stays at its end value) |
+    replan (the schedule stretched over the new budget: the lr rises again). One line says which."""
 
     def __post_init__(self) -> None:
         if (self.max_tokens is None) == (self.max_steps is None):
@@ -146,6 +150,10 @@ class TrainConfig:
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile: must be true or false, got {self.compile!r}")
+        if self.extend_schedule not in EXTEND_SCHEDULE:
+            raise ConfigError(
+                f"extend_schedule: got {self.extend_schedule!r}, allowed values: {', '.join(EXTEND_SCHEDULE)}"
+            )
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigError(f"precision: got {self.precision!r}, allowed values: {', '.join(PRECISIONS)}, null")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -20,6 +22,13 @@ CPU = {"accelerator": "cpu", "devices": 1}
 def model():
     torch.manual_seed(0)
     return Transformer(tiny(num_experts=4, expert_size=16))
+
+
+@pytest.fixture(autouse=True)
+def probe_cache(tmp_path, monkeypatch):
+    """The probes' cache of this test (never the user's)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "moe_lit" / "precision_probes.json"
 
 
 @pytest.fixture
@@ -42,11 +51,12 @@ def test_forced_and_unset_precisions(model):
     assert choose_precision("bf16-mixed", {"accelerator": "gpu"}, model, 2, 16).precision == "bf16-mixed"
 
 
-def test_auto_decides_by_capability_then_probe(dense, bf16_cpu, monkeypatch):
+def test_auto_decides_by_capability_then_probe(dense, bf16_cpu, monkeypatch, probe_cache):
     speedups = iter([2.0, 1.1])
     monkeypatch.setattr(precision, "probe_speedup", lambda *args: next(speedups))
     fast = choose_precision("auto", CPU, dense, 2, 16)
     assert fast.precision == "bf16-mixed" and "avx512_bf16, bf16 step probe 2.00x fp32" in fast.line()
+    probe_cache.unlink()  # another machine, as far as the cache knows
     slow = choose_precision("auto", CPU, dense, 2, 16)
     assert slow.precision == "32-true" and "1.10x fp32, below 1.3x" in slow.reason
     several = choose_precision("auto", {**CPU, "devices": 2}, dense, 2, 16)  # no probe: ranks must agree
@@ -81,3 +91,53 @@ def test_probe_leaves_the_model_untouched(model):
 def test_a_precision_outside_the_choices_is_one_line():
     with pytest.raises(Exception, match=r"precision: got 'fp16', allowed values: auto, 32-true, bf16-mixed, null"):
         TrainConfig(max_steps=1, precision="fp16")
+
+
+def test_auto_decides_once_per_machine_and_model_with_the_probe_varying(dense, bf16_cpu, monkeypatch, probe_cache):
+    speedups = iter([2.0, 1.0, 1.0])
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: next(speedups))
+    first = choose_precision("auto", CPU, dense, 2, 16)
+    again = choose_precision("auto", CPU, dense, 2, 16)  # the probe would now say 1.0x: the cache answers
+    assert first.precision == again.precision == "bf16-mixed"
+    assert again.reason == f"auto: avx512_bf16, bf16 step probe 2.00x fp32 (cached in {probe_cache}); " + (
+        "--train.precision 32-true for fp32"
+    )
+    other_shape = choose_precision("auto", CPU, dense, 4, 16)  # another batch: its own measurement
+    assert other_shape.precision == "32-true"
+    monkeypatch.setattr(torch, "__version__", "0.0.0")  # another torch: measured again
+    assert choose_precision("auto", CPU, dense, 2, 16).precision == "32-true"
+    assert len(json.loads(probe_cache.read_text())) == 3
+
+
+def test_a_resumed_run_keeps_the_precision_its_checkpoint_records(dense, bf16_cpu, monkeypatch):
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: pytest.fail("a resume does not probe"))
+    kept = choose_precision("auto", CPU, dense, 2, 16, resumed="32-true")
+    assert kept == PrecisionChoice("32-true", "auto: the run's, decided at its start")
+    assert choose_precision("bf16-mixed", CPU, dense, 2, 16, resumed="32-true").precision == "bf16-mixed"  # forced
+
+
+def test_train_run_records_its_precision_and_its_resume_keeps_it(dense, bf16_cpu, monkeypatch, probe_cache, tmp_path):
+    from moe_lit.checkpoint import read_lightning_checkpoint
+    from moe_lit.lit.optim import OptimConfig
+    from moe_lit.lit.run import train_run
+    from moe_lit.lit.run_config import DataConfig, RunConfig
+    from tests.helpers.corpus import prepare_corpus
+
+    prepared = prepare_corpus(tmp_path, paragraphs=20, val_fraction=0.1, test_fraction=0.1)
+    speedups = iter([2.0, 1.0])
+    monkeypatch.setattr(precision, "probe_speedup", lambda *args: next(speedups))
+
+    def run(steps: int) -> RunConfig:
+        return RunConfig(
+            data=DataConfig(data_dir=str(prepared), seq_len=16, batch_size=2, val_batches=1),
+            optim=OptimConfig(warmup_steps=1),
+            train=TrainConfig(max_steps=steps, precision="auto"),
+            trainer={"enable_progress_bar": False},
+        )
+
+    first = train_run(tiny(dense=True), run(2), tmp_path / "run")
+    assert first.precision == "bf16-mixed"
+    assert read_lightning_checkpoint(first.checkpoint)["moe_lit_run"]["precision"] == "bf16-mixed"
+    probe_cache.unlink()  # a probe now would say 1.0x
+    resumed = train_run(tiny(dense=True), run(3), tmp_path / "run", resume_from=first.checkpoint)
+    assert resumed.precision == "bf16-mixed" and resumed.steps == 3
