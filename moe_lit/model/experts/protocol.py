@@ -6,7 +6,9 @@ A backend is an ``nn.Module`` class holding the ONE weight layout (``mlp.w1|v1|w
 ``bias`` (D,)), so a checkpoint never depends on which backend wrote or reads it. Code outside
 ``model/`` asks this protocol (``isinstance(module, ExpertsBackend)``, ``shard_experts``,
 ``expert_parallel_group``, ``supports``), never a backend's class. A new backend is a module with
-its class and one entry in ``moe_lit.model.experts.BACKENDS``.
+its class, one entry in ``moe_lit.model.experts.BACKENDS`` and its name in ``config.BACKENDS``
+(``moe.backend``'s allowed values, below this layer; tests/model/test_experts_backend.py keeps the
+two equal).
 """
 
 from __future__ import annotations
