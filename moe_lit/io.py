@@ -112,14 +112,15 @@ def atomic_write_json(path: PathLike, data: Any) -> Path:
 
 @contextmanager
 def atomic_directory(path: PathLike) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``path`` only when the block succeeds."""
+    """Yield a temporary directory that replaces ``path`` only when the block succeeds; what it holds
+    then gets the umask's modes (:func:`_follow_umask`)."""
     path = Path(path)
     with _refused_writes(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
         try:
-            tmp.chmod(dir_mode())
             yield tmp
+            _follow_umask(tmp)
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():
@@ -128,6 +129,17 @@ def atomic_directory(path: PathLike) -> Iterator[Path]:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _follow_umask(root: Path) -> None:
+    """``root`` and the folders under it :func:`dir_mode`, its files :func:`file_mode`.
+
+    NOTE: some writers create private files whatever the umask (safetensors' ``save_file``: 0o600)."""
+    folder, file = dir_mode(), file_mode()
+    root.chmod(folder)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(folder if path.is_dir() else file)
 
 
 @contextmanager
