@@ -22,6 +22,10 @@ from moe_lit.config import ConfigError
 from moe_lit.convert.dense_to_moe import RECIPES, dense_to_moe, upcycled_config
 from moe_lit.model import Transformer
 
+UPCYCLED_MOE_DEFAULTS = {"expert_output_bias": False}
+"""MoEConfig fields of the upcycled layers unless ``moe`` gives them: those of the shipped MoE
+configs, so that the model exports (``moe-lit export``)."""
+
 
 class DenseToMoEUpcycling(ModelSwapCallback):
     """Upcycle every (selected) dense FFN into an MoE layer after ``at_step`` optimizer steps."""
@@ -48,14 +52,16 @@ class DenseToMoEUpcycling(ModelSwapCallback):
             drop_fraction: Neurons re-initialised per expert (drop recipe).
             optimizer_state: copy (unchanged tensors keep their AdamW moments) | reset.
             seed: Seed of the router initialisation and of the dropped neurons.
-            moe: Further MoEConfig fields of the new layers (balancing, aux_loss_coef, ...).
+            moe: Further MoEConfig fields of the new layers (balancing, aux_loss_coef, ...);
+                ``expert_output_bias`` is false unless given, as in the shipped configs (no export
+                format holds an expert output bias).
         """
         super().__init__([at_step], optimizer_state)
         if recipe not in RECIPES:
             raise ConfigError(f"DenseToMoEUpcycling.recipe: got {recipe!r}, allowed values: {', '.join(RECIPES)}")
         self.recipe, self.num_experts, self.top_k = recipe, num_experts, top_k
         self.granularity, self.drop_fraction, self.seed = granularity, drop_fraction, seed
-        self.moe_fields = dict(moe or {})
+        self.moe_fields = {**UPCYCLED_MOE_DEFAULTS, **(moe or {})}
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -76,4 +82,4 @@ class DenseToMoEUpcycling(ModelSwapCallback):
         return dense_to_moe(model, *self._arguments(), **self.moe_fields), {}, {"recipe": self.recipe}
 
 
-__all__ = ["DenseToMoEUpcycling"]
+__all__ = ["UPCYCLED_MOE_DEFAULTS", "DenseToMoEUpcycling"]

@@ -151,3 +151,25 @@ def test_bad_upcycling_shape_fails_at_setup_not_mid_run():
         _fit(tiny(dense=True), [grow], max_steps=6)
     with pytest.raises(MoeLitError, match="the model is dense; add a DenseToMoEUpcycling callback"):
         _fit(tiny(dense=True), [ExpertUpcycling(at_steps=[2])], max_steps=6)
+
+
+def test_a_model_upcycled_by_dense_to_moe_with_its_defaults_exports_to_transformers_and_generates(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from moe_lit.checkpoint import export_model
+    from moe_lit.console_script import main
+
+    cfg = tiny(dense=True, n_kv_heads=2, d_ff=16)
+    _, module = _fit(cfg, [DenseToMoEUpcycling(at_step=1, num_experts=4)], 3)
+    ours = module.model.eval()
+    assert ours.config.moe.num_experts == 4 and not ours.config.moe.expert_output_bias
+    export_model(ours, tmp_path / "ours")
+    assert (
+        main(["export", "--checkpoint", str(tmp_path / "ours"), "--format", "mixtral", "--out", str(tmp_path / "hf")])
+        == 0
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(hf(prompt).logits, ours(prompt).logits_BLV, atol=1e-4)
+        generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert generated.shape == (2, 10) and torch.equal(generated[:, :6], prompt)
