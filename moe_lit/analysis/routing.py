@@ -307,44 +307,65 @@ def routing_summary_markdown(report: dict, title: str) -> str:
         + "."
     )
     lines.append("")
+    # NOTE: with one language every used expert is both shared and specific: no split is shown.
+    several = len(report["tokens"]) > 1
     rows = []
     for m, layer in enumerate(report["layer_ids"]):
         js = torch.tensor(report["js_divergence"]["per_layer"][m])
         entropies = [x for x in report["expert_language_entropy"][m] if x is not None]
         experts = report["experts"][m]
-        rows.append(
-            {
-                "layer": layer,
-                "mean JS": float(js.sum() / max(js.numel() - js.shape[0], 1)),
-                "mean expert language entropy": sum(entropies) / len(entropies) if entropies else float("nan"),
-                "shared": len(experts["shared"]),
-                "partial": len(experts["partial"]),
-                "specific": ", ".join(f"{e}:{lang}" for e, lang in experts["specific"].items()) or "-",
-                "unused": len(experts["unused"]),
-            }
-        )
+        row = {
+            "layer": layer,
+            "mean JS": float(js.sum() / max(js.numel() - js.shape[0], 1)),
+            "mean expert language entropy": sum(entropies) / len(entropies) if entropies else float("nan"),
+        }
+        if several:
+            row["shared"] = len(experts["shared"])
+            row["partial"] = len(experts["partial"])
+            row["specific"] = ", ".join(f"{e}:{lang}" for e, lang in experts["specific"].items()) or "-"
+        rows.append({**row, "unused": len(experts["unused"])})
     lines += [markdown_table(rows), ""]
+    used = f"{report['settings']['used_fraction']} of a uniform share"
+    split = (
+        f"; shared = used by every language, specific = by one (used: >= {used})."
+        if several
+        else (f"; unused = below {used}.")
+    )
     lines.append(
         "JS: Jensen-Shannon divergence (bits) between two languages' expert-usage distributions, averaged "
         "over language pairs; entropy of p(language | expert) normalised to [0, 1] (1 = used equally by all "
-        "languages); shared = used by every language, specific = by one (used: >= "
-        f"{report['settings']['used_fraction']} of a uniform share)."
+        "languages)" + split
     )
     return "\n".join(lines) + "\n"
 
 
+MIN_LANGUAGES = 4
+"""Fewer languages than this: the family test is reported *not detected* whatever its p (three
+languages have three family labellings, so no permutation p falls below 1/3)."""
+ALPHA = 0.05
+"""Significance level of the family test."""
+
+
 def verdict(fam: dict) -> str:
-    """One sentence: do related languages route more alike than unrelated ones?"""
+    """One sentence in the studies' verdict vocabulary (*detected* only where the permutation test
+    is significant at :data:`ALPHA` with at least :data:`MIN_LANGUAGES` languages; else *not
+    detected*, never "do not route more alike"; *untestable here* without two families or a
+    family of two), with the test and its n."""
+    claim = "Related languages route more alike"
+    n = len(fam.get("families") or {})
     if fam["within_js"] is None or fam["across_js"] is None:
-        return "Cannot compare language families: need two languages of one family and two families."
-    more_alike = fam["within_js"] < fam["across_js"]
-    significant = fam["p_value"] is not None and fam["p_value"] < 0.05
-    claim = "Related languages route more alike" if more_alike else "Related languages do not route more alike"
-    strength = "" if not more_alike else (" (significant at 5%)" if significant else " (not significant at 5%)")
-    return (
-        f"{claim}{strength}: mean within-family JS {fam['within_js']:.4f} vs across-family "
-        f"{fam['across_js']:.4f} (permutation p = {fam['p_value']:.3f})."
+        return (
+            f"{claim}: untestable here (the permutation test needs two languages of one family and two "
+            f"families; n = {n} languages)."
+        )
+    test = (
+        f"mean within-family JS {fam['within_js']:.4f} vs across-family {fam['across_js']:.4f}; one-sided "
+        f"permutation test over family labels, n = {n} languages, p = {fam['p_value']:.3f}"
     )
+    if n >= MIN_LANGUAGES and fam["p_value"] < ALPHA:
+        return f"{claim}: detected ({test})."
+    reason = f"; fewer than {MIN_LANGUAGES} languages cannot show it" if n < MIN_LANGUAGES else ""
+    return f"{claim}: not detected ({test}{reason})."
 
 
 __all__ = [

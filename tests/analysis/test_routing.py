@@ -10,6 +10,7 @@ from moe_lit.analysis.routing import (
     analyse_routing,
     family_of,
     js_divergence,
+    routing_summary_markdown,
     verdict,
 )
 from moe_lit.console_script import main
@@ -51,7 +52,12 @@ def test_related_languages_sharing_experts_are_detected():
     assert report["usage"]["ru"] == [[0.5, 0.0, 0.0, 0.0, 0.5, 0.0]]
     fam = report["family_comparison"]
     assert fam["within_js"] == 0.0 and fam["across_js"] > 0.5
-    assert fam["p_value"] < 0.05 and verdict(fam).startswith("Related languages route more alike (significant")
+    assert fam["p_value"] < 0.05
+    assert verdict(fam) == (
+        "Related languages route more alike: detected (mean within-family JS 0.0000 vs across-family "
+        f"{fam['across_js']:.4f}; one-sided permutation test over family labels, n = 5 languages, "
+        f"p = {fam['p_value']:.3f})."
+    )
     experts = report["experts"][0]
     assert experts["specific"] == {"4": "ru"} and experts["unused"] == [5] and experts["shared"] == []
     assert sorted(experts["partial"]) == [0, 1, 2, 3]
@@ -68,10 +74,13 @@ def test_no_family_structure_is_reported_as_such():
     trace = synthetic_trace({"en": (0, 1), "de": (2, 3), "fr": (0, 1), "es": (2, 3)})
     fam = analyse_routing(trace, RoutingAnalysisConfig(permutations=200))["family_comparison"]
     assert fam["within_js"] > fam["across_js"]
-    assert verdict(fam).startswith("Related languages do not route more alike")
+    assert verdict(fam).startswith("Related languages route more alike: not detected (mean within-family JS")
     two = synthetic_trace({"en": (0, 1), "fr": (2, 3)})
     single = analyse_routing(two, RoutingAnalysisConfig())["family_comparison"]
-    assert verdict(single).startswith("Cannot compare")
+    assert verdict(single) == (
+        "Related languages route more alike: untestable here (the permutation test needs two languages of one "
+        "family and two families; n = 2 languages)."
+    )
     assert family_of("pt-br") == "Romance" and family_of("xx") == "xx"
 
 
@@ -99,3 +108,18 @@ def test_missing_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     assert main(["analyze", "routing", "--checkpoint", str(tmp_path / "none.ckpt")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no such file" in err
+
+
+def test_three_languages_are_never_detected_and_one_language_has_no_shared_specific_split():
+    three = synthetic_trace({"en": (0, 1), "de": (0, 1), "ru": (2, 3)})  # related ones alike, as it can be
+    fam = analyse_routing(three, RoutingAnalysisConfig(permutations=200))["family_comparison"]
+    assert fam["within_js"] == 0.0 and fam["across_js"] == pytest.approx(1.0) and fam["p_value"] > 0.3
+    line = verdict(fam)
+    assert line.startswith("Related languages route more alike: not detected (") and "n = 3 languages" in line
+    assert line.endswith("; fewer than 4 languages cannot show it).") and "do not" not in line
+    report = analyse_routing(synthetic_trace({"en": (0, 1)}), RoutingAnalysisConfig())
+    summary = routing_summary_markdown(report, "one")
+    assert "untestable here" in summary and "n = 1 languages" in summary
+    header = next(line for line in summary.splitlines() if line.startswith("| layer"))
+    assert "shared" not in header and "specific" not in header and "unused" in header
+    assert "shared = used by every language" not in summary
