@@ -126,7 +126,8 @@ print("numbers: " + json.dumps({"python": sys.version.split()[0], "torch": torch
 if [[ $DRY == 1 ]]; then
   skipped carry 15 "dry run: the image guard stands in for the installed wheels"
 elif compgen -G "$WHEELS/*.whl" > /dev/null; then
-  step carry 15 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WHEEL_SITE" "$WHEELS"/*.whl
+  step carry 15 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$WHEEL_SITE" "$WHEELS"/*.whl
 else
   skipped carry 15 "no $WHEELS/*.whl (run here: bash scripts/gpu_check.sh fetch)" 1
 fi
@@ -136,6 +137,8 @@ prepare_corpus(Path('$MATRIX'), paragraphs=40, val_fraction=0.1, test_fraction=0
 
 if [[ $DRY == 1 ]]; then
   skipped build 120 "dry run: needs nvcc and a CUDA torch (make gpu-build-check compiles it here)"
+elif [[ -d $SITE/megablocks && -d $SITE/grouped_gemm ]]; then
+  skipped build 120 "built into $SITE by an earlier attempt on this machine"
 else
   # NOTE: the build overlaps the fits (which never import its site: `backend: auto` resolves as
   # without the gpu extra there) and is waited for before the parity tests.
@@ -176,7 +179,7 @@ if [[ $DRY == 1 ]]; then
   step parity 40 "$PY" -m pytest -q -p no:cacheprovider --collect-only -m gpu tests/gpu tests/model/test_expert_ops.py
   step bench 30 "$PY" -m benchmarks.gpu_throughput --help
 else
-  wait "$build_pid"
+  [[ -n ${build_pid:-} ]] && wait "$build_pid"
   export PYTHONPATH="$SITE:$PYTHONPATH"
   step parity 40 "$PY" -m pytest -v -p no:cacheprovider -rs -m gpu tests/gpu tests/model/test_expert_ops.py
   step bench 30 "$PY" -m benchmarks.gpu_throughput --out "$OUT_DIR/gpu_throughput.jsonl" --steps 10 --warmup 3

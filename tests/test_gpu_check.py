@@ -36,10 +36,10 @@ def pins(path: Path) -> dict[str, str]:
     return {normalize(name): version for name, version in found}
 
 
-def guarded(*allowed: Path, log: Path | None = None) -> dict[str, str]:
-    """The environment of a Python that can import only ``allowed``'s packages."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "image_guard"), "MOE_LIT_IMAGE_ALLOW": ""}
-    env["MOE_LIT_IMAGE_ALLOW"] = os.pathsep.join(str(p) for p in allowed)
+def guarded(carried: Path | None, log: Path | None = None) -> dict[str, str]:
+    """The environment of a Python that can import only the image's packages and ``carried``'s."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "image_guard"), "MOE_LIT_IMAGE_ALLOW": str(IMAGE)}
+    env["MOE_LIT_IMAGE_CARRY"] = str(carried or "")
     if log is not None:
         env["MOE_LIT_IMAGE_GUARD_LOG"] = str(log)
     return env
@@ -53,15 +53,20 @@ def test_the_carried_wheels_are_the_locks_versions_of_packages_the_image_lacks()
 
 
 def test_the_image_guard_refuses_a_package_outside_the_lists_and_names_it(tmp_path):
-    code = "import numpy, json, moe_lit, jsonargparse; print('imported')"
+    code = "import json, yaml, jsonargparse, tests.helpers; print('imported')"  # stdlib, image, carried, checkout
     refused = subprocess.run(
-        [sys.executable, "-c", code], env=guarded(IMAGE, log=tmp_path / "log"), capture_output=True, text=True
+        [sys.executable, "-c", code], env=guarded(None, log=tmp_path / "log"), capture_output=True, text=True, cwd=ROOT
     )
     assert refused.returncode == 1
     assert "ModuleNotFoundError: GPU image guard: 'jsonargparse' comes from jsonargparse" in refused.stderr
     assert (tmp_path / "log").read_text().count("'jsonargparse'") == 1
-    allowed = subprocess.run([sys.executable, "-c", code], env=guarded(IMAGE, CARRY), capture_output=True, text=True)
+    allowed = subprocess.run([sys.executable, "-c", code], env=guarded(CARRY), capture_output=True, text=True, cwd=ROOT)
     assert (allowed.returncode, allowed.stdout) == (0, "imported\n"), allowed.stderr
+    (tmp_path / "carry.txt").write_text("boto3\n")  # a carried wheel travels without its requirements
+    alone = subprocess.run(
+        [sys.executable, "-c", "import boto3"], env=guarded(tmp_path / "carry.txt"), capture_output=True, text=True
+    )
+    assert "GPU image guard: 'botocore' comes from botocore" in alone.stderr
 
 
 def script_steps() -> list[tuple[str, int]]:
@@ -76,7 +81,7 @@ def script_steps() -> list[tuple[str, int]]:
 
 @pytest.mark.slow
 def test_the_dry_check_runs_its_cpu_commands_on_the_image_alone_and_records_every_step_within_the_budget(tmp_path):
-    env = guarded(IMAGE, CARRY, log=tmp_path / "refused.log") | {
+    env = guarded(CARRY, log=tmp_path / "refused.log") | {
         "GPU_CHECK_DRY": "1",
         "OUT": str(tmp_path / "out"),
         "PYTHON": sys.executable,

@@ -1,13 +1,14 @@
 """A Python that can import only the GPU machine's image plus the wheels carried to it.
 
-Put this folder first on ``PYTHONPATH`` and name the allowed package lists in
-``MOE_LIT_IMAGE_ALLOW`` (``os.pathsep``-separated files of ``name`` or ``name==version`` lines,
-e.g. ``requirements/gpu-image.txt`` and ``requirements/gpu-carry.txt``): every Python started so
-(``moe-lit``, ``python -m pytest`` and their subprocesses) then raises ``ModuleNotFoundError``,
-naming the distribution, for a top-level import that an installed distribution outside those lists
-provides. The standard library and the checkout's own packages (no distribution, or ``moe_lit``)
-stay importable. A listed distribution brings what its installed version requires (not its
-extras): the image's own versions bring theirs, and the lock's versions here may need others.
+Put this folder first on ``PYTHONPATH``, name the image's package list in ``MOE_LIT_IMAGE_ALLOW``
+and the carried wheels' lists in ``MOE_LIT_IMAGE_CARRY`` (``os.pathsep``-separated files of
+``name`` or ``name==version`` lines: ``requirements/gpu-image.txt``, ``requirements/gpu-carry.txt``):
+every Python started so (``moe-lit``, ``python -m pytest`` and their subprocesses) then raises
+``ModuleNotFoundError``, naming the distribution, for a top-level import that an installed
+distribution outside those lists provides. The standard library and the checkout's own packages
+(no distribution, or ``moe_lit``) stay importable. An image distribution brings what its installed
+version requires (not its extras): the image's own versions bring theirs, and the lock's versions
+here may need others. A carried wheel brings nothing (it travels and installs with ``--no-deps``).
 ``MOE_LIT_IMAGE_GUARD_LOG`` names a file that gets one line per refused import (an optional import
 caught by its importer leaves only that line). Unset ``MOE_LIT_IMAGE_ALLOW``: no guard.
 """
@@ -27,6 +28,7 @@ from types import ModuleType
 from packaging.requirements import Requirement
 
 ALLOW_ENV = "MOE_LIT_IMAGE_ALLOW"
+CARRY_ENV = "MOE_LIT_IMAGE_CARRY"
 LOG_ENV = "MOE_LIT_IMAGE_GUARD_LOG"
 CHECKOUT_DISTRIBUTIONS = {"moe-lit"}
 
@@ -88,12 +90,18 @@ class ImageGuard(importlib.abc.MetaPathFinder):
         raise ModuleNotFoundError(message, name=fullname)
 
 
+def list_names(paths: str) -> set[str]:
+    """The distribution names of the ``os.pathsep``-separated package lists ``paths``."""
+    return set().union(*(read_names(Path(p)) for p in paths.split(os.pathsep) if p))
+
+
 def install() -> None:
-    lists = os.environ.get(ALLOW_ENV)
-    if not lists:
+    image, carried = os.environ.get(ALLOW_ENV), os.environ.get(CARRY_ENV, "")
+    if not image:
         return
-    allowed = with_requirements(set().union(*(read_names(Path(p)) for p in lists.split(os.pathsep))))
-    sys.meta_path.insert(0, ImageGuard(allowed, lists, os.environ.get(LOG_ENV)))
+    allowed = with_requirements(list_names(image)) | list_names(carried)
+    described = os.pathsep.join(filter(None, (image, carried)))
+    sys.meta_path.insert(0, ImageGuard(allowed, described, os.environ.get(LOG_ENV)))
 
 
 install()
