@@ -34,7 +34,7 @@ import yaml
 
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory
+from moe_lit.io import atomic_directory, yaml_problem
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -187,7 +187,7 @@ def _read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise MoeLitError(f"{path}: not a YAML file (binary; a checkpoint is a .ckpt or a directory)") from exc
     except yaml.YAMLError as exc:
-        raise MoeLitError(f"{path}: not valid YAML ({_first_line(exc)})") from exc
+        raise MoeLitError(f"{path}: not valid YAML ({yaml_problem(exc)})") from exc
 
 
 def is_transformers_dir(path: Path) -> bool:

@@ -56,7 +56,8 @@ def usage_figures(
         ax.set_title(f"layer {layer}: share of each language's routed assignments", fontsize=10)
         bar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
         bar.set_ticks(ticks, labels=tick_labels)
-        bar.set_label("share (same scale for every layer; white = uniform)", fontsize=8)
+        # NOTE: on three lines: as one, the label outgrows the bar of a figure with few languages.
+        bar.set_label("share\nsame scale for every layer\nwhite = uniform", fontsize=8)
         yield layer, fig
 
 

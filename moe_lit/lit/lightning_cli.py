@@ -76,7 +76,7 @@ from moe_lit.checkpoint import checkpoint_config, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.convert.model_input import load_any_config, load_any_model
 from moe_lit.errors import MoeLitError
-from moe_lit.io import check_output
+from moe_lit.io import check_output, yaml_problem
 from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
 from moe_lit.lit.datamodule import MoEDataModule
 from moe_lit.lit.module import MoELitModule
@@ -158,7 +158,7 @@ class MoELightningCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except argparse.ArgumentError as exc:
-            raise MoeLitError(config_error_line(str(exc))) from exc
+            raise MoeLitError(broken_yaml(args) or config_error_line(str(exc))) from exc
         except UnicodeDecodeError as exc:  # e.g. a .ckpt given to --config
             raise MoeLitError(f"{binary_argument(args)}: not a YAML file; a checkpoint goes to --ckpt_path") from exc
         validate_module_config(self._section()["model"])
@@ -415,6 +415,22 @@ def binary_argument(args: Any) -> str:
         except OSError:
             continue
     return "a config file"
+
+
+def broken_yaml(args: Any) -> str | None:
+    """``FILE: not valid YAML (line L, column C: problem)`` for the first command-line value naming a
+    YAML file that does not parse (jsonargparse's message names neither); None when none."""
+    for value in args if isinstance(args, list | tuple) else []:
+        path = Path(str(value).split("=", 1)[-1])  # --config=FILE too
+        if path.suffix not in (".yaml", ".yml") or not path.is_file():
+            continue
+        try:
+            yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            return f"{path}: not valid YAML ({yaml_problem(exc)})"
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
 
 
 def absolute_data_dir(data: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from moe_lit.config import ConfigError, refuse_unknown_keys
+from moe_lit.io import yaml_problem
 from moe_lit.lit.optim import EXTEND_SCHEDULE, OptimConfig
 from moe_lit.lit.precision import PRECISIONS
 
@@ -307,7 +308,7 @@ def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{what}: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{what}: {path} is not valid YAML ({yaml_problem(exc)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{what}: {path} must hold a mapping, got {type(data).__name__}")
     return data

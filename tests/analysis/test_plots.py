@@ -43,3 +43,14 @@ def test_similarity_figure_orders_rows_and_labels_its_colour_bar():
     assert ax.get_images()[0].get_array()[0].tolist() == pytest.approx([1.0, 0.6, 0.5])
     assert [t.get_text() for t in ax.get_yticklabels()] == ["c", "b", "a"] and "1 - JS" in bar_ax.get_ylabel()
     pyplot().close(fig)
+
+
+@pytest.mark.parametrize("languages", [1, 2, 9])
+def test_the_colour_bar_label_fits_in_the_figure(languages):
+    usage_GME = torch.full((languages, 1, 4), 0.25)
+    ((_, fig),) = usage_figures(usage_GME, [f"l{i}" for i in range(languages)], [0], order=list(range(languages)))
+    fig.tight_layout()
+    fig.canvas.draw()
+    label = fig.axes[1].yaxis.label.get_window_extent()
+    assert fig.bbox.y0 <= label.y0 and label.y1 <= fig.bbox.y1 and label.x1 <= fig.bbox.x1
+    pyplot().close(fig)

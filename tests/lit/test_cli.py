@@ -118,3 +118,25 @@ def test_the_packaged_experiments_read_moe_lit_data_never_a_dir_beside_the_confi
 def test_predict_is_not_a_command(capsys):
     assert main(["predict"]) == 2
     assert "unknown command 'predict'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["{path}", "--config={path}"], ids=["config-value", "config-equals"])
+def test_a_broken_yaml_names_its_file_and_line(capsys, tmp_path, given):
+    path = tmp_path / "broken.yaml"
+    path.write_text("model:\n  model:\n    d_model: [1, 2\n")
+    args = ["--config", str(path)] if given == "{path}" else [given.format(path=path)]
+    assert main(["fit", *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line
+        == f"moe-lit fit: error: {path}: not valid YAML (line 4, column 1: expected ',' or ']', but got '<stream end>')"
+    )
+
+
+def test_a_broken_study_or_run_yaml_names_its_line(tmp_path):
+    from moe_lit.config import ConfigError
+    from moe_lit.lit.run_config import read_yaml
+
+    (tmp_path / "s.yaml").write_text("name: x\nkind: [\n")
+    with pytest.raises(ConfigError, match=r"study: .*s.yaml is not valid YAML \(line 3, column 1: expected the node"):
+        read_yaml(tmp_path / "s.yaml", "study")
