@@ -1,26 +1,33 @@
-"""``moe-lit demo``: the README's main job, a dense and an active-matched MoE model side by side.
+"""``moe-lit demo``: the README's main job, the card end to end on the bundled data.
 
-1. prepare the default corpus (``moe-lit data prepare`` with its defaults; reused once built),
-2. train ``configs/model/tiny-dense.yaml`` and ``configs/model/tiny-moe.yaml`` (the MoE matched to
-   the dense model on active parameters) with :func:`train_run`, both the run of ``--config``
-   (``configs/runs/demo.yaml``; ``--SECTION.FIELD VALUE`` settings over it, e.g.
-   ``--train.max_tokens 200000``) under each model YAML's optimizer,
-3. write ``results/demo/`` at once (a temporary directory renamed into place): ``results.json``,
-   ``results.md`` (params total/active, tokens, final validation loss overall and per language,
-   tokens/s of the training run, and training-step tokens/s eager vs compiled: each trained model's
-   step on one training batch, an eager and a ``torch.compile``'d copy timed interleaved,
-   :func:`moe_lit.lit.throughput.eager_vs_compiled`), ``val_loss.png`` (validation loss vs training
-   tokens of both models) and the trained models exported to ``models/<name>/`` (config,
-   safetensors, tokenizer: what ``make eval`` reads; git-ignored, being large).
+1. prepare the data of the dense_vs_sparse study (``moe-lit data prepare --vocab-size 2048`` into
+   ``data_cache/v2048``, as ``configs/studies/dense_vs_sparse.yaml`` says; reused once built),
+2. train ``configs/model/demo-dense.yaml`` and ``configs/model/demo-moe.yaml`` (the study's best
+   arm, E32 top-2, matched to the dense model on active parameters by
+   :func:`moe_lit.accounting.matched_moe_config`) with :func:`train_run`, each the run of
+   ``--config`` (``configs/runs/demo.yaml``; ``--SECTION.FIELD VALUE`` settings over it) under its
+   model YAML's optimizer; with ``--seeds N`` both models for N seeds (``train.seed`` + 0..N-1),
+3. train the dense model again with :class:`~moe_lit.callbacks.dense_upcycling.DenseToMoEUpcycling`:
+   half way through the run it becomes an MoE of the MoE's layout and trains on (``upcycled``),
+4. the card's steps on the three models of the first seed (``moe_lit.commands.demo_card``): the
+   local multilingual suite through lm-eval (``moe-lit eval``), the per-language routing analysis of
+   the two MoEs (``moe-lit analyze routing``), and the better MoE exported to transformers
+   (``moe-lit export --format mixtral``), loaded with ``AutoModelForCausalLM`` and asked for a line,
+5. write ``results/demo/`` at once (a temporary directory renamed into place): ``README.md`` (the
+   page), ``results.json``, the three plots, the suite and routing reports, and the models in
+   ``models/`` (git-ignored, being large: ``models/<name>/`` what ``make eval`` reads,
+   ``models/hf-<name>/`` the transformers export).
 
-Checkpoints and CSV logs stay in ``--work-dir`` (``runs/demo``). A non-empty ``--out`` or
-``--work-dir`` is refused unless ``--force`` (``make demo`` passes it: it rebuilds the tracked results).
+Checkpoints, CSV logs and each step's own output stay in ``--work-dir`` (``runs/demo``). A non-empty
+``--out`` or ``--work-dir`` is refused unless ``--force`` (``make demo`` passes it: it rebuilds the
+tracked results).
 
 A SIGTERM, SIGINT or SIGUSR1 while a model trains saves its checkpoint at the next step, prints one
 line with the command that resumes (the same one with ``--resume``) and exits with 128 + signal.
-``--resume`` continues the demo of ``--work-dir`` with the same settings: a model already trained
-is not trained again (``<work-dir>/<name>/result.json``), an interrupted one continues from its
-``checkpoints/last.ckpt``.
+``--resume`` continues the demo of ``--work-dir`` with the same settings (``--seeds`` may grow: the
+new seeds are trained, the rest reused). Nothing finished is done again (a trained model's
+``<work-dir>/<name>/result.json``, each step's output directory); an interrupted training
+continues from its ``checkpoints/last.ckpt``.
 """
 
 from __future__ import annotations
@@ -34,30 +41,34 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from moe_lit.accounting import markdown_table
-from moe_lit.checkpoint import export_model, load_model
 from moe_lit.config import ModelConfig, refuse_unknown_keys
 from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory, atomic_write_json, atomic_write_text, check_output
+from moe_lit.io import atomic_write_json, check_output
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run_config import RunConfig, check_settings, merge_sections, read_yaml
 from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
-    from moe_lit.callbacks.preemption import Preemption
+    from lightning.pytorch.callbacks import Callback
+
+    from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
     from moe_lit.lit.run import RunResult
 
-MODELS = {"dense": CONFIGS_DIR / "model/tiny-dense.yaml", "moe": CONFIGS_DIR / "model/tiny-moe.yaml"}
+MODELS = {"dense": CONFIGS_DIR / "model/demo-dense.yaml", "moe": CONFIGS_DIR / "model/demo-moe.yaml"}
+"""The two models trained from scratch: the study's budget-M dense model and its E32 top-2 MoE."""
+UPCYCLED = "upcycled"
+"""The third model: the dense run grown into the MoE's layout half way (:func:`upcycling`)."""
+STUDY = CONFIGS_DIR / "studies/dense_vs_sparse.yaml"
+"""The study whose best arm the demo trains; its ``data`` section prepares the demo's data."""
 RUN = CONFIGS_DIR / "runs/demo.yaml"
 """The default ``--config``: the run of each model."""
 SETTINGS_CHECK = check_settings
 """``--SECTION.FIELD VALUE`` words over ``--config`` (moe_lit.console_script): the run's sections."""
-RESULTS_JSON, RESULTS_MD, PLOT = "results.json", "results.md", "val_loss.png"
-MODELS_DIR = "models"
-COMMAND = "make demo"
 WORK_DIR_SETTINGS, RESULT_FILE = "demo.json", "result.json"
 """In ``--work-dir``: the settings of the demo it holds; in each model's folder: its RunResult."""
+EVAL_LIMIT = 10
+"""Default ``--eval-limit``: items per suite task, so the suite fits the demo's time."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,11 +80,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--config", type=Path, default=RUN, help="run YAML of each model (default: configs/runs/demo.yaml)"
     )
     parser.add_argument("--out", type=Path, default=Path("results/demo"), help="results directory")
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="checkpoints and CSV logs")
+    parser.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="checkpoints, logs, step outputs")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="seeds of the dense model and the MoE (train.seed + 0..N-1): the MoE - dense difference as mean ± sd",
+    )
+    parser.add_argument(
+        "--eval-limit", type=int, default=EVAL_LIMIT, help="items per task of the multilingual suite (lm-eval --limit)"
+    )
     parser.add_argument(
         "--step-rounds",
         type=int,
-        default=8,
+        default=0,
         help="interleaved steps timing each trained model's step eager vs compiled (0 = skip)",
     )
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out and --work-dir")
@@ -84,9 +104,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_lit.callbacks.preemption import Preemption
+    from moe_lit.commands import demo_card
 
-    if args.step_rounds < 0:
-        raise MoeLitError(f"--step-rounds: must be >= 0 (0 skips the step timing), got {args.step_rounds}")
+    check_counts(args)
     run_doc = merge_sections(read_yaml(args.config, "--config"), args.settings)
     base = RunConfig.from_dict(run_doc)  # every setting checked before anything is written
     inputs = {"data.data_dir": base.data.data_dir}
@@ -94,22 +114,72 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         f"{section}.{key}": value for section, fields in run_doc.items() for key, value in (fields or {}).items()
     }
-    settings["step_rounds"] = args.step_rounds
-    check_work_dir(args, settings, inputs)
+    settings |= {"eval_limit": args.eval_limit, "step_rounds": args.step_rounds}
+    check_work_dir(args, settings, inputs)  # not --seeds: a resumed demo may add seeds
     data_dir = prepare_default_data(base.data.data_dir)
     run_doc = merge_sections(run_doc, {"data": {"data_dir": str(data_dir)}})
     preemption = Preemption(resume=resume_command(), label="moe-lit demo")
-    results, runs = {}, {}
-    for name, path in MODELS.items():
-        model_cfg, optim = load_module_config(path)
-        runs[name] = RunConfig.from_dict(
-            merge_sections({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}})
-        )
-        results[name] = train_model(name, path, model_cfg, runs[name], args, preemption)
-    steps_timed = step_throughput(results, runs["moe"], args.step_rounds) if args.step_rounds else {}
-    write_results(results, settings, tokenizer_file(data_dir), args.out, steps_timed)
-    print((args.out / RESULTS_MD).read_text())
+    models = {name: load_module_config(path) for name, path in MODELS.items()}
+    runs = {
+        name: RunConfig.from_dict(merge_sections({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}}))
+        for name, (_, optim) in models.items()
+    }
+    trained: dict[str, RunResult] = {}
+    grow = upcycling(models["dense"][0], models["moe"][0], runs["dense"].steps, base.train.seed)
+    for index in range(args.seeds):
+        for name, (model_cfg, _) in models.items():
+            run_cfg = runs[name].replace(train={"seed": base.train.seed + index})
+            trained[seed_name(name, index)] = train_model(
+                seed_name(name, index), MODELS[name], model_cfg, run_cfg, args, [preemption]
+            )
+        if index == 0:  # the third model of the card, before more seeds
+            dense = models["dense"][0]
+            trained[UPCYCLED] = train_model(UPCYCLED, MODELS["dense"], dense, runs["dense"], args, [preemption, grow])
+    steps = demo_card.card_steps(trained, data_dir, args)
+    card = {name: trained[name] for name in demo_card.CARD_MODELS}
+    steps_timed = step_throughput(card, runs["moe"], args.step_rounds) if args.step_rounds else {}
+    settings["seeds"] = args.seeds
+    demo_card.write_results(trained, settings, tokenizer_file(data_dir), args.out, steps_timed, steps, grow.at_steps[0])
+    print((args.out / demo_card.PAGE).read_text())
     return 0
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """The integer options: one line naming the option and what it allows."""
+    if args.seeds < 1:
+        raise MoeLitError(f"--seeds: must be >= 1, got {args.seeds}")
+    if args.eval_limit < 1:
+        raise MoeLitError(f"--eval-limit: must be >= 1 (items per suite task), got {args.eval_limit}")
+    if args.step_rounds < 0:
+        raise MoeLitError(f"--step-rounds: must be >= 0 (0 skips the step timing), got {args.step_rounds}")
+
+
+def seed_name(name: str, index: int) -> str:
+    """``dense`` for the first seed, ``dense-seed2`` for the third: a run's folder in ``--work-dir``."""
+    return name if index == 0 else f"{name}-seed{index}"
+
+
+def upcycling(dense: ModelConfig, moe: ModelConfig, steps: int, seed: int) -> DenseToMoEUpcycling:
+    """The dense run's FFNs become MoE layers after half its ``steps``: granular (virtual-group)
+    upcycling into ``moe``'s experts and top-k with granularity top-k, so each expert holds
+    d_ff / top_k of the dense neurons, the upcycled model computes the dense function exactly at
+    the swap and stays active-matched (as :func:`matched_moe_config`'s granularity); ``moe``'s
+    balancing, without an expert output bias (so it exports)."""
+    from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
+
+    if moe.moe is None or dense.moe is not None:
+        raise MoeLitError(f"demo: upcycling grows a dense model into an MoE; got {MODELS['dense']}, {MODELS['moe']}")
+    m = moe.moe
+    fields = {"expert_output_bias": False, "balancing": m.balancing, "aux_loss_coef": m.aux_loss_coef}
+    return DenseToMoEUpcycling(
+        at_step=max(1, steps // 2),
+        recipe="granular",
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        granularity=m.top_k,
+        seed=seed,
+        moe=fields | {"backend": m.backend},
+    )
 
 
 def check_work_dir(args: argparse.Namespace, settings: dict[str, object], inputs: dict[str, object]) -> None:
@@ -160,7 +230,7 @@ def train_model(
     model_cfg: ModelConfig,
     run_cfg: RunConfig,
     args: argparse.Namespace,
-    preemption: Preemption,
+    callbacks: list[Callback],
 ) -> RunResult:
     """One model's run in ``<work-dir>/<name>``: reused with ``--resume`` when it finished, continued
     when it was interrupted, else trained afresh; its result saved beside it."""
@@ -175,23 +245,28 @@ def train_model(
     if resume_from is None:
         shutil.rmtree(run_dir, ignore_errors=True)  # a previous demo's logs and checkpoints
     what = f"continuing from {resume_from}" if resume_from else f"for {run_cfg.tokens:,} tokens"
-    print(f"demo: training {name} ({config.name}) {what}", flush=True)
-    result = train_run(model_cfg, run_cfg, run_dir, callbacks=[preemption], resume_from=resume_from)
+    print(f"demo: training {name} ({config.name}, seed {run_cfg.train.seed}) {what}", flush=True)
+    result = train_run(model_cfg, run_cfg, run_dir, callbacks=callbacks, resume_from=resume_from)
     atomic_write_json(result_file, dataclasses.asdict(result))
     return result
 
 
 def prepare_default_data(data_dir: str | None) -> Path:
-    """``moe-lit data prepare`` with its defaults (reused when already prepared); the directory."""
-    from moe_lit.data.prepare import PrepareConfig, prepare
+    """The demo's data directory: ``data_dir`` as it is when given (a prepared directory), else the
+    dense_vs_sparse study's (``moe-lit data prepare`` with its ``data`` section; reused once built)."""
+    from moe_lit.data.prepare import prepare
+    from moe_lit.studies.study import load_study
 
-    cfg = PrepareConfig(out=data_dir)
+    if data_dir is not None:
+        return Path(data_dir)
+    cfg = load_study(STUDY).header.prepare_config()
     prepare(cfg)
     return Path(cfg.out)
 
 
 def step_throughput(results: dict[str, RunResult], run: RunConfig, rounds: int) -> dict[str, dict]:
     """Each trained model's training step on the first training batch of ``run``, eager vs compiled."""
+    from moe_lit.checkpoint import load_model
     from moe_lit.lit.datamodule import MoEDataModule
     from moe_lit.lit.throughput import eager_vs_compiled
 
@@ -208,71 +283,3 @@ def load_module_config(path: Path) -> tuple[ModelConfig, dict[str, object]]:
     optim = doc.get("optim") or {}
     refuse_unknown_keys(optim, OptimConfig, f"{path}: optim")
     return ModelConfig.from_yaml(path), optim
-
-
-def results_rows(results: dict[str, RunResult], steps_timed: dict[str, dict] | None = None) -> list[dict[str, object]]:
-    """One table row per model: params, tokens, final validation loss (overall, per language), tok/s
-    of the run and, when timed, of its step eager and compiled."""
-    rows = []
-    for name, result in results.items():
-        row: dict[str, object] = {
-            "model": name,
-            "total params": result.total_params,
-            "active params": result.active_params,
-            "tokens": result.tokens,
-            "val loss": result.val_loss,
-        }
-        row.update(result.val_loss_per_language)
-        row["tokens/s"] = round(result.tokens_per_s)
-        if steps_timed and name in steps_timed:
-            timed = steps_timed[name]
-            row["step tok/s eager"] = round(timed["eager_tokens_per_s"])
-            row["step tok/s compiled"] = round(timed["compiled_tokens_per_s"])
-            row["compiled speedup"] = round(timed["compiled_speedup"], 3)
-            row["compile s"] = round(timed["compile_s"], 1)
-        rows.append(row)
-    return rows
-
-
-def val_curve(result: RunResult) -> tuple[list[int], list[float]]:
-    """(training tokens, validation loss) at each validation."""
-    tokens_per_step = result.tokens // max(1, result.steps)
-    return [p["step"] * tokens_per_step for p in result.curve], [p["val_loss"] for p in result.curve]
-
-
-def plot_val_loss(results: dict[str, RunResult], path: Path) -> None:
-    from moe_lit.plotting import pyplot
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for name, result in results.items():
-        tokens, losses = val_curve(result)
-        label = f"{name} ({result.total_params / 1e6:.1f}M total, {result.active_params / 1e6:.1f}M active)"
-        ax.plot(tokens, losses, marker="o", label=label)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("moe-lit demo: dense vs active-matched MoE")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def write_results(
-    results: dict[str, RunResult],
-    settings: dict[str, object],
-    tokenizer: Path,
-    out: Path,
-    steps_timed: dict[str, dict] | None = None,
-) -> None:
-    """``results.json``, ``results.md``, ``val_loss.png`` and ``models/`` in ``out``, all or nothing."""
-    with atomic_directory(out) as tmp:
-        runs = {name: dataclasses.asdict(result) for name, result in results.items()}
-        doc = {"command": COMMAND, "settings": settings, "runs": runs, "step_throughput": steps_timed or {}}
-        atomic_write_json(tmp / RESULTS_JSON, doc)
-        table = markdown_table(results_rows(results, steps_timed))
-        atomic_write_text(tmp / RESULTS_MD, f"Made by `{COMMAND}`.\n\n{table}\n")
-        plot_val_loss(results, tmp / PLOT)
-        for name, result in results.items():
-            export_model(load_model(result.checkpoint), tmp / MODELS_DIR / name, tokenizer)

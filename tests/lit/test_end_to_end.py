@@ -81,7 +81,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
     assert cli_rows[-1]["val/loss"] == pytest.approx(full.val_loss, rel=1e-6)
 
     # the demo's report of that run: table, JSON, plot and the exported model, all in one directory
-    from moe_lit.commands.demo import MODELS_DIR, write_results
+    from moe_lit.commands.demo_card import MODELS_DIR, PAGE, write_results
     from moe_lit.data.layout import tokenizer_file
 
     timed = {
@@ -91,12 +91,12 @@ def test_resumed_run_repeats_the_uninterrupted_losses_then_validates_via_cli(pre
         "compile_s": 9.04,
     }
     write_results({"moe": full}, {"tokens": full.tokens}, tokenizer_file(prepared), tmp_path / "demo", {"moe": timed})
-    table = (tmp_path / "demo" / "results.md").read_text()
+    table = (tmp_path / "demo" / PAGE).read_text()
     assert (
-        "| model | total params | active params | tokens | val loss | de | en | ru | tokens/s "
+        "| model | total params | active params | tokens | val loss | imbalance | tokens/s "
         "| step tok/s eager | step tok/s compiled | compiled speedup | compile s |" in table
     )
-    assert f"| moe | 40,160 | 34,016 | 512 | {full.val_loss:.4g} |" in table
+    assert f"| moe | 40,160 | 34,016 | 512 | {full.val_loss:.4f} |" in table
     assert "| 1000 | 1101 | 1.1 | 9 |" in table
     assert (tmp_path / "demo" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
     exported = load_model(tmp_path / "demo" / MODELS_DIR / "moe")
