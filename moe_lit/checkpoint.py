@@ -40,6 +40,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_PREFIX = "model."
+RUN_LAST_CHECKPOINT = "checkpoints/last.ckpt"
+"""A run directory's newest checkpoint (``moe-lit fit --out DIR``, ``train_run``)."""
 SAFE_GLOBALS = (ModelConfig, MoEConfig, pathlib.PosixPath, pathlib.WindowsPath)
 """Classes a checkpoint may hold besides tensors and plain data: configs (checkpoints written before
 hyper-parameters became plain dicts keep the dataclasses) and paths (a datamodule's ``data_dir``)."""
@@ -254,6 +256,9 @@ def _exported_config(directory: Path) -> ModelConfig:
     try:
         data = json.loads(file.read_text())
     except FileNotFoundError as exc:
+        last = directory / RUN_LAST_CHECKPOINT
+        if last.is_file():
+            raise MoeLitError(f"checkpoint {directory}: a run directory; pass its newest checkpoint {last}") from exc
         raise MoeLitError(f"checkpoint {directory}: no {CONFIG_FILE}; is it an exported moe_lit model?") from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise MoeLitError(f"checkpoint {file}: not a readable JSON config ({_first_line(exc)})") from exc

@@ -167,3 +167,13 @@ def test_resolve_device_auto_and_refusals():
     if not torch.cuda.is_available():
         with pytest.raises(MoeLitError, match="device: cuda:0 requested but CUDA is not available"):
             resolve_device("cuda:0")
+
+
+def test_a_run_directory_given_as_a_model_points_to_its_last_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert main(["export", "--checkpoint", str(run), "--format", "mixtral", "--out", str(tmp_path / "hf")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    last = run / "checkpoints" / "last.ckpt"
+    assert line == f"moe-lit export: error: checkpoint {run}: a run directory; pass its newest checkpoint {last}"

@@ -18,7 +18,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--source",
         default=PrepareConfig.source,
         help="'debian' (LibreOffice help packages via apt-get download), a folder DIR/<lang>/*.txt "
-        "(paragraphs separated by blank lines) or hf:NAME (a Hugging Face dataset, needs the hub)",
+        "(paragraphs separated by blank lines; paragraph N of DIR/<lang>/F.txt is taken as the translation "
+        "of paragraph N of every other language's F.txt) or hf:NAME (a Hugging Face dataset, needs the hub)",
     )
     prep.add_argument(
         "--languages",

@@ -224,9 +224,12 @@ def _check_nonempty(splits: dict[str, dict[str, list[Paragraph]]]) -> None:
     for split, per_lang in splits.items():
         empty = [lang for lang, paragraphs in per_lang.items() if not paragraphs]
         if empty:
+            # NOTE: a larger held-out fraction takes its paragraphs from training: the hint never
+            # suggests it for an empty train split.
+            fraction = "lower --val-fraction / --test-fraction" if split == "train" else f"raise --{split}-fraction"
             raise MoeLitError(
-                f"language(s) {', '.join(empty)}: no paragraphs in the {split} split; "
-                "the source is too small (add text or raise --max-paragraphs / --val-fraction / --test-fraction)"
+                f"language(s) {', '.join(empty)}: no paragraphs in the {split} split; the source is too small "
+                f"(add text, raise --max-paragraphs, or {fraction})"
             )
 
 

@@ -119,3 +119,23 @@ def test_other_content_is_refused_unless_force_and_the_source_always(corpus_dir,
         prepare(PrepareConfig(out=corpus_dir.parent, force=True, **cfg))
     prepare(PrepareConfig(out=out, force=True, **cfg))
     assert not (out / "notes.txt").exists() and read_meta(out)["vocab_size"] == VOCAB
+
+
+@pytest.mark.parametrize(
+    ("empty", "hint"),
+    [
+        ("val", "raise --val-fraction"),
+        ("test", "raise --test-fraction"),
+        ("train", "lower --val-fraction / --test-fraction"),
+    ],
+)
+def test_an_empty_split_hint_never_shrinks_training_to_fill_another(empty, hint):
+    from moe_lit.data.prepare import _check_nonempty
+
+    splits = {split: {"en": [] if split == empty else ["a paragraph"]} for split in ("train", "val", "test")}
+    with pytest.raises(MoeLitError) as caught:
+        _check_nonempty(splits)
+    assert str(caught.value) == (
+        f"language(s) en: no paragraphs in the {empty} split; the source is too small "
+        f"(add text, raise --max-paragraphs, or {hint})"
+    )
