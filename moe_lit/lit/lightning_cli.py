@@ -37,7 +37,12 @@ fits: ``--resume`` continues it from ``DIR/checkpoints/last.ckpt`` (the same com
 ``moe-lit fit --config ... --ckpt_path DIR/checkpoints/last.ckpt``) or an exported directory
 (fit starts from its weights, validate and test evaluate them). The model section and, unless
 given, ``data.seq_len`` come from it, so ``moe-lit validate --ckpt_path CK --data.data_dir D``
-needs no config.
+needs no config. A resume continues its run as it was (``moe_lit.lit.resume``): model, optim or
+``data.seq_len`` settings given with another value than the checkpoint's, or data of another
+vocabulary or tokenizer, are one line and exit 2. ``--init_from PATH`` (a ``.ckpt`` or an
+exported directory) starts a new run from its weights instead: its model, a fresh optimizer,
+schedule and step, any data of its vocabulary size. A resume with another ``max_steps`` keeps the
+run's lr schedule (``--train.extend_schedule replan`` re-plans it); one line says which.
 
 ``validate`` and ``test`` print one table, a row per language (loss and perplexity), then overall.
 
@@ -84,6 +89,7 @@ from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.resume import (
     ONE_LAST_CHECKPOINT,
+    WEIGHTS_HINT,
     AtomicCheckpointIO,
     check_resumed_data,
     check_resumed_model,
@@ -197,9 +203,9 @@ class MoELightningCLI(LightningCLI):
             if init_from or Path(ckpt_path).is_dir():
                 trained = load_any_config(ckpt_path)
                 if given is not None and subcommand == "fit":
-                    check_resumed_model(
-                        {"hyper_parameters": {"model": trained.to_dict()}}, given[0], None, "--init_from"
-                    )
+                    flag = "--init_from" if init_from else "--ckpt_path"
+                    weights = {"hyper_parameters": {"model": trained.to_dict()}}
+                    check_resumed_model(weights, given[0], None, flag, WEIGHTS_HINT)
                 # NOTE: Lightning resumes from files only; an export's config goes in the model
                 # section here and its weights into the module before the run (_start_from_export).
                 self.exported, section["ckpt_path"] = Path(ckpt_path), None

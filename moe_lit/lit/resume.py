@@ -108,6 +108,7 @@ def resume_checkpoint(last: Path, ckpt_path: object, force: bool) -> Path:
 FROM_DATA = ("vocab_size", "seq_len")
 """Model fields a run takes from its data, not from its model settings (checked against the data)."""
 NEW_RUN_HINT = "a resume continues the run as it was; --init_from starts a new run from its weights"
+WEIGHTS_HINT = "its weights fix the model: leave the model settings out, or train a new model from scratch"
 
 
 def first_difference(
@@ -126,15 +127,17 @@ def first_difference(
     return None
 
 
-def _refusal(flag: str, field: str, saved: Any, given: Any, where: str = "given") -> MoeLitError:
-    return MoeLitError(f"{flag}: {field} is {saved!r} in the checkpoint but {given!r} {where}; {NEW_RUN_HINT}")
+def _refusal(
+    flag: str, field: str, saved: Any, given: Any, where: str = "given", hint: str = NEW_RUN_HINT
+) -> MoeLitError:
+    return MoeLitError(f"{flag}: {field} is {saved!r} in the checkpoint but {given!r} {where}; {hint}")
 
 
 def check_resumed_model(
-    checkpoint: Mapping[str, Any], model: ModelConfig, optim: OptimConfig | None, flag: str
+    checkpoint: Mapping[str, Any], model: ModelConfig, optim: OptimConfig | None, flag: str, hint: str = NEW_RUN_HINT
 ) -> None:
     """Refuse to resume ``checkpoint`` with a ``model`` (compared with the one the run started as,
-    :data:`FROM_DATA` aside) or an ``optim`` (None: not given) other than its own."""
+    :data:`FROM_DATA` aside) or an ``optim`` (None: not given) other than its own; ``hint`` ends the line."""
     hparams = checkpoint.get("hyper_parameters") or {}
     started = (checkpoint.get(RUN_STATE) or {}).get("model") or hparams.get("model")
     if started is None:
@@ -153,7 +156,7 @@ def check_resumed_model(
         )
         found = first_difference(saved_optim, given_optim, "optim.")
     if found is not None:
-        raise _refusal(flag, *found)
+        raise _refusal(flag, *found, hint=hint)
 
 
 def check_resumed_data(checkpoint: Mapping[str, Any], data: MoEDataModule, flag: str) -> None:

@@ -11,7 +11,7 @@ from moe_lit.callbacks.preemption import Interrupted
 from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.console_script import main
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.resume import NEW_RUN_HINT
+from moe_lit.lit.resume import NEW_RUN_HINT, WEIGHTS_HINT
 from moe_lit.lit.run import read_metrics, train_run
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
 from tests.helpers.cli_runs import fit
@@ -120,6 +120,12 @@ def test_a_resume_onto_other_data_is_one_line_and_exit_2_and_init_from_starts_a_
     init = ["--init_from", str(tmp_path / "run/checkpoints/last.ckpt"), "--trainer.max_steps", "2"]
     assert fit(other, *init, "--out", "tuned") == 0
     assert read_lightning_checkpoint(tmp_path / "tuned/checkpoints/last.ckpt")["global_step"] == 2
+    assert fit(other, *init, "--model.model.d_model", "64", "--out", "wider") == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(f"--init_from: model.d_model is 32 in the checkpoint but 64 given; {WEIGHTS_HINT}")
+    )
     assert fit(other, *init, "--resume", "--out", "run") == 2
     assert "--init_from starts a new run from weights, --resume/--ckpt_path continue one" in capsys.readouterr().err
 
