@@ -12,6 +12,7 @@ subcommand (``moe-lit convert prune: error: ...``). No parser accepts an abbrevi
 (``allow_abbrev=False``): ``--train.max_step`` is an unknown key, never ``--train.max_steps``.
 A command module with a ``SETTINGS_CHECK`` (``demo``, ``distill``: a run YAML's sections) also
 takes ``--SECTION.FIELD VALUE`` words, as ``args.settings`` (:func:`split_settings`).
+``moe-lit COMMAND --help`` starts with the command's line of ``EXAMPLES``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "generate": ("moe_lit.commands.generate", "continue prompts with a checkpoint (KV cache, greedy or sampled)"),
 }
+EXAMPLES: dict[str, str] = {
+    "fit": "moe-lit fit --config configs/experiments/tiny-moe.yaml --trainer.max_steps 50",
+    "validate": "moe-lit validate --ckpt_path runs/tiny-moe/checkpoints/last.ckpt --data.data_dir data_cache/default",
+    "test": "moe-lit test --ckpt_path runs/tiny-moe/checkpoints/last.ckpt --data.data_dir data_cache/default",
+    "accounting": "moe-lit accounting --config configs/model/tiny-dense.yaml configs/model/tiny-moe.yaml",
+    "data": "moe-lit data prepare --source my_corpus/ --vocab-size 4096 --out data_cache/mine",
+    "demo": "moe-lit demo --seeds 3 --train.max_tokens 200000",
+    "convert": "moe-lit convert upcycle --checkpoint runs/tiny-dense/checkpoints/last.ckpt --recipe copy "
+    "--num-experts 8 --top-k 2 --out moe/",
+    "distill": "moe-lit distill --teacher moe/ --student dense/ --train.max_tokens 262144 --out runs/distill/",
+    "export": "moe-lit export --checkpoint runs/tiny-moe/checkpoints/last.ckpt --format mixtral --out hf/",
+    "study": "moe-lit study run configs/studies/upcycling-e8-e32.yaml --parallel 2",
+    "eval": "moe-lit eval --checkpoint runs/tiny-moe/checkpoints/last.ckpt --tasks moe_lit_suite --limit 50",
+    "analyze": "moe-lit analyze routing --checkpoint runs/tiny-moe/checkpoints/last.ckpt --out results/analysis/tiny",
+    "lm-eval": "moe-lit lm-eval run --model moe_lit --model_args checkpoint=hf/ --tasks xnli_de --limit 20",
+    "generate": "moe-lit generate --checkpoint runs/tiny-moe/checkpoints/last.ckpt --prompt 'Der Hund' --top-k 50",
+}
+"""One command line per command: the first line of its ``--help`` (a test parses each one)."""
 ACTIONS: dict[str, tuple[str, ...]] = {
     "data": ("prepare",),
     "convert": ("import-hf", "upcycle", "expand", "partition", "prune", "moe-to-dense"),
@@ -185,13 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = argv[0], [packaged_config(arg) for arg in argv[1:]]
     try:
+        if command not in COMMANDS and command not in LIGHTNING_SUBCOMMANDS:
+            allowed = ", ".join([*LIGHTNING_SUBCOMMANDS, *COMMANDS])
+            raise MoeLitError(f"unknown command {command!r}; allowed: {allowed}")
+        if "-h" in rest or "--help" in rest:
+            print(f"example: {EXAMPLES[command]}\n", flush=True)
         if command in LIGHTNING_SUBCOMMANDS:
             from moe_lit.lit.lightning_cli import run_lightning_cli
 
             return run_lightning_cli([command, *rest])
-        if command not in COMMANDS:
-            allowed = ", ".join([*LIGHTNING_SUBCOMMANDS, *COMMANDS])
-            raise MoeLitError(f"unknown command {command!r}; allowed: {allowed}")
         module = importlib.import_module(COMMANDS[command][0])
         if command in PASSTHROUGH_COMMANDS:
             return module.main(rest)

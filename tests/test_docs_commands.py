@@ -25,6 +25,7 @@ import io
 import json
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_lit.console_script import ACTIONS, COMMANDS, LIGHTNING_SUBCOMMANDS, main, split_settings
+from moe_lit.console_script import ACTIONS, COMMANDS, EXAMPLES, LIGHTNING_SUBCOMMANDS, main, split_settings
 from tests.helpers.corpus import prepare_corpus
 from tests.helpers.doc_commands import DOCS, DocCommand, doc_commands
 from tests.helpers.paths import REPO
@@ -276,6 +277,21 @@ def shlex_join(argv) -> str:
     import shlex
 
     return shlex.join(argv)
+
+
+@pytest.mark.parametrize("command", [*LIGHTNING_SUBCOMMANDS, *COMMANDS])
+def test_every_command_help_starts_with_an_example_that_parses(command, monkeypatch, capsys):
+    from moe_lit.lit import lightning_cli
+
+    with monkeypatch.context() as patch:  # Trainer's own help (seconds) follows the example line
+        patch.setattr(lightning_cli, "run_lightning_cli", lambda argv: 0)
+        with contextlib.suppress(SystemExit):
+            main([command, "--help"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"example: {EXAMPLES[command]}"
+    argv = shlex.split(EXAMPLES[command])
+    assert argv[:2] == ["moe-lit", command]
+    _parse(argv, monkeypatch, capsys)
 
 
 # ----------------------------------------------------------------------------- moe-lit: names
