@@ -93,8 +93,13 @@ def test_the_dry_check_runs_its_cpu_commands_on_the_image_alone_and_records_ever
     expected = ["probe", "carry", "corpus", "build"]
     expected += [f"fit-{t}{resumed}" for t in TRAINERS for resumed in ("", "-resume")]
     assert names == [*expected, "resume-compare", "parity", "bench"]
-    failed = {line["step"]: (tmp_path / "out" / line["log"]).read_text()[-3000:] for line in lines if line["exit"]}
-    assert failed == {}, f"refused imports: {(tmp_path / 'refused.log').read_text() if failed else ''}"
+    failed = {
+        line["step"]: line.get("skipped") or (tmp_path / "out" / line["log"]).read_text()[-1500:]
+        for line in lines
+        if line["exit"]
+    }
+    refused = sorted(set((tmp_path / "refused.log").read_text().splitlines())) if failed else []
+    assert failed == {}, "\n".join(["refused imports (optional ones are caught by their importer):", *refused, *failed])
     assert sum(line["timeout_s"] for line in lines) <= BUDGET_S
     limits = {line["step"]: line["timeout_s"] for line in lines}
     assert [(name, limits.get(name)) for name, _ in script_steps()] == script_steps()  # device branches too
