@@ -40,6 +40,8 @@ MODELS_DIR = "models"
 CARD_MODELS = ("dense", "moe", "upcycled")
 """The three models of the card (the first seed's)."""
 MOES = ("moe", "upcycled")
+PAGE_SUITE_COLUMNS = ("bits/byte", "next-paragraph acc", "minimal-pairs acc")
+"""The columns of ``moe-lit eval``'s suite table that the page averages over languages."""
 MODELS_SEEDED = ("dense", "moe")
 """The models trained for every seed of ``--seeds``."""
 HF_FORMAT = "mixtral"
@@ -85,42 +87,59 @@ def _step(out: Path, done: Path, resume: bool, what: str) -> bool:
 
 def card_steps(trained: dict[str, RunResult], data_dir: Path, args: argparse.Namespace) -> CardSteps:
     """The suite of the three models, the routing of the two MoEs, the export of the better MoE."""
-    from moe_lit.commands import analyze, export
+    evals = {name: evaluate(name, trained[name].checkpoint, data_dir, args) for name in CARD_MODELS}
+    analyses = {name: analyse(name, trained[name].checkpoint, data_dir, args) for name in MOES}
+    best = min(MOES, key=lambda name: trained[name].val_loss)
+    hf_dir, check_file = export_best(best, trained[best].checkpoint, data_dir, args)
+    return CardSteps(evals, analyses, best, hf_dir, json.loads(check_file.read_text()))
+
+
+def evaluate(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
+    """``moe-lit eval`` of the local suite (``--eval-limit`` items per task, fp32) into ``eval/<name>``."""
     from moe_lit.commands import eval as eval_command
     from moe_lit.data.layout import tokenizer_file
 
-    tokenizer, work = tokenizer_file(data_dir), args.work_dir
-    evals, analyses = {}, {}
-    for name in CARD_MODELS:
-        out = evals[name] = work / "eval" / name
-        if _step(
-            out, out / "results.json", args.resume, f"moe-lit eval of {name} (local suite, limit {args.eval_limit})"
-        ):
-            run_command(
-                eval_command,
-                ["--checkpoint", trained[name].checkpoint, "--tasks", "moe_lit_suite", "--limit", args.eval_limit,
-                 "--data", data_dir, "--tokenizer", tokenizer, "--batch-size", EVAL_BATCH, "--precision", "32-true",
-                 "--bootstrap-iters", 0, "--out", out,
-                 "--force"],
-            )  # fmt: skip
-    for name in MOES:
-        out = analyses[name] = work / "analysis" / name
-        if _step(out, out / "routing.json", args.resume, f"moe-lit analyze routing of {name}"):
-            run_command(
-                analyze,
-                ["routing", "--checkpoint", trained[name].checkpoint, "--data", data_dir, "--tokenizer", tokenizer,
-                 "--out", out, "--force"],
-            )  # fmt: skip
-    best = min(MOES, key=lambda name: trained[name].val_loss)
-    hf_dir, check_file = work / "hf" / best, work / "hf" / f"{best}.json"
-    if _step(hf_dir, check_file, args.resume, f"moe-lit export of {best} to transformers ({HF_FORMAT})"):
-        checkpoint = trained[best].checkpoint
+    out = args.work_dir / "eval" / name
+    if _step(out, out / "results.json", args.resume, f"moe-lit eval of {name} (local suite, limit {args.eval_limit})"):
+        run_command(
+            eval_command,
+            ["--checkpoint", checkpoint, "--tasks", "moe_lit_suite", "--limit", args.eval_limit, "--data", data_dir,
+             "--tokenizer", tokenizer_file(data_dir), "--batch-size", EVAL_BATCH, "--precision", "32-true",
+             "--bootstrap-iters", 0, "--out", out, "--force"],
+        )  # fmt: skip
+    return out
+
+
+def analyse(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
+    """``moe-lit analyze routing`` of an MoE into ``analysis/<name>``."""
+    from moe_lit.commands import analyze
+    from moe_lit.data.layout import tokenizer_file
+
+    out = args.work_dir / "analysis" / name
+    if _step(out, out / "routing.json", args.resume, f"moe-lit analyze routing of {name}"):
+        run_command(
+            analyze,
+            ["routing", "--checkpoint", checkpoint, "--data", data_dir, "--tokenizer", tokenizer_file(data_dir),
+             "--out", out, "--force"],
+        )  # fmt: skip
+    return out
+
+
+def export_best(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> tuple[Path, Path]:
+    """``moe-lit export --format mixtral`` of an MoE into ``hf/<name>``, and its
+    :func:`check_transformers` in ``hf/<name>.json``: (the export, the check)."""
+    from moe_lit.commands import export
+    from moe_lit.data.layout import tokenizer_file
+
+    hf_dir, check_file = args.work_dir / "hf" / name, args.work_dir / "hf" / f"{name}.json"
+    if _step(hf_dir, check_file, args.resume, f"moe-lit export of {name} to transformers ({HF_FORMAT})"):
         run_command(
             export,
-            ["--checkpoint", checkpoint, "--format", HF_FORMAT, "--tokenizer", tokenizer, "--out", hf_dir, "--force"],
-        )
+            ["--checkpoint", checkpoint, "--format", HF_FORMAT, "--tokenizer", tokenizer_file(data_dir), "--out",
+             hf_dir, "--force"],
+        )  # fmt: skip
         atomic_write_json(check_file, check_transformers(hf_dir, Path(checkpoint), prompt(data_dir)))
-    return CardSteps(evals, analyses, best, hf_dir, json.loads(check_file.read_text()))
+    return hf_dir, check_file
 
 
 def prompt(data_dir: Path) -> str:
@@ -178,8 +197,6 @@ def results_rows(
 ) -> list[dict[str, object]]:
     """One table row per model: params, tokens, final validation loss, the suite's means over
     languages (when evaluated), load imbalance, tok/s of the run and, when timed, of its step."""
-    from moe_lit.commands.eval import SUITE_COLUMNS
-
     rows = []
     for name, result in results.items():
         row: dict[str, object] = {
@@ -190,7 +207,7 @@ def results_rows(
             "val loss": f"{result.val_loss:.4f}",
         }
         if scores and name in scores:
-            row |= {f"mean {column}": f"{_mean(scores[name], column):.4f}" for column in SUITE_COLUMNS.values()}
+            row |= {f"mean {column}": f"{_mean(scores[name], column):.4f}" for column in PAGE_SUITE_COLUMNS}
         row["imbalance"] = round(result.load_imbalance, 2)
         row["tokens/s"] = round(result.tokens_per_s)
         if steps_timed and name in steps_timed:
@@ -320,7 +337,8 @@ def write_results(
             for name, path in steps.analyses.items():
                 shutil.copytree(path, tmp / "analysis" / name)
             shutil.copytree(steps.hf_dir, tmp / MODELS_DIR / f"hf-{steps.best_moe}")
-        atomic_write_text(tmp / PAGE, page(card, doc["command"], scores, spread, steps, steps_timed))
+        text = page(card, doc["command"], scores, spread, steps, steps_timed)
+        atomic_write_text(tmp / PAGE, text + _notes(settings, swap_step, steps))
         for name, result in card.items():
             export_model(load_model(result.checkpoint), tmp / MODELS_DIR / name, tokenizer)
 
@@ -376,3 +394,14 @@ def page(
         "",
     ]
     return "\n".join(lines)
+
+
+def _notes(settings: dict[str, object], swap_step: int | None, steps: CardSteps | None) -> str:
+    """What the table's rows are: the upcycling step, the suite's size, the seeds."""
+    lines = ["", "## Notes", ""]
+    if swap_step is not None:
+        lines.append(f"- `upcycled`: the dense model's run, grown into the MoE's layout after step {swap_step}.")
+    if steps is not None:
+        lines.append(f"- The suite scored {settings.get('eval_limit')} items per task (`--eval-limit`), fp32.")
+    lines.append(f"- Seeds: {settings.get('seeds', 1)} (`--seeds`); the table and the plots are the first seed's.")
+    return "\n".join(lines) + "\n"
