@@ -5,9 +5,11 @@ The prepared dir follows the data pipeline's contract: ``meta.json``, ``tokenize
 """
 
 import json
+import shutil
 
 import pytest
 import torch
+from filelock import FileLock
 
 from moe_lit.checkpoint import export_model
 from moe_lit.model import Transformer
@@ -54,11 +56,36 @@ def exported(tmp_path_factory, tiny_moe, prepared_dir):
     return export_model(tiny_moe, tmp_path_factory.mktemp("ckpt") / "tiny-moe", prepared_dir / "tokenizer.json")
 
 
+def built_once(tmp_path_factory, worker_id: str, name: str, build):
+    """``build(dir)`` run once per test run, its result (a path under ``dir``) copied for the caller.
+
+    NOTE: pytest-xdist gives each worker its own session and basetemp; their parent is the run's, so
+    the first worker to ask builds there behind a file lock and every caller gets its own copy (the
+    tests may write into it). A run without xdist (``worker_id`` ``master``) builds in its basetemp.
+    """
+    run_dir = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        run_dir = run_dir.parent
+    cache = run_dir / f"built-{name}"
+    with FileLock(f"{cache}.lock"):
+        if not cache.is_dir():
+            partial = cache.with_name(f"{cache.name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)  # a build that failed earlier in this run
+            build(partial)
+            partial.rename(cache)
+    copy = tmp_path_factory.mktemp(name)
+    shutil.copytree(cache, copy, dirs_exist_ok=True, symlinks=True)
+    return copy
+
+
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs."""
-    root = tmp_path_factory.mktemp("cli_runs")
-    return prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
+def prepared(tmp_path_factory, worker_id):
+    """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs, this module's own copy."""
+
+    def build(root):
+        prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
+
+    return built_once(tmp_path_factory, worker_id, "cli_runs", build) / "data"
 
 
 @pytest.fixture

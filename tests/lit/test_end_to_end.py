@@ -11,17 +11,10 @@ from moe_lit.console_script import main
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.lit.run import read_metrics, train_run
 from moe_lit.lit.run_config import DataConfig, RunConfig, TrainConfig
-from tests.helpers.corpus import prepare_corpus
 from tests.helpers.models import tiny
 from tests.helpers.paths import EXPERIMENT
 
 SEQ_LEN, BATCH, STEPS, KILLED_AT = 16, 4, 8, 3
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    return prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
 
 
 def _run_config(prepared) -> RunConfig:
