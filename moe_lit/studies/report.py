@@ -4,7 +4,8 @@ Everything here reads ``results/<study>/study.json`` and ``runs/<hash>.json`` on
 be rebuilt at any time (``moe-lit study report``), also while a study still runs. The kind's
 ``analyse`` supplies its claims (tested), findings, tables and plots; this module judges the
 claims together (:func:`moe_lit.studies.verdicts.judge`: Holm over the study's claims, one verdict
-each), names the tests used in the header, and writes the rest. A report built from fewer finished
+each), names the tests used in the header, lists the measured contrast of every claim untestable here
+as a labelled finding, and writes the rest. A report built from fewer finished
 points than the one it would replace is refused unless ``force`` (a fresh clone without the
 records must never overwrite the shipped results).
 """
@@ -26,7 +27,7 @@ from moe_lit.io import atomic_write_json, atomic_write_text
 from moe_lit.studies.engine import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
 from moe_lit.studies.kinds import Analysis, kind_module
 from moe_lit.studies.study import study_from_plan
-from moe_lit.studies.verdicts import Verdict, judge, report_json, used_tests
+from moe_lit.studies.verdicts import Verdict, claim_findings, judge, report_json, used_tests
 
 PLOTS_DIR = "plots"
 LOSS = "val_loss"
@@ -152,8 +153,9 @@ def summary_markdown(
         f"{sub} Claims (verdicts: reproduced, contradicted, not detected, untestable here)",
         markdown_table([v.fields for v in verdicts]) if verdicts else "(not enough finished runs)",
     ]
-    if analysis.findings:
-        parts += [f"{sub} Findings (computed from the runs below)", "\n".join(analysis.findings)]
+    notes = [*analysis.findings, *(line for v in verdicts for line in claim_findings(v.evidence))]
+    if notes:
+        parts += [f"{sub} Findings (computed from the runs below)", "\n".join(notes)]
     for title, rows in analysis.tables.items():
         parts += [f"{sub} {title}", markdown_table(rows) if rows else "(none finished)"]
     if failed:

@@ -26,10 +26,25 @@ tested claims by Holm and gives each one verdict:
 Each claim enters Holm with one p: that of its deciding test (the difference; or for a claim with
 a margin, the smaller of the difference's or the equivalence's p, and for a claim of no effect the
 smaller of TOST's and the beyond-margin p).
+
+Three rules keep a verdict inside what the study can test:
+
+* **The object.** A claim states what the paper tested it on and what the study tests it on
+  (:class:`Subject`: a trained MoE, a dense model converted to an MoE, ...; :func:`about`). Where the two
+  differ the claim is untestable here with that reason; its measured contrast stays in the row and
+  becomes a *finding* about this model (:func:`finding`), never a verdict on the paper.
+* **Counted once.** Claims whose outcome vectors are identical (the same values of ``a`` and of ``b``)
+  are one measurement: :func:`judge` merges them into one row before Holm and says why.
+* **The interval of the verdict.** Beside the unadjusted 95% CI each row prints the Holm-consistent
+  simultaneous interval (:func:`holm_levels`): the claim at Holm step ``j`` gets the confidence level
+  ``1 - alpha / (m - j + 1)`` (steps after the first one not rejected keep that step's level), so the
+  interval excludes 0 exactly where Holm rejects; a claim decided against its margin shows the
+  ``1 - 2 alpha_j`` interval, inside (or beyond) the margin exactly where TOST (or its complement) rejects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +83,32 @@ TEST_SOURCES = {
     "TOST": "TOST equivalence (statsmodels ttost_paired / ttost_ind)",
 }
 SeedValues = Mapping[int, float]
+TRAINED_MOE, CONVERTED_MOE, DENSE, SCRATCH = (
+    "a trained MoE",
+    "a dense model converted to an MoE",
+    "a trained dense model",
+    "models trained from scratch",
+)
+SUBJECTS = (TRAINED_MOE, CONVERTED_MOE, DENSE, SCRATCH)
+"""What a claim is about: an MoE trained as one (pretrained or from scratch), a dense model cut into
+experts (its MoE a copy of its dense parent), a dense model, or a training recipe run from scratch."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The object a claim is tested on: its kind and, where the claim depends on them, scale and budget."""
+
+    kind: str
+    """One of :data:`SUBJECTS`; a claim is testable only where the paper's and the study's kinds agree."""
+    detail: str = ""
+    """Which model, its scale and training budget (``Qwen3-30B-A3B``, ``SmolLM2-135M, 98k distillation tokens``)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in SUBJECTS:
+            raise ConfigError(f"subject.kind: got {self.kind!r}, allowed values: {', '.join(SUBJECTS)}")
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.detail})" if self.detail else self.kind
 
 
 @dataclass(frozen=True)
@@ -94,6 +135,12 @@ class Claim:
     """Why this study cannot test the claim at all (then no values are needed)."""
     digits: int = 4
     """Decimals of the estimate, its CI and the MDE in the report."""
+    paper_object: Subject | None = None
+    """What the paper tested the claim on (set by :func:`about`)."""
+    study_object: Subject | None = None
+    """What this study tests it on (set by :func:`about`)."""
+    same_outcomes: str = ""
+    """Why this claim's outcomes may equal another claim's (printed where :func:`judge` counts them once)."""
 
     def __post_init__(self) -> None:
         if self.direction not in DIRECTIONS:
@@ -117,20 +164,21 @@ class Claim:
         """The claim tested on ``a`` and ``b`` (seed -> value; ``b`` may be a constant)."""
         if self.untestable:
             return self.missing(self.untestable)
-        if self.direction == EQUIVALENT and self.margin is None:
-            return Evidence(self, _difference(self, a, b), reason=NO_MARGIN)
         difference = _difference(self, a, b)
-        if not difference.testable:
-            return Evidence(self, difference, reason=difference.note)
-        if self.margin is None:
-            return Evidence(self, difference, decides="difference", p=difference.p)
         xs, ys = _paired_values(self, a, b, difference.paired)
+        values = (tuple(xs), ys if isinstance(ys, float) else tuple(ys))
+        if self.direction == EQUIVALENT and self.margin is None:
+            return Evidence(self, difference, reason=NO_MARGIN, values=values)
+        if not difference.testable:
+            return Evidence(self, difference, reason=difference.note, values=values)
+        if self.margin is None:
+            return Evidence(self, difference, decides="difference", p=difference.p, values=values)
         test = equivalence(xs, ys, *self.bounds, paired=difference.paired)
         if self.direction == EQUIVALENT:
             decides, p = ("equivalence", test.p) if test.p <= test.p_beyond else ("beyond margin", test.p_beyond)
         else:
             decides, p = ("equivalence", test.p) if test.p < difference.p else ("difference", difference.p)
-        return Evidence(self, difference, test, decides, p)
+        return Evidence(self, difference, test, decides, p, values=values)
 
     def on_records(self, records: Sequence[dict[str, Any]], value: Value, by: str = "config_name") -> Evidence:
         """The claim tested on the ok records whose field ``by`` names its arms: ``value`` per seed."""
@@ -174,6 +222,61 @@ class Evidence:
     """That test's p (nan when untestable)."""
     reason: str = ""
     """Why it is untestable here (empty when tested)."""
+    values: tuple[tuple[float, ...], tuple[float, ...] | float] | None = None
+    """The outcome vectors tested, (a, b) as paired or grouped (b: a constant); None without values."""
+    merged: str = ""
+    """The claims counted once with this one, and why (empty when none)."""
+    also: Evidence | None = None
+    """The same contrast by a second analysis that is not the verdict's (another unit, a rule added later),
+    printed beside it as a labelled finding."""
+
+    def untestable(self, reason: str) -> Evidence:
+        """This evidence untestable here for ``reason`` (added to any reason it has); its measured
+        difference is kept as a finding."""
+        reason = f"{self.reason}; {reason}" if self.reason else reason
+        return dataclasses.replace(self, equivalence=None, decides="", p=math.nan, reason=reason)
+
+
+def about(evidence: Sequence[Evidence], paper: Subject, study: Subject) -> list[Evidence]:
+    """Each claim with the object the paper tested it on and the one this study has; where their
+    kinds differ, untestable here with that reason (the measured contrast stays, as a finding)."""
+    out = []
+    for item in evidence:
+        item = dataclasses.replace(item, claim=dataclasses.replace(item.claim, paper_object=paper, study_object=study))
+        if paper.kind != study.kind:
+            item = item.untestable(f"the paper tested {paper.kind}; this study has {study.kind}")
+        out.append(item)
+    return out
+
+
+ABOUT_THIS_MODEL = "Finding about this model, not a verdict on the paper"
+
+
+def claim_findings(evidence: Evidence) -> list[str]:
+    """The labelled findings of one claim: its measured contrast where it is untestable here, and its
+    second analysis (:func:`second_analysis`), never a verdict."""
+    return [line for line in (finding(evidence), second_analysis(evidence)) if line]
+
+
+def second_analysis(evidence: Evidence) -> str:
+    """The claim's second analysis (:attr:`Evidence.also`) as a labelled bullet; empty when it has none."""
+    if (other := evidence.also) is None:
+        return ""
+    label = f"Second analysis, not the verdict ({other.claim.metric})"
+    return finding(other.untestable(other.reason or "second analysis"), label) or f"- {label}: {other.reason}"
+
+
+def finding(evidence: Evidence, label: str = ABOUT_THIS_MODEL) -> str:
+    """The measured contrast of an untestable claim as a markdown bullet under ``label``; empty when there is none."""
+    d, claim = evidence.difference, evidence.claim
+    if evidence.decides or d is None or not d.testable:
+        return ""
+    a, b = claim.arms
+    p = format_p(d.p)
+    return (
+        f"- {label}: {claim.text}: {claim.metric} {a} - {b} = {format_estimate(d, claim.digits)} "
+        f"(95% CI, unadjusted; {d.test}, n={d.n_a}, p {p if p.startswith('<') else f'= {p}'})."
+    )
 
 
 @dataclass(frozen=True)
@@ -188,6 +291,8 @@ class Verdict:
     """reproduced | contradicted | not detected | untestable here."""
     fields: dict[str, Any] = field(default_factory=dict)
     """The row of the report (and report.json)."""
+    interval: Difference | None = None
+    """The difference at its Holm-consistent simultaneous level (:func:`holm_levels`); None when untested."""
 
 
 def _word(evidence: Evidence, p_holm: float, alpha: float) -> str:
@@ -205,13 +310,65 @@ def _word(evidence: Evidence, p_holm: float, alpha: float) -> str:
     return REPRODUCED if claimed else CONTRADICTED
 
 
+def counted_once(evidence: Sequence[Evidence]) -> list[Evidence]:
+    """The claims with claims of identical outcome vectors (same metric, same values of a and b)
+    merged into the first of them, which names the others and why (``Claim.same_outcomes``)."""
+    first: dict[Any, int] = {}
+    out: list[Evidence] = []
+    twins: dict[int, list[Evidence]] = {}
+    for item in evidence:
+        key = None if item.values is None else (item.claim.metric, item.values)
+        if key is not None and key in first:
+            twins.setdefault(first[key], []).append(item)
+            continue
+        if key is not None:
+            first[key] = len(out)
+        out.append(item)
+    for index, others in twins.items():
+        item = out[index]
+        why = next((c.claim.same_outcomes for c in (item, *others) if c.claim.same_outcomes), "")
+        names = "; ".join(f"'{o.claim.text}'" for o in others)
+        n = len(item.values[0]) if item.values else 0
+        note = f"counted once with {names}: identical outcomes on all {n} units" + (f" ({why})" if why else "")
+        out[index] = dataclasses.replace(item, merged=note)
+    return out
+
+
+def holm_levels(p_values: Sequence[float], alpha: float = ALPHA) -> list[float]:
+    """Per p, the alpha of its Holm-consistent simultaneous interval (nan for a nan p): Holm step j of
+    m (p ascending) tests at alpha / (m - j + 1); from the first step not rejected on, that step's."""
+    order = sorted((i for i, p in enumerate(p_values) if not math.isnan(p)), key=lambda i: p_values[i])
+    m, levels, stop = len(order), [math.nan] * len(p_values), None
+    for step, i in enumerate(order, start=1):
+        if stop is None and p_values[i] >= alpha / (m - step + 1):
+            stop = step
+        levels[i] = alpha / (m - (stop or step) + 1)
+    return levels
+
+
+def _interval(evidence: Evidence, level: float) -> Difference | None:
+    """The claim's difference recomputed at confidence 1 - ``level`` from its outcome vectors."""
+    if evidence.values is None or math.isnan(level) or evidence.difference is None:
+        return None
+    xs, ys = evidence.values
+    if evidence.difference.paired:
+        return paired_difference(list(xs), ys if isinstance(ys, float) else list(ys), alpha=level)
+    return welch_difference(list(xs), list(ys), alpha=level)  # type: ignore[arg-type]
+
+
 def judge(evidence: Sequence[Evidence], alpha: float = ALPHA) -> list[Verdict]:
-    """Every claim of one study, Holm-adjusted together, each with its verdict and report row."""
-    adjusted = holm([e.p for e in evidence])
+    """Every claim of one study, counted once (:func:`counted_once`), Holm-adjusted together, each
+    with its verdict, its simultaneous interval and its report row."""
+    evidence = counted_once(evidence)
+    p_values = [e.p for e in evidence]
+    adjusted, levels = holm(p_values), holm_levels(p_values, alpha)
     verdicts = []
-    for item, p_holm in zip(evidence, adjusted, strict=True):
-        word = _word(item, p_holm, alpha)
-        verdicts.append(Verdict(item, p_holm, word, _report_row(item, p_holm, word)))
+    for item, p_holm, level in zip(evidence, adjusted, levels, strict=True):
+        # NOTE: a margin decides by TOST (or its complement): the 1 - 2 x level interval inside (or beyond)
+        # the margin is that test at level, so the row shows that interval.
+        level = level if item.decides in ("", "difference") else 2 * level
+        word, interval = _word(item, p_holm, alpha), _interval(item, level)
+        verdicts.append(Verdict(item, p_holm, word, _report_row(item, p_holm, word, interval, level), interval))
     return verdicts
 
 
@@ -233,15 +390,32 @@ def _p_label(evidence: Evidence) -> str:
     return f"{format_p(evidence.p)} ({'TOST' if evidence.decides == 'equivalence' else 'beyond margin'})"
 
 
-def _report_row(evidence: Evidence, p_holm: float, word: str) -> dict[str, Any]:
+def _interval_cell(evidence: Evidence, interval: Difference | None, level: float) -> str:
+    """The simultaneous interval the verdict used: against 0 (the difference decides) or the margin (TOST)."""
+    if interval is None or not interval.testable:
+        return "n/a"
+    digits = evidence.claim.digits
+    cell = f"[{interval.ci_low:+.{digits}f}, {interval.ci_high:+.{digits}f}] ({100 * (1 - level):.4g}%)"
+    if evidence.decides in ("", "difference"):
+        return f"{cell} used"
+    low, upp = evidence.claim.bounds
+    return f"{cell} used against the margin ({low:+g}, {upp:+g})"
+
+
+def _report_row(
+    evidence: Evidence, p_holm: float, word: str, interval: Difference | None = None, level: float = math.nan
+) -> dict[str, Any]:
     claim, d = evidence.claim, evidence.difference
     digits = claim.digits
     a, b = claim.arms
     verdict = f"**{word}**" + (f": {evidence.reason}" if word == UNTESTABLE and evidence.reason else "")
+    objects = (claim.paper_object, claim.study_object)
     return {
-        "claim": claim.text,
+        "claim": claim.text + (f" ({evidence.merged})" if evidence.merged else ""),
+        "object: paper / here": " / ".join(map(str, objects)) if None not in objects else "not declared",
         "a - b": f"{claim.metric}: {a} - {b}",
         "estimate [95% CI]": format_estimate(d, digits) if d is not None else "n/a",
+        "Holm simultaneous CI": _interval_cell(evidence, interval, level),
         "test": _test_label(evidence),
         "p": _p_label(evidence),
         "Holm p": format_p(p_holm),
@@ -261,7 +435,10 @@ def used_tests(verdicts: Sequence[Verdict]) -> str:
     used = ", ".join(TEST_SOURCES[name] for name in dict.fromkeys(names))
     return (
         f"Tests: {used}. Each claim has its 95% CI and its p adjusted by Holm over the study's {len(tested)} "
-        f"tested claims (statsmodels multipletests), alpha {ALPHA:g}; MDE: the smallest |a - b| detected with "
+        f"tested claims (statsmodels multipletests), alpha {ALPHA:g}, and the Holm-consistent simultaneous interval "
+        f"(level 1 - alpha / (m - j + 1) at Holm step j; 'used': the verdict is that interval's, which excludes 0 "
+        f"exactly where Holm rejects; against a margin 1 - 2 alpha_j, inside or beyond it exactly where TOST or its "
+        f"complement rejects); MDE: the smallest |a - b| detected with "
         f"power {POWER:g} at the claim's n and observed noise (statsmodels TTestPower / TTestIndPower)."
     )
 
@@ -274,6 +451,11 @@ def report_json(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
         out.append(
             {
                 "claim": claim.text,
+                "paper_object": str(claim.paper_object) if claim.paper_object else None,
+                "study_object": str(claim.study_object) if claim.study_object else None,
+                "objects_match": _objects_match(claim),
+                "merged": v.evidence.merged or None,
+                "second_analysis": second_analysis(v.evidence)[2:] or None,
                 "metric": claim.metric,
                 "arms": list(claim.arms),
                 "direction": claim.direction,
@@ -283,6 +465,7 @@ def report_json(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
                 "n": [d.n_a, d.n_b] if d else None,
                 "estimate": _number(d.estimate) if d else None,
                 "ci": [_number(d.ci_low), _number(d.ci_high)] if d else None,
+                "ci_holm": [_number(v.interval.ci_low), _number(v.interval.ci_high)] if v.interval else None,
                 "p_difference": _number(d.p) if d else None,
                 "p_tost": _number(e.p) if e else None,
                 "decides": v.evidence.decides or None,
@@ -295,12 +478,31 @@ def report_json(verdicts: Sequence[Verdict]) -> list[dict[str, Any]]:
     return out
 
 
+def _objects_match(claim: Claim) -> bool | None:
+    """Whether the paper's and the study's objects are of one kind; None where either is not declared."""
+    if claim.paper_object is None or claim.study_object is None:
+        return None
+    return claim.paper_object.kind == claim.study_object.kind
+
+
 def _number(value: float) -> float | None:
     return None if math.isnan(value) else float(value)
 
 
 __all__ = [
     "BY_SEED",
+    "CONVERTED_MOE",
+    "DENSE",
+    "SCRATCH",
+    "SUBJECTS",
+    "Subject",
+    "TRAINED_MOE",
+    "about",
+    "counted_once",
+    "finding",
+    "claim_findings",
+    "holm_levels",
+    "second_analysis",
     "CONTRADICTED",
     "Claim",
     "DIRECTIONS",

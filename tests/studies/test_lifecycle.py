@@ -161,3 +161,14 @@ def test_a_slice_runs_only_the_matching_points_and_a_child_waits_for_its_parent(
     records = run_study(study, out, only=["dense", "E4k2/rand*"], log=lambda _: None)
     assert sorted(r["name"] for r in records) == ["E4k2/random", "dense"] and all(r["status"] == "ok" for r in records)
     assert len(json.loads((out / "study.json").read_text())["points"]) == sum(STAGES.values())  # the whole plan
+
+
+def test_conversion_seeds_add_the_partition_stage_only_and_keep_every_hash(tiny):
+    before = {p.hash for p in parse_study(tiny[2]).points}
+    points = parse_study({**tiny[2], "conversion_seeds": [0, 1, 2]}).points
+    assert before <= {p.hash for p in points}  # every planned (and committed) point keeps its hash
+    extra = [p for p in points if p.hash not in before]
+    assert sorted({p.seed for p in extra}) == [1, 2] and {p.info["stage"] for p in extra} == {"partition"}
+    assert len(extra) == 2 * STAGES["partition"]  # the dense model is measured once
+    with pytest.raises(ConfigError, match="conversion_seeds"):
+        parse_study({**tiny[2], "conversion_seeds": [-1]})

@@ -8,7 +8,15 @@ import pytest
 
 from moe_lit.studies.engine import Call
 from moe_lit.studies.study import load_study
-from moe_lit.studies.verdicts import VERDICTS
+from moe_lit.studies.verdicts import (
+    CONTRADICTED,
+    CONVERTED_MOE,
+    NOT_DETECTED,
+    REPRODUCED,
+    TRAINED_MOE,
+    UNTESTABLE,
+    VERDICTS,
+)
 from tests.helpers.paths import REPO, STUDIES
 
 RESULTS = REPO / "results"
@@ -38,13 +46,48 @@ def test_every_claim_of_a_summary_has_its_numbers_and_one_of_the_four_verdicts(n
     summary = (RESULTS / name / "summary.md").read_text()
     claims = json.loads((RESULTS / name / "report.json").read_text())["claims"]
     assert claims and "Claims (verdicts: reproduced, contradicted, not detected, untestable here)" in summary
-    header = "| claim | a - b | estimate [95% CI] | test | p | Holm p | MDE (power 0.8) | paper | verdict |"
+    header = (
+        "| claim | object: paper / here | a - b | estimate [95% CI] | Holm simultaneous CI | test | p | Holm p "
+        "| MDE (power 0.8) | paper | verdict |"
+    )
     assert header in summary
     rows = [line for line in summary.split(header, 1)[1].split("\n\n", 1)[0].splitlines()[2:] if line]
     assert len(rows) == len(claims)
     for row, claim in zip(rows, claims, strict=True):
         assert claim["verdict"] in VERDICTS and f"| **{claim['verdict']}**" in row
         assert (claim["reason"] is not None) == (claim["verdict"] == "untestable here")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_claim_states_its_object_and_none_is_judged_on_another(name):
+    claims = json.loads((RESULTS / name / "report.json").read_text())["claims"]
+    for claim in claims:
+        assert claim["paper_object"] and claim["study_object"], claim["claim"]
+        if not claim["objects_match"]:
+            assert claim["verdict"] == UNTESTABLE and "the paper tested" in claim["reason"], claim["claim"]
+        pretrained_moe = claim["paper_object"].startswith(TRAINED_MOE)
+        if pretrained_moe and claim["study_object"].startswith(CONVERTED_MOE):
+            assert claim["verdict"] not in (REPRODUCED, CONTRADICTED), claim["claim"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_not_detected_row_shows_the_interval_its_verdict_used(name):
+    for claim in json.loads((RESULTS / name / "report.json").read_text())["claims"]:
+        if claim["verdict"] != NOT_DETECTED:
+            continue
+        low, high = claim["ci_holm"]
+        if claim["decides"] == "difference":
+            assert low <= 0 <= high, claim["claim"]
+        else:  # against the margin: neither inside it nor beyond it
+            bottom, top = claim["margin"]
+            assert not bottom < low <= high < top and not (low > top or high < bottom), claim["claim"]
+
+
+def test_the_upcycling_utility_claim_is_judged_by_its_registered_design():
+    claims = json.loads((RESULTS / "upcycling-e8-e32" / "report.json").read_text())["claims"]
+    (utility,) = [c for c in claims if "utility selection" in c["claim"]]
+    assert utility["verdict"] == NOT_DETECTED and utility["mde"] == pytest.approx(0.0217, abs=5e-5)
+    assert utility["second_analysis"].startswith("Second analysis, not the verdict")
 
 
 def test_no_old_verdict_words_in_results_readme_docs_or_code():

@@ -8,9 +8,11 @@ import pytest
 from statsmodels.stats.weightstats import ttost_paired
 
 from moe_lit.config import ConfigError
+from moe_lit.stats import holm
 from moe_lit.studies.records import by_seed
 from moe_lit.studies.verdicts import (
     CONTRADICTED,
+    CONVERTED_MOE,
     EQUIVALENT,
     HIGHER,
     INDEPENDENT,
@@ -18,9 +20,14 @@ from moe_lit.studies.verdicts import (
     NO_MARGIN,
     NOT_DETECTED,
     REPRODUCED,
+    TRAINED_MOE,
     UNTESTABLE,
     Claim,
     Evidence,
+    Subject,
+    about,
+    finding,
+    holm_levels,
     judge,
     report_json,
     used_tests,
@@ -162,3 +169,75 @@ def test_pairing_follows_the_shared_seeds():
 def test_bad_declarations_name_the_field(fields, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Claim(**{"text": "x", "metric": "m", "arms": ("a", "b"), "direction": LOWER, **fields})
+
+
+def test_claims_with_identical_outcome_vectors_enter_holm_once_and_say_why():
+    a, b = {0: 1.0, 1: 2.0, 2: 1.6}, {0: 1.5, 1: 2.9, 2: 2.0}
+    frequency = Claim("maestro beats frequency", "acc", ("maestro", "frequency"), LOWER).on(a, b)
+    twin = Claim("maestro beats router_weighted", "acc", ("maestro", "rw"), LOWER, same_outcomes="unit weights")
+    other = Claim("maestro beats reap", "acc", ("maestro", "reap"), LOWER).on(a, {0: 1.1, 1: 2.5, 2: 1.7})
+    verdicts = judge([frequency, twin.on(a, b), other])
+    assert [v.evidence.claim.text for v in verdicts] == ["maestro beats frequency", "maestro beats reap"]
+    assert verdicts[0].p_holm == pytest.approx(holm([frequency.p, other.p])[0])  # a family of 2, not 3
+    assert "counted once with 'maestro beats router_weighted'" in verdicts[0].fields["claim"]
+    assert "(unit weights)" in verdicts[0].fields["claim"]
+    values = [v.evidence.values for v in verdicts if not math.isnan(v.p_holm)]
+    assert len(values) == len(set(values))  # no two claims of the family share their outcome vectors
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_simultaneous_interval_excludes_zero_exactly_where_holm_rejects(seed):
+    rng = np.random.default_rng(seed)
+    claims = []
+    for i, shift in enumerate(rng.uniform(-0.05, 0.05, size=6)):
+        b = {s: float(v) for s, v in enumerate(rng.normal(4.0, 0.1, size=5))}
+        a = {s: v + shift + float(rng.normal(0, 0.02)) for s, v in b.items()}
+        claims.append(Claim(f"claim {i}", "loss", ("a", "b"), LOWER).on(a, b))
+    for verdict in judge(claims):
+        interval = verdict.interval
+        assert (interval.ci_low > 0 or interval.ci_high < 0) == (verdict.p_holm < 0.05)
+        assert interval.ci_low <= verdict.evidence.difference.ci_low  # never narrower than the unadjusted CI
+        assert verdict.fields["Holm simultaneous CI"].endswith("used")
+
+
+def test_holm_levels_follow_the_step_down_and_stop_at_the_first_acceptance():
+    levels = holm_levels([0.001, 0.04, 0.011, math.nan])
+    # ascending: 0.001 (step 1: 0.05/3 rejects), 0.011 (step 2: 0.05/2 rejects), 0.04 (step 3: 0.05/1 rejects)
+    assert levels[:3] == pytest.approx([0.05 / 3, 0.05, 0.05 / 2]) and math.isnan(levels[3])
+    assert holm_levels([0.03, 0.03, 0.001]) == pytest.approx([0.05 / 2, 0.05 / 2, 0.05 / 3])  # stops at step 2
+
+
+def test_a_claim_about_another_object_is_untestable_and_its_contrast_a_finding():
+    evidence = Claim("MoE->dense beats dense->dense", "acc", ("moe", "dense"), HIGHER).on(
+        {0: 0.8, 1: 0.82, 2: 0.79}, {0: 0.9, 1: 0.93, 2: 0.91}
+    )
+    paper, here = Subject(TRAINED_MOE, "Qwen3-30B-A3B"), Subject(CONVERTED_MOE, "SmolLM2-135M cut into experts")
+    (moved,) = about([evidence], paper, here)
+    (verdict,) = judge([moved])
+    assert verdict.word == UNTESTABLE and "the paper tested a trained MoE" in verdict.evidence.reason
+    assert verdict.fields["object: paper / here"] == f"{paper} / {here}"
+    assert finding(moved).startswith("- Finding about this model, not a verdict on the paper: MoE->dense")
+    assert report_json([verdict])[0]["objects_match"] is False
+    (same,) = judge(about([evidence], here, here))
+    assert same.word == CONTRADICTED and finding(same.evidence) == ""
+    with pytest.raises(ConfigError, match="subject.kind"):
+        Subject("a large model")
+
+
+def test_a_claim_decided_against_its_margin_shows_the_tost_interval_of_its_holm_step():
+    a = {s: 4.0 + 0.1 * s for s in range(6)}
+    close = Claim("matches", "loss", ("a", "b"), EQUIVALENT, margin=0.05).on(
+        a, {s: v - 0.004 + 0.003 * (s % 2) for s, v in a.items()}
+    )
+    far = Claim("also matches", "loss", ("a", "c"), EQUIVALENT, margin=0.05).on(
+        a, {s: v - 0.2 + 0.01 * (s % 3) for s, v in a.items()}
+    )
+    for verdict in judge([close, far]):
+        interval, (low, upp) = verdict.interval, verdict.evidence.claim.bounds
+        inside, beyond = (
+            low < interval.ci_low and interval.ci_high < upp,
+            interval.ci_low > upp or interval.ci_high < low,
+        )
+        assert inside == (verdict.word == REPRODUCED) and beyond == (verdict.word == CONTRADICTED)
+        assert verdict.fields["Holm simultaneous CI"].endswith("used against the margin (-0.05, +0.05)")
+    assert [v.word for v in judge([close, far])] == [REPRODUCED, CONTRADICTED]

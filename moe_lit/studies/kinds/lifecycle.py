@@ -8,6 +8,7 @@ and the suite's items; with one seed the claims pair models item by item (the sp
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from moe_lit.studies import spec as check
 from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.records import select
-from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, Claim
+from moe_lit.studies.verdicts import CONVERTED_MOE, EQUIVALENT, HIGHER, TRAINED_MOE, Claim, Subject, about, finding
 
 DOT_MOE, METHODS = "dot_moe", (*ASSIGNMENTS, "dot_moe", PRUNING)
 SPARSE_TARGET, TARGETS, DAMPING, CALIBRATION_BATCH = 0.9, [0.0, 0.5, 0.7, 0.8, 0.9], 0.85, 4
@@ -43,6 +44,9 @@ class LifecycleSpec:
     """``[E, k]`` MoEs the dense FFNs are partitioned into (E experts of d_ff / E neurons, k active)."""
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     """random | kmeans | coactivation (centroid routers) | dot_moe | pruning (once per active width)."""
+    conversion_seeds: list[int] = field(default_factory=list)
+    """Seeds of the partition stage only, beside the study's seeds (each a new partition init, DOT-MoE training
+    and distillation order; the dense model is measured once): the partition claims take the seed as the unit."""
     prune_source: str = "E8k4/dot_moe"
     """``E<E>k<k>/<method>``: the recovered MoE pruned, turned dense and sparsified (named before it runs)."""
     fractions: list[float] = field(default_factory=lambda: [0.25, 0.5])
@@ -76,6 +80,7 @@ class LifecycleSpec:
     def __post_init__(self) -> None:
         check.distinct(self.shapes, "shapes", each=lambda s: len(s) == 2 and all(map(check.is_int, s)), must="[E, k]")
         check.distinct(self.methods, "methods", allowed=METHODS)
+        check.ints(self.conversion_seeds, "conversion_seeds", 0, empty=True)
         moes = [f"E{e}k{k}/{m}" for e, k in self.shapes for m in self.methods if m != PRUNING]
         check.choice(self.prune_source, "prune_source", moes)
         check.fractions(self.fractions, "fractions")
@@ -106,7 +111,8 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
     # before calibration_split existed keep their hashes.
     text = calibration | ({"split": spec.calibration_split} if spec.calibration_split != "test" else {})
     first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
-    for seed in header.seeds:
+    extra = [s for s in spec.conversion_seeds if s not in header.seeds]
+    for seed in [*header.seeds, *extra]:
         runs = {False: header.seeded_run(seed).replace(train={"max_steps": 0})}
         runs[True] = spec.recovery.run(header.seeded_run(seed))
         modules = {False: None, True: Call.of(distill_module, teacher=spec.model)}
@@ -114,9 +120,12 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
         def add(config, model, info, start, transform=None, recovered=False, measure=None, seed=seed) -> None:
             measure = measure or Call.of(measure_model, before=recovered, **quality)
             run, module = runs[recovered], modules[recovered]  # noqa: B023 - called within this iteration only
-            points.append(header.point(config, seed, model, run, info, start, transform, (), measure, module))
+            point = header.point(config, seed, model, run, info, start, transform, (), measure, module)
+            extra_seed = seed in extra  # noqa: B023 - called within this iteration only
+            points.append(dataclasses.replace(point, name=f"{config}/s{seed}") if extra_seed else point)
 
-        add("dense", dense, {"stage": "dense", "method": "dense"}, on_disk)
+        if seed in header.seeds:  # measured once a seed of the study; deterministic (no training)
+            add("dense", dense, {"stage": "dense", "method": "dense"}, on_disk)
         for (experts, top_k), method in itertools.product(spec.shapes, spec.methods):
             if method == PRUNING and first[top_k / experts] != [experts, top_k]:
                 continue  # pruning once per active width (at its first shape)
@@ -128,6 +137,8 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
             shape, transform = f"E{experts}k{top_k}", Call.of(partition, **kwargs)
             info = {"stage": "partition", "method": method, "shape": shape, "active_ffn": top_k / experts}
             add(f"{shape}/{method}", model, info, on_disk, transform, recovered=True)
+        if seed in extra:
+            continue  # a conversion seed: the partition stage only
         moe = next(p for p in points if p.config_name == spec.prune_source).model
         from_source = header.start(spec.prune_source, seed)
         for fraction in spec.fractions:
@@ -201,34 +212,127 @@ def _retention_row(config: str, r: dict[str, Any], source: dict[str, Any]) -> di
     return row | {"cross-task variance": f"{tasks.variance:.5f}"}
 
 
-def _chain_claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
-    def on(text: str, a: str, b: str, task: str | None = None) -> Any:
-        claim = Claim(text, "task acc (items)", (a, b), HIGHER)
-        if "suite" not in arms.get(a, {}) or "suite" not in arms.get(b, {}):
-            return claim.missing("an arm has no measurement (not run yet, or failed)")
-        return claim.on(_items(arms[a]["suite"], task), _items(arms[b]["suite"], task))
+CONVERSION_SEEDS = 3
+"""Conversion seeds (partition init, DOT-MoE training, distillation order) a partition-stage claim needs:
+the seed is its unit, so the conversion's own noise is in the error bar."""
+UNIT_WEIGHTS = (
+    "the prune source's router weights are all 1.0 (unit_weights, no renormalisation), so router-weighted "
+    "frequency is frequency"
+)
+FORCED_BUDGET = (
+    "at {fraction:g} pruned every layer keeps exactly top_k = {top_k} experts (total = active parameters): no "
+    "cross-layer allocation is left and routing picks every kept expert, so the methods' choice plays no part"
+)
+CONVERSION_UNIT = (
+    "the claims take each conversion seed's mean accuracy as the unit ({n} seeds needed); below, the same "
+    "contrasts item by item within one conversion, as findings."
+)
+PARTITION_PAPER = Subject(CONVERTED_MOE, "DOT-MoE: pretrained dense LMs cut into experts")
+PRUNE_PAPER = Subject(TRAINED_MOE, "MAESTRO / REAP / NAEE: pretrained MoE LLMs")
+TO_DENSE_PAPER = Subject(
+    TRAINED_MOE, "Qwen3-30B-A3B, DeepSeek-V2-Lite, GPT-OSS-20B; distilled from the MoE, ~4B tokens"
+)
+SPARSITY_PAPER = Subject(TRAINED_MOE, "off-the-shelf pretrained MoEs")
 
-    claims, pruning = [], {k / e: f"E{e}k{k}/{PRUNING}" for e, k in reversed(spec["shapes"])}  # as expand names it
-    tasks = sorted(arms.get("dense", {}).get("suite", {}).get("outcomes", {}))
+
+def _here(spec: dict[str, Any], recovery_tokens: int) -> Subject:
+    """The study's object: the dense model cut into experts and distilled from itself."""
+    return Subject(CONVERTED_MOE, f"{spec['model']} cut into experts, {recovery_tokens:,} distillation tokens")
+
+
+def _on_items(text: str, arms: dict[str, dict[str, Any]], a: str, b: str, task: str | None = None, **claim_fields):
+    """``a`` beats ``b`` on task accuracy, items of one seed as the units."""
+    claim = Claim(text, "task acc (items)", (a, b), HIGHER, **claim_fields)
+    if "suite" not in arms.get(a, {}) or "suite" not in arms.get(b, {}):
+        return claim.missing("an arm has no measurement (not run yet, or failed)")
+    return claim.on(_items(arms[a]["suite"], task), _items(arms[b]["suite"], task))
+
+
+def _on_seeds(text: str, seeds: dict[int, dict[str, dict[str, Any]]], a: str, b: str, task: str | None = None):
+    """``a`` beats ``b`` on task accuracy, conversion seeds as the units (each seed's mean over items)."""
+    claim = Claim(text, "task acc (seeds)", (a, b), HIGHER)
+    mean = {
+        s: {arm: _mean(arms[arm]["suite"], task) for arm in (a, b) if "suite" in arms.get(arm, {})}
+        for s, arms in seeds.items()
+    }
+    shared = sorted(s for s, arms in mean.items() if len(arms) == 2)
+    if not shared:
+        return claim.missing("an arm has no measurement (not run yet, or failed)")
+    evidence = claim.on({s: mean[s][a] for s in shared}, {s: mean[s][b] for s in shared})
+    if len(shared) < CONVERSION_SEEDS:
+        why = f"{len(shared)} conversion seed(s), {CONVERSION_SEEDS} needed: the conversion's own noise is not measured"
+        return dataclasses.replace(evidence.untestable(why), reason=why)  # the seed count is the reason
+    return evidence
+
+
+def _mean(scores: dict[str, Any], task: str | None) -> float:
+    values = list(_items(scores, task).values())
+    return sum(values) / len(values)
+
+
+def _partition_claims(seeds: dict[int, dict[str, dict[str, Any]]], spec: dict[str, Any]) -> tuple[list, list]:
+    """(claims on seeds, the same contrasts on the items of the first seed: within-conversion findings)."""
+    first_seed = seeds[min(seeds)]
+    claims, items, pruning = [], [], {k / e: f"E{e}k{k}/{PRUNING}" for e, k in reversed(spec["shapes"])}
+    tasks = sorted(first_seed.get("dense", {}).get("suite", {}).get("outcomes", {}))
     for experts, top_k in spec["shapes"]:
         shape = f"E{experts}k{top_k}"
-        for t in tasks or [None]:
-            text = f"{shape}: the dense model scores above a random partition" + (f" ({t})" if t else "")
-            claims.append(on(text, "dense", f"{shape}/random", t))
+        pairs = [
+            (
+                f"{shape}: the dense model scores above a random partition" + (f" ({t})" if t else ""),
+                "dense",
+                f"{shape}/random",
+                t,
+            )
+            for t in tasks or [None]
+        ]
         baselines = [f"{shape}/{m}" for m in ASSIGNMENTS if m in spec["methods"]]
         baselines += [pruning[top_k / experts]] if PRUNING in spec["methods"] else []
-        claims += [on(f"{shape}: DOT-MoE beats {b.split('/')[1]}", f"{shape}/{DOT_MOE}", b) for b in baselines]
-    first, *others = spec["prune_methods"]
-    for arm in (f"prune/{fraction:g}/" for fraction in spec["fractions"]):
-        claims += [on(f"{arm.split('/')[1]} pruned: {first} beats {m}", arm + first, arm + m) for m in others]
-    claims.append(on("MoE->dense beats dense->dense at the same width", "to_dense/moe", "to_dense/dense"))
+        pairs += [(f"{shape}: DOT-MoE beats {b.split('/')[1]}", f"{shape}/{DOT_MOE}", b, None) for b in baselines]
+        claims += [_on_seeds(text, seeds, a, b, t) for text, a, b, t in pairs]
+        items += [_on_items(text, first_seed, a, b, t) for text, a, b, t in pairs]
+    return claims, items
+
+
+def _prune_claims(arms: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list:
+    """The first prune method against each other, per fraction; a budget that keeps exactly top-k experts in
+    every layer (total = active parameters) leaves no choice to compare."""
+    source = arms.get(spec["prune_source"], {}).get("model", {}).get("moe") or {}
+    unit = source.get("unit_weights") and not source.get("renormalize")
+    same = UNIT_WEIGHTS if unit else ""
+    claims, (first, *others) = [], spec["prune_methods"]
+    for fraction in spec["fractions"]:
+        arm = f"prune/{fraction:g}/"
+        made = [
+            _on_items(f"{fraction:g} pruned: {first} beats {m}", arms, arm + first, arm + m, same_outcomes=same)
+            for m in others
+        ]
+        pruned = [arms[arm + m] for m in spec["prune_methods"] if arm + m in arms]
+        if pruned and all(r["total_params"] == r["active_params"] for r in pruned):
+            why = FORCED_BUDGET.format(fraction=fraction, top_k=pruned[0]["top_k"])
+            made = [e.untestable(why) for e in made]
+        claims += made
+    return claims
+
+
+def _chain_claims(
+    seeds: dict[int, dict[str, dict[str, Any]]], spec: dict[str, Any], recovery_tokens: int
+) -> tuple[list, list]:
+    """(the claims, within-conversion item-level contrasts of the partition stage)."""
+    arms, here = seeds[min(seeds)], _here(spec, recovery_tokens)
+    partition, items = _partition_claims(seeds, spec)
+    claims = about(partition, PARTITION_PAPER, here)
+    claims += about(_prune_claims(arms, spec), PRUNE_PAPER, here)
+    text = "MoE->dense beats dense->dense at the same width"
+    claims += about([_on_items(text, arms, "to_dense/moe", "to_dense/dense")], TO_DENSE_PAPER, here)
+    sparsity = []
     for rule in RULES:
         text, metric = f"{rule}: 90% of the neurons skipped within the margin", "loss increase (languages)"
         claim = Claim(text, metric, (f"sparsity/{rule}", "0"), EQUIVALENT, margin=spec["max_increase"])
         curve = arms.get(f"sparsity/{rule}", {}).get("curve", [])
         rows = [r["increase"] for r in curve if r["target"] == SPARSE_TARGET]
-        claims.append(claim.on(dict(enumerate(rows)), 0.0) if rows else claim.missing("not measured yet"))
-    return claims
+        sparsity.append(claim.on(dict(enumerate(rows)), 0.0) if rows else claim.missing("not measured yet"))
+    return claims + about(sparsity, SPARSITY_PAPER, here), items
 
 
 def _model_row(config: str, r: dict[str, Any]) -> dict[str, Any]:
@@ -267,10 +371,14 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     tables["Intra-expert activation sparsity of the prune source (per-layer thresholds; loss increase relative)"] = (
         sparse
     )
-    claims = _chain_claims(arms, plan["spec"])
-    apart = [(e.claim.text, e.difference) for e in claims if "random partition (" in e.claim.text and e.difference]
-    note = ["- One seed: the noise is item to item (tasks), language to language (sparsity)."]
-    note += [f"- {t}: {d.estimate / d.sd * d.n_a**0.5:+.1f} item-paired standard errors" for t, d in apart if d.sd > 0]
+    measured = sorted({*plan["seeds"], *plan["spec"].get("conversion_seeds", [])})
+    seeds = {s: {r["config_name"]: r for r in select(records, seed=s)} for s in measured}
+    seeds = {s: ({"dense": arms["dense"]} if "dense" in arms else {}) | a for s, a in seeds.items()}  # measured once
+    recovery = plan["spec"]["recovery"]["steps"] * plan["run"]["data"]["batch_size"] * plan["run"]["data"]["seq_len"]
+    claims, items = _chain_claims({s: a for s, a in seeds.items() if a} or {seed: {}}, plan["spec"], recovery)
+    within = f"Within one conversion (seed {seed}; items as units, the conversion's noise not in the CI)"
+    note = [f"- Partition stage: {CONVERSION_UNIT.format(n=CONVERSION_SEEDS)}"]
+    note += [finding(e.untestable("within one conversion"), within) for e in items]
     plotted = [(c, r) for c, r in arms.items() if r.get("stage") != "sparsity" and "task_acc" in r]
     plot = [plot_chain(plotted, plots_dir)] if plotted else []
     return Analysis(claims=claims, findings=note, tables=tables, plots=plot)

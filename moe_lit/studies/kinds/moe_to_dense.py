@@ -26,7 +26,7 @@ from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import conversion_screen, final_model, start_validation, suite_fields
 from moe_lit.studies.records import best, cells, collect, language_means, select
-from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
+from moe_lit.studies.verdicts import HIGHER, LOWER, TRAINED_MOE, Claim, Subject, about
 
 BASELINE, DIVERSITY_SCORE = "dense_to_dense", "do_acp"
 FACTORS = {"score": 0, "grouping": 1, "scaling": 2}
@@ -149,6 +149,11 @@ class MoeToDenseSpec:
 
 
 DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1000}}
+PAPER, HERE = (
+    Subject(TRAINED_MOE, "pretrained MoE LLMs (Qwen3-30B-A3B, DeepSeek-V2-Lite, GPT-OSS-20B)"),
+    "scale and budget in the description above",
+)
+"""What the paper tested its claims on, and the study's scale (its object: :func:`analyse`)."""
 parse = check.parser(MoeToDenseSpec, ("model",))
 
 
@@ -343,7 +348,7 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     after = {"names": list(distilled), "ylabel": "val loss", "rotation": 30}
     after["series"] = {f"{w} distillation": [e[w] for e in distilled.values()] for w in WHEN}
     written += [plots.category_figure(plots_dir, "distilled", [after], width, 4.0)] if distilled else []
-    claims = _screen_claims(values) + _distill_claims(plan, distilled)
+    claims = about(_screen_claims(values) + _distill_claims(plan, distilled), PAPER, Subject(TRAINED_MOE, HERE))
     return Analysis(claims=claims, tables=dict(zip(TABLES, rows, strict=True)), plots=written)
 
 

@@ -27,7 +27,7 @@ from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, measure_child, partition_on_stream, start_validation
 from moe_lit.studies.records import best, cells, collect, language_means, select
-from moe_lit.studies.verdicts import LOWER, Claim
+from moe_lit.studies.verdicts import CONVERTED_MOE, LOWER, Claim, Subject, about
 
 DOT_MOE, DENSE = "dot_moe", "dense"
 METHODS = (*ASSIGNMENTS, DOT_MOE)
@@ -137,6 +137,11 @@ class PartitionSpec:
 
 
 DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 1500}}
+PAPER, HERE = (
+    Subject(CONVERTED_MOE, "DOT-MoE / MoEfication: pretrained dense LMs cut into experts"),
+    "scale and budget in the description above",
+)
+"""What the paper tested its claims on, and the study's scale (its object: :func:`analyse`)."""
 parse = check.parser(PartitionSpec, ("dense", "settings", "methods"))
 
 
@@ -322,7 +327,7 @@ NOTE = "- Each family stands for its best configuration at the setting (lowest m
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:
     configs = _per_config(plan, records)
     languages = [{"point": n} | language_means(e["per_language"]) for n, e in configs.items()]
-    claims, plot = _ordering_claims(configs), _plot(configs, plots_dir)
+    claims, plot = about(_ordering_claims(configs), PAPER, Subject(CONVERTED_MOE, HERE)), _plot(configs, plots_dir)
     tables = {MAIN: [_main_row(n, e) for n, e in configs.items()], LANGUAGES: languages}
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 

@@ -25,7 +25,7 @@ from moe_lit.studies.engine import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import final_model, suite_fields
 from moe_lit.studies.records import best, collect, language_means, select
-from moe_lit.studies.verdicts import HIGHER, LOWER, Claim
+from moe_lit.studies.verdicts import HIGHER, LOWER, TRAINED_MOE, Claim, Subject, about
 
 ARMS = ("pruned", "recovered")
 """pruned: evaluated as it is; recovered: after the recovery fine-tune."""
@@ -115,6 +115,11 @@ class PruningSpec:
 
 
 DEFAULT_RUN = {"data": {"seq_len": 64, "batch_size": 16, "val_batches": 4}, "train": {"max_steps": 600}}
+PAPER, HERE = (
+    Subject(TRAINED_MOE, "MAESTRO / REAP / NAEE: pretrained MoE LLMs"),
+    "scale and budget in the description above",
+)
+"""What the paper tested its claims on, and the study's scale (its object: :func:`analyse`)."""
 parse = check.parser(PruningSpec, ("model",))
 
 
@@ -331,7 +336,8 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
         written += [plot_retention(main_values, plots_dir, key)] if main_values else []
         tables[f"{what} retention per language at {at} removed (mean over seeds)"] = _language_rows(values, languages)
     tables["Memory saved (parameters and persistent buffers)"] = _memory_rows(records)
-    return Analysis(claims=claims if values else [], tables=tables, plots=written)
+    claims = about(claims, PAPER, Subject(TRAINED_MOE, HERE)) if values else []
+    return Analysis(claims=claims, tables=tables, plots=written)
 
 
 def plot_retention(values, plots_dir: Path, key: str = "mean") -> Path:

@@ -27,7 +27,7 @@ from moe_lit.studies.engine import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, token_weighted
 from moe_lit.studies.records import group, language_means, select
-from moe_lit.studies.verdicts import EQUIVALENT, HIGHER, LOWER, Claim
+from moe_lit.studies.verdicts import DENSE, EQUIVALENT, HIGHER, LOWER, TRAINED_MOE, Claim, Subject, about
 
 CLAIM_TARGET = 0.9
 """The paper's 'up to 90% of the neurons inactive without significant loss'."""
@@ -279,9 +279,28 @@ def _tables(arms, max_increase: float, target: float) -> dict[str, list[dict[str
     return {title: rows for title, rows in tables.items() if rows or not title.startswith(("Local-suite", "Sparsest"))}
 
 
+PAPER = Subject(TRAINED_MOE, "off-the-shelf pretrained MoEs on GPU")
+"""What the intra-expert sparsity paper measured: its claims are about the experts of trained MoEs."""
+
+
+def _subject(recs: list[dict[str, Any]], model: str) -> Subject:
+    """The model the arm measures: a trained MoE, or a dense model (whose FFN has no experts)."""
+    r = recs[0]
+    detail = f"{model}: {r['total_params']:,} params, {r['num_experts']} experts"
+    return Subject(TRAINED_MOE if r["num_experts"] > 1 else DENSE, detail)
+
+
 def _sparsity_claims(arms, max_increase: float) -> list:
+    claims = []
+    for model in dict.fromkeys(m for m, _, _ in arms):
+        mine = {k: v for k, v in arms.items() if k[0] == model}
+        claims += about(_model_claims(mine, model, max_increase), PAPER, _subject(next(iter(mine.values())), model))
+    return claims
+
+
+def _model_claims(arms, model: str, max_increase: float) -> list:
     claims, at = [], f"{CLAIM_TARGET:.0%}"
-    for (model, rule, granularity), recs in ((k, v) for k, v in arms.items() if CLAIM_TARGET in _targets(v)):
+    for (_, rule, granularity), recs in ((k, v) for k, v in arms.items() if CLAIM_TARGET in _targets(v)):
         text = f"{model}, {rule}/{granularity}: {at} of the neurons skipped without loss"
         claim = Claim(text, "relative loss increase", ("sparse", "dense"), EQUIVALENT, max_increase, paper=0.0)
         claims.append(claim.on(_increase(recs), 0.0))
@@ -290,12 +309,11 @@ def _sparsity_claims(arms, max_increase: float) -> list:
         speedup = f"{CLAIM_LAYER_SPEEDUP}x layer, {CLAIM_DECODE_SPEEDUP}x end-to-end speedup"
         text = f"{model}, {rule}/{granularity}: {speedup}"
         claims.append(Claim(text, "speedup", ("sparse", "dense"), HIGHER).missing(GPU_SPEEDUP.format(measured)))
-    for model in dict.fromkeys(m for m, _, _ in arms):
-        for rule in dict.fromkeys(r for m, r, _ in arms if m == model):
-            text = f"{model}, {rule}: per-expert thresholds lose less than per-layer at {at}"
-            claims += _less(arms, text, (model, rule, "expert"), (model, rule, "layer"), ("expert", "layer"))
-        text = f"{model}: the gate_up rule loses less than gate at {at} (layer thresholds)"
-        claims += _less(arms, text, (model, "gate_up", "layer"), (model, "gate", "layer"), ("gate_up", "gate"))
+    for rule in dict.fromkeys(r for _, r, _ in arms):
+        text = f"{model}, {rule}: per-expert thresholds lose less than per-layer at {at}"
+        claims += _less(arms, text, (model, rule, "expert"), (model, rule, "layer"), ("expert", "layer"))
+    text = f"{model}: the gate_up rule loses less than gate at {at} (layer thresholds)"
+    claims += _less(arms, text, (model, "gate_up", "layer"), (model, "gate", "layer"), ("gate_up", "gate"))
     return claims
 
 

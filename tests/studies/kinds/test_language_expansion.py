@@ -7,7 +7,7 @@ import scipy.stats
 
 from moe_lit.studies.kinds.language_expansion import analyse, per_arm, related
 from moe_lit.studies.study import parse_study
-from moe_lit.studies.verdicts import NO_MARGIN, UNTESTABLE, judge
+from moe_lit.studies.verdicts import NO_MARGIN, UNTESTABLE, judge, second_analysis
 from tests.helpers.corpus import prepare_corpus
 
 TINY = {
@@ -148,9 +148,31 @@ def test_sharing_claim_is_the_residual_of_routing_js_after_a_line_on_unigram_js(
     assert values["related_residual"] == pytest.approx({s: e[0] for s, e in expected.items()})
     assert values["unrelated_residual"] == pytest.approx({s: e[1] for s, e in expected.items()})
     analysis = analyse({"spec": spec}, records, tmp_path)
-    (sharing,) = [c for c in analysis.claims if c.claim.metric == "routing JS residual"]
-    assert sharing.claim.arms == ("related pairs", "unrelated pairs") and sharing.difference.test == "paired t-test"
-    assert sharing.difference.estimate == pytest.approx(np.mean([e[0] - e[1] for e in expected.values()]))
+    (sharing,) = [c for c in analysis.claims if c.claim.metric.startswith("routing JS residual")]
+    by_seeds = sharing if sharing.difference.test == "paired t-test" else sharing.also
+    assert by_seeds.claim.metric == "routing JS residual (seeds)"
+    assert by_seeds.difference.estimate == pytest.approx(np.mean([e[0] - e[1] for e in expected.values()]))
+    # language pairs as the units: each pair's residual averaged over the seeds, Welch related vs unrelated
+    by_pairs = sharing.also if sharing is by_seeds else sharing
+    fits = [
+        scipy.stats.linregress(list(unigram.values()), [r["routing_js_pairs"][p] for p in unigram]) for r in records[1:]
+    ]
+    mean = {
+        p: np.mean(
+            [r["routing_js_pairs"][p] - (f.intercept + f.slope * u) for r, f in zip(records[1:], fits, strict=True)]
+        )
+        for p, u in unigram.items()
+    }
+    welch = scipy.stats.ttest_ind(
+        [m for p, m in mean.items() if related(p, families)],
+        [m for p, m in mean.items() if not related(p, families)],
+        equal_var=False,
+    )
+    assert by_pairs.claim.metric == "routing JS residual (language pairs, seeds averaged)"
+    assert by_pairs.difference.test == "Welch's t-test" and by_pairs.p == pytest.approx(welch.pvalue)
+    assert sharing.p == max(by_seeds.p, by_pairs.p)  # the verdict follows the conservative test
+    (verdict,) = [v for v in judge(analysis.claims) if v.evidence is not None and v.evidence.also is not None]
+    assert f"Second analysis, not the verdict ({sharing.also.claim.metric})" in second_analysis(verdict.evidence)
     pairs = {r["pair"]: r for r in analysis.tables["Language pairs after the continuation (mean ± std over seeds)"]}
     assert pairs["fr|es"]["related"] == "yes" and pairs["en|fr"]["related"] == "no"
     assert pairs["en|de"]["unigram JS, bits"] == "0.3000 ± 0.0000 (n=3)"

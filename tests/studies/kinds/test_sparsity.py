@@ -226,6 +226,8 @@ def _record(seed, granularity, increase_at_09, layer_speedup=2.0):
         "status": "ok",
         "arm": "sparsity",
         "model_name": "moe",
+        "num_experts": 2,
+        "total_params": 1000,
         "rule": "gate",
         "granularity": granularity,
         "seed": seed,
@@ -264,6 +266,7 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
         and expert["FFN-layer speedup"] == "3.00 ± 0.00 (n=2)"
     )
     claim_layer, speed_layer, claim_expert, speed_expert, granularity = analysis.claims
+    assert claim_layer.claim.study_object.kind == claim_layer.claim.paper_object.kind == "a trained MoE"
     # no loss at 90%: the per-seed relative increase (0.5%, 0.7%) tested for equivalence within the
     # study's 1% margin (TOST, statsmodels), against 0
     assert claim_layer.claim.text == "moe, gate/layer: 90% of the neurons skipped without loss"
@@ -284,3 +287,7 @@ def test_analysis_tables_and_verdicts_from_hand_made_records(tmp_path):
     (suite,) = analysis.tables["Local-suite accuracy, dense vs sparse at target 0.9 (mean ± std over seeds)"]
     assert (suite["granularity"], suite["items per task"], suite["dense acc"]) == ("layer", 50, "0.7100 ± 0.0141 (n=2)")
     assert suite["sparse - dense (paired by seed)"].startswith("-0.0550 [")
+    dense = [r | {"model_name": "dense", "num_experts": 1} for r in records if r["granularity"] == "layer"]
+    on_dense = analyse({"spec": {"max_increase": 0.01}}, dense, tmp_path).claims[0]
+    assert on_dense.reason == "the paper tested a trained MoE; this study has a trained dense model"
+    assert on_dense.difference.estimate == claim_layer.difference.estimate  # still measured: a finding

@@ -163,7 +163,7 @@ def test_utility_claim_pairs_each_utility_arm_with_its_uniform_twin_on_eta(tmp_p
     assert claims[-1].claim.metric == "compute"  # the compute claim stays last
 
 
-def test_utility_claim_is_untestable_where_the_uniform_closure_is_not_shown_above_zero(tmp_path):
+def test_utility_claim_keeps_its_registered_test_and_the_later_rule_is_a_second_analysis(tmp_path):
     from statsmodels.stats.power import TTestPower
 
     base = {"optimizer_state": "copy", "noise": 1e-3, "router_noise": 0.5, "drop_fraction": 0.0}
@@ -178,12 +178,16 @@ def test_utility_claim_is_untestable_where_the_uniform_closure_is_not_shown_abov
         e, m, x = (np.array(losses[a]) for a in ("fixed_E", "fixed_mE", arm))
         return (e - x) / (e - m)
 
-    assert utility.difference is None and "3x of up_uni's eta has no size: that eta is" in utility.reason
+    assert utility.decides == "difference" and not utility.reason  # the registered design: tested, in Holm
+    assert utility.difference.estimate == pytest.approx(np.mean(eta("up_util") - eta("up_uni")))
+    later = utility.also
+    assert later.claim.metric == "eta, rule added after the 8-seed result"
+    assert "3x of up_uni's eta has no size: that eta is" in later.reason
     paper = 2 * eta("up_uni").mean()
     assert paper > 0 and utility.claim.paper == pytest.approx(paper)
     sd = np.std(eta("up_util") - eta("up_uni"), ddof=1)
     needed = math.ceil(TTestPower().solve_power(effect_size=paper / sd, alpha=0.05, power=0.8))
-    assert f"would need about {needed} seeds" in utility.reason and needed > 4
+    assert f"would need about {needed} seeds" in later.reason and needed > 4
 
 
 def test_eta_is_not_computed_where_the_gap_is_not_shown_at_p_below_001(tmp_path):
