@@ -202,7 +202,7 @@ class MoELightningCLI(LightningCLI):
         if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES and not str(ckpt_path).startswith("registry"):
             if init_from or Path(ckpt_path).is_dir():
                 trained = load_any_config(ckpt_path)
-                if given is not None and subcommand == "fit":
+                if subcommand == "fit":
                     flag = "--init_from" if init_from else "--ckpt_path"
                     weights = {"hyper_parameters": {"model": trained.to_dict()}}
                     check_resumed_model(weights, given[0], None, flag, WEIGHTS_HINT)
@@ -214,7 +214,7 @@ class MoELightningCLI(LightningCLI):
             else:
                 self.resumed = read_lightning_checkpoint(ckpt_path)
                 self.start_step, trained = self.resumed.get("global_step"), checkpoint_config(self.resumed, ckpt_path)
-                if given is not None and subcommand == "fit":
+                if subcommand == "fit":
                     check_resumed_model(self.resumed, *given, "--ckpt_path")
         default_seq_len = self._section()["data"]["seq_len"] == data_default("seq_len")
         if trained is not None and not default_seq_len and subcommand == "fit" and self.resumed is not None:
@@ -459,15 +459,19 @@ def validate_module_config(model_section: Any) -> None:
     OptimConfig(**model_section["optim"].as_dict())
 
 
-def given_model(section: Any, argv: Sequence[str]) -> tuple[ModelConfig, OptimConfig] | None:
-    """The model and optim settings of the command line when it gives any (a ``--model...``
-    argument, or a ``--config`` file with a ``model`` section); None: none given (a resume or an
-    evaluation then takes the checkpoint's)."""
+def given_model(section: Any, argv: Sequence[str]) -> tuple[ModelConfig | None, OptimConfig | None]:
+    """The model and the optim settings of the command line where it gives them (``--model.model.*``
+    / ``--model.optim.*`` arguments, a ``--model`` file, or a ``--config`` file with a ``model``
+    section); None where not given (a resume or an evaluation then takes the checkpoint's)."""
     configs = [Path(str(config)) for config in section.get("config") or []]
-    if not any(arg.startswith("--model") for arg in argv) and not any(_has_model(config) for config in configs):
-        return None
+    whole = any(arg.split("=", 1)[0] == "--model" for arg in argv) or any(_has_model(c) for c in configs)
     model = section["model"]
-    return ModelConfig.from_dict(model["model"].as_dict()), OptimConfig(**model["optim"].as_dict())
+    has_model = whole or any(arg.startswith("--model.model") for arg in argv)
+    has_optim = whole or any(arg.startswith("--model.optim") for arg in argv)
+    return (
+        ModelConfig.from_dict(model["model"].as_dict()) if has_model else None,
+        OptimConfig(**model["optim"].as_dict()) if has_optim else None,
+    )
 
 
 def _has_model(config: Path) -> bool:

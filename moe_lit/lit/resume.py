@@ -134,21 +134,25 @@ def _refusal(
 
 
 def check_resumed_model(
-    checkpoint: Mapping[str, Any], model: ModelConfig, optim: OptimConfig | None, flag: str, hint: str = NEW_RUN_HINT
+    checkpoint: Mapping[str, Any],
+    model: ModelConfig | None,
+    optim: OptimConfig | None,
+    flag: str,
+    hint: str = NEW_RUN_HINT,
 ) -> None:
     """Refuse to resume ``checkpoint`` with a ``model`` (compared with the one the run started as,
-    :data:`FROM_DATA` aside) or an ``optim`` (None: not given) other than its own; ``hint`` ends the line."""
+    :data:`FROM_DATA` aside) or an ``optim`` other than its own (None: not given, not compared);
+    ``hint`` ends the line."""
     hparams = checkpoint.get("hyper_parameters") or {}
     started = (checkpoint.get(RUN_STATE) or {}).get("model") or hparams.get("model")
-    if started is None:
-        return
-    saved = ModelConfig.from_dict(dict(_plain(started))).to_dict()
-    given = model.to_dict()
-    found = first_difference(
-        {k: v for k, v in saved.items() if k not in FROM_DATA},
-        {k: v for k, v in given.items() if k not in FROM_DATA},
-        "model.",
-    )
+    found = None
+    if model is not None and started is not None:
+        saved = ModelConfig.from_dict(dict(_plain(started))).to_dict()
+        found = first_difference(
+            {k: v for k, v in saved.items() if k not in FROM_DATA},
+            {k: v for k, v in model.to_dict().items() if k not in FROM_DATA},
+            "model.",
+        )
     if found is None and optim is not None and hparams.get("optim") is not None:
         # NOTE: as JSON: a checkpoint holds the tuples of a config (betas) as lists.
         saved_optim, given_optim = (

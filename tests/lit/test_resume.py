@@ -151,6 +151,15 @@ def test_settings_given_on_resume_with_another_value_are_refused(
     assert line == f"moe-lit fit: error: --ckpt_path: {refusal}; {NEW_RUN_HINT}"
 
 
+def test_only_the_settings_given_are_compared_on_a_resume_without_a_config(prepared, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert fit(prepared, "--trainer.max_steps", "1", "--out", "run") == 0
+    capsys.readouterr()
+    bare = ["fit", "--ckpt_path", "run/checkpoints/last.ckpt", "--data.data_dir", str(prepared)]
+    assert main([*bare, "--model.optim.lr", "0.5"]) == 2  # the model is not given: the checkpoint's
+    assert f"--ckpt_path: optim.lr is 0.002 in the checkpoint but 0.5 given; {NEW_RUN_HINT}" in capsys.readouterr().err
+
+
 def test_a_dense_config_resuming_an_moe_checkpoint_is_refused(prepared, tmp_path, monkeypatch, capsys):
     from tests.helpers.paths import CONFIGS
 
