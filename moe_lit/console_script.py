@@ -12,7 +12,7 @@ subcommand (``moe-lit convert prune: error: ...``). No parser accepts an abbrevi
 (``allow_abbrev=False``): ``--train.max_step`` is an unknown key, never ``--train.max_steps``.
 A command module with a ``SETTINGS_CHECK`` (``demo``, ``distill``: a run YAML's sections) also
 takes ``--SECTION.FIELD VALUE`` words, as ``args.settings`` (:func:`split_settings`).
-``moe-lit COMMAND --help`` starts with the command's line of ``EXAMPLES``.
+``moe-lit COMMAND [ACTION] --help`` starts with its line of ``EXAMPLES``.
 """
 
 from __future__ import annotations
@@ -69,15 +69,25 @@ EXAMPLES: dict[str, str] = {
     "demo": "moe-lit demo --seeds 3 --train.max_tokens 200000",
     "convert": "moe-lit convert upcycle --checkpoint runs/tiny-dense/checkpoints/last.ckpt --recipe copy "
     "--num-experts 8 --top-k 2 --out moe/",
+    "convert import-hf": "moe-lit convert import-hf --model hf-llama/ --seq-len 512 --out imported/",
+    "convert expand": "moe-lit convert expand --checkpoint moe/ --factor 2 --out moe16/",
+    "convert partition": "moe-lit convert partition --checkpoint dense/ --method kmeans --experts 8 --top-k 4 "
+    "--router centroid --out part/",
+    "convert prune": "moe-lit convert prune --checkpoint moe/ --method maestro --fraction 0.5 --out pruned/",
+    "convert moe-to-dense": "moe-lit convert moe-to-dense --checkpoint moe/ --score do_acp --keep 2 --out dense/",
     "distill": "moe-lit distill --teacher moe/ --student dense/ --train.max_tokens 262144 --out runs/distill/",
     "export": "moe-lit export --checkpoint runs/tiny-moe/checkpoints/last.ckpt --format mixtral --out hf/",
     "study": "moe-lit study run configs/studies/upcycling-e8-e32.yaml --parallel 2",
+    "study report": "moe-lit study report configs/studies/upcycling-e8-e32.yaml",
+    "study list": "moe-lit study list configs/studies/upcycling-e8-e32.yaml",
     "eval": "moe-lit eval --checkpoint runs/tiny-moe/checkpoints/last.ckpt --tasks moe_lit_suite --limit 50",
     "analyze": "moe-lit analyze routing --checkpoint runs/tiny-moe/checkpoints/last.ckpt --out results/analysis/tiny",
+    "analyze text": "moe-lit analyze text --checkpoint runs/tiny-moe/checkpoints/last.ckpt --text 'Der Hund schläft'",
     "lm-eval": "moe-lit lm-eval run --model moe_lit --model_args checkpoint=hf/ --tasks xnli_de --limit 20",
     "generate": "moe-lit generate --checkpoint runs/tiny-moe/checkpoints/last.ckpt --prompt 'Der Hund' --top-k 50",
 }
-"""One command line per command: the first line of its ``--help`` (a test parses each one)."""
+"""One command line per command (and per subcommand where the command's own line shows another one): the first
+line of its ``--help`` (a test parses each one)."""
 ACTIONS: dict[str, tuple[str, ...]] = {
     "data": ("prepare",),
     "convert": ("import-hf", "upcycle", "expand", "partition", "prune", "moe-to-dense"),
@@ -208,7 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             allowed = ", ".join([*LIGHTNING_SUBCOMMANDS, *COMMANDS])
             raise MoeLitError(f"unknown command {command!r}; allowed: {allowed}")
         if "-h" in rest or "--help" in rest:
-            print(f"example: {EXAMPLES[command]}\n", flush=True)
+            full = command_name(command, rest).removeprefix("moe-lit ")
+            print(f"example: {EXAMPLES.get(full, EXAMPLES[command])}\n", flush=True)
         if command in LIGHTNING_SUBCOMMANDS:
             from moe_lit.lit.lightning_cli import run_lightning_cli
 

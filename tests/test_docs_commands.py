@@ -279,18 +279,20 @@ def shlex_join(argv) -> str:
     return shlex.join(argv)
 
 
-@pytest.mark.parametrize("command", [*LIGHTNING_SUBCOMMANDS, *COMMANDS])
+@pytest.mark.parametrize("command", sorted({*LIGHTNING_SUBCOMMANDS, *COMMANDS, *EXAMPLES}))
 def test_every_command_help_starts_with_an_example_that_parses(command, monkeypatch, capsys):
+    """Each command's ``--help`` (and a subcommand's with a line of its own) starts with its example."""
     from moe_lit.lit import lightning_cli
 
+    words = command.split()
     with monkeypatch.context() as patch:  # Trainer's own help (seconds) follows the example line
         patch.setattr(lightning_cli, "run_lightning_cli", lambda argv: 0)
         with contextlib.suppress(SystemExit):
-            main([command, "--help"])
+            main([*words, "--help"])
     first = capsys.readouterr().out.splitlines()[0]
     assert first == f"example: {EXAMPLES[command]}"
     argv = shlex.split(EXAMPLES[command])
-    assert argv[:2] == ["moe-lit", command]
+    assert argv[: len(words) + 1] == ["moe-lit", *words]
     _parse(argv, monkeypatch, capsys)
 
 
