@@ -357,6 +357,34 @@ def reachable_datasets() -> Iterator[None]:
         ) from exc
 
 
+def git_commit_hash() -> str | None:
+    """``git describe --always`` of the working directory, None outside a git checkout (quietly)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip() or None
+
+
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """Inside the block lm-eval records the git hash with :func:`git_commit_hash`.
+
+    NOTE: lm-eval's own runs ``git describe`` with the terminal as its stderr, so outside a
+    checkout every ``moe-lit eval`` printed ``fatal: not a git repository``. Its module-level name
+    is swapped inside the block, as :func:`scoring_bars_only` swaps ``tqdm``."""
+    import lm_eval.evaluator
+
+    saved = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_commit_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = saved
+
+
 def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` on ``lm``; ``options`` go to it (limit, bootstrap_iters, ...).
 
@@ -365,7 +393,7 @@ def evaluate(lm: MoeLitLM, tasks: list[str], task_manager, **options: Any) -> di
     import lm_eval
 
     options.setdefault("log_samples", False)
-    with reachable_datasets(), scoring_bars_only():
+    with reachable_datasets(), scoring_bars_only(), quiet_git_hash():
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager, **options)
     if results is None:  # only non-zero ranks of a distributed run get None
         raise MoeLitError("evaluate: lm-eval returned no results")

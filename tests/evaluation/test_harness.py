@@ -146,3 +146,15 @@ def test_sparsity_option_at_zero_keeps_scores_and_needs_calibration(exported, tm
         MoeLitLM(checkpoint=exported, sparsity="0.5")
     with pytest.raises(MoeLitError, match="sparsity.rule"):
         MoeLitLM(checkpoint=exported, sparsity="0.5", sparsity_rule="up", calibration=str(text))
+
+
+def test_lm_eval_records_no_git_hash_outside_a_checkout_and_prints_nothing(tmp_path, monkeypatch, capfd):
+    import lm_eval.evaluator
+
+    from moe_lit.evaluation.harness import quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no checkout above tmp_path
+    with quiet_git_hash():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert capfd.readouterr().err == ""
