@@ -60,6 +60,8 @@ RUNNABLE = {
     ("data", "prepare"),  # of a local folder only
 }
 """``moe-lit`` commands a doc line of which runs for real at tiny sizes (the others parse)."""
+SEQUENCES = ("docs/tutorials/", "docs/howto/")
+"""Pages whose command lines build on each other (a tutorial's fit, then its checkpoint's use)."""
 SLOW_WORDS = ("--train.compile",)
 """Words that make a tiny run slow: such a line parses."""
 TINY_MODEL = ["--model.model.d_model", "32", "--model.model.n_layers", "2", "--model.model.d_ff", "64"]
@@ -159,7 +161,10 @@ _PLACEHOLDERS = ("CK", "CKPT", "CKPT_OR_DIR", "DIR")
 
 def _param(cmd: DocCommand):
     slow = _mode(cmd) == "run" and cmd.argv[1] in ("fit", "validate", "data")
-    return pytest.param(cmd, id=f"{cmd.where}:{cmd.argv[1] if len(cmd.argv) > 1 else ''}", marks=_slow(slow))
+    marks = _slow(slow)
+    if cmd.where.startswith(SEQUENCES):  # one worker runs the page's lines in order: each uses the last one's run
+        marks.append(pytest.mark.xdist_group(cmd.where.split(":")[0]))
+    return pytest.param(cmd, id=f"{cmd.where}:{cmd.argv[1] if len(cmd.argv) > 1 else ''}", marks=marks)
 
 
 def _slow(slow: bool):
@@ -236,6 +241,8 @@ def _fit_sizes(argv: list[str]) -> list[str]:
     resume = "--ckpt_path" in argv or "--resume" in argv
     budget = ["--train.max_tokens", str(2 * 16 * 4)] if "--train.max_tokens" in argv else []
     budget = budget or ["--trainer.max_steps", "3" if resume else "2"]
+    if "--trainer.callbacks.at_step" in argv:  # a mid-run callback still acts inside the tiny budget
+        budget += ["--trainer.callbacks.at_step", "1"]
     return [*TINY_MODEL, *experts, *TINY_DATA, *QUIET_TRAINER, *budget, *([] if resume else ["--force"])]
 
 

@@ -1,4 +1,4 @@
-"""Every command line the docs quote (README.md, CONTRIBUTING.md, docs/*.md), as a reader copies it.
+"""Every command line the docs quote (README.md, CONTRIBUTING.md, docs/*.md, tutorials, how-tos), as a reader copies it.
 
 A command line is a line of a fenced ``bash`` block (backslash continuations joined), a ``$ `` line of
 any other block (the lines under it, up to the next ``$ `` line, are its documented output), or an
@@ -13,7 +13,16 @@ from dataclasses import dataclass
 
 from tests.helpers.paths import REPO
 
-DOCS = ("README.md", "CONTRIBUTING.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")))
+DOCS = (
+    "README.md",
+    "CONTRIBUTING.md",
+    *sorted(
+        p.relative_to(REPO).as_posix()
+        for folder in ("", "tutorials/", "howto/")
+        for p in (REPO / "docs").glob(f"{folder}*.md")
+    ),
+)
+"""The pages whose commands are checked: the reference pages (docs/reference/, generated) quote none."""
 PROGRAMS = ("moe-lit", "make", "python", "pip", "srun", "torchrun", "bash", "lm_eval")
 """First words that make an inline code span a command line (besides ``.venv/bin/...``; a lone
 ``export`` in running text is the moe-lit command, not the shell's)."""
