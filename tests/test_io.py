@@ -67,6 +67,7 @@ def test_atomic_writes_follow_the_umask(tmp_path, umask, file, folder):
     assert modes == {"a.txt": file, "b.bin": file, "c": folder, "d.txt": file}
 
 
+@pytest.mark.slow
 def test_what_prepare_fit_export_eval_and_analyze_write_is_readable_by_others_under_umask_022(
     tmp_path, monkeypatch, umask_022
 ):

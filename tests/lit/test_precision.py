@@ -116,6 +116,7 @@ def test_a_resumed_run_keeps_the_precision_its_checkpoint_records(dense, bf16_cp
     assert choose_precision("bf16-mixed", CPU, dense, 2, 16, resumed="32-true").precision == "bf16-mixed"  # forced
 
 
+@pytest.mark.slow
 def test_train_run_records_its_precision_and_its_resume_keeps_it(dense, bf16_cpu, monkeypatch, probe_cache, tmp_path):
     from moe_lit.checkpoint import read_lightning_checkpoint
     from moe_lit.lit.optim import OptimConfig

@@ -21,6 +21,14 @@ from tests.lit.fakes import SignalAt
 STEPS = 8
 
 
+@pytest.fixture(scope="module")
+def one_step(prepared, tmp_path_factory):
+    """A finished 1-step ``moe-lit fit`` run directory of the tiny experiment (read only)."""
+    root = tmp_path_factory.mktemp("one_step")
+    assert fit(prepared, "--trainer.max_steps", "1", "--out", str(root / "run")) == 0
+    return root / "run"
+
+
 def _interrupt_at(step: int) -> list[str]:
     """``--trainer.callbacks`` of a Ctrl-C (SIGINT) at the start of step ``step + 1``."""
     callback = {"class_path": "tests.lit.fakes.SignalAt", "init_args": {"step": step}}
@@ -36,6 +44,7 @@ def _losses(run) -> dict[int, float]:
     }
 
 
+@pytest.mark.slow
 def test_interrupt_resume_interrupt_resume_equals_an_uninterrupted_fit_with_one_last_ckpt(
     prepared, tmp_path, monkeypatch
 ):
@@ -60,6 +69,7 @@ def _weights(path) -> dict[str, torch.Tensor]:
     return read_lightning_checkpoint(path)["state_dict"]
 
 
+@pytest.mark.slow
 def test_train_run_interrupted_twice_and_resumed_equals_an_uninterrupted_run_with_one_last_ckpt(prepared, tmp_path):
     # the study worker's and the demo's path: train_run(resume_from=<run>/checkpoints/last.ckpt)
     run = RunConfig(
@@ -96,6 +106,7 @@ def _other_data(prepared, root, vocab_size: int):
     return root / "data"
 
 
+@pytest.mark.slow
 def test_a_resume_onto_other_data_is_one_line_and_exit_2_and_init_from_starts_a_new_run(
     prepared, tmp_path, monkeypatch, capsys
 ):
@@ -140,34 +151,24 @@ def test_a_resume_onto_other_data_is_one_line_and_exit_2_and_init_from_starts_a_
     ],
     ids=["model", "moe", "optim", "seq_len"],
 )
-def test_settings_given_on_resume_with_another_value_are_refused(
-    prepared, tmp_path, monkeypatch, capsys, given, refusal
-):
-    monkeypatch.chdir(tmp_path)
-    assert fit(prepared, "--trainer.max_steps", "1", "--out", "run") == 0
-    capsys.readouterr()
-    assert fit(prepared, "--trainer.max_steps", "2", "--out", "run", "--resume", *given) == 2
+def test_settings_given_on_resume_with_another_value_are_refused(prepared, one_step, capsys, given, refusal):
+    assert fit(prepared, "--trainer.max_steps", "2", "--out", str(one_step), "--resume", *given) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == f"moe-lit fit: error: --ckpt_path: {refusal}; {NEW_RUN_HINT}"
 
 
-def test_only_the_settings_given_are_compared_on_a_resume_without_a_config(prepared, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    assert fit(prepared, "--trainer.max_steps", "1", "--out", "run") == 0
-    capsys.readouterr()
-    bare = ["fit", "--ckpt_path", "run/checkpoints/last.ckpt", "--data.data_dir", str(prepared)]
+def test_only_the_settings_given_are_compared_on_a_resume_without_a_config(prepared, one_step, capsys):
+    bare = ["fit", "--ckpt_path", str(one_step / "checkpoints/last.ckpt"), "--data.data_dir", str(prepared)]
     assert main([*bare, "--model.optim.lr", "0.5"]) == 2  # the model is not given: the checkpoint's
     assert f"--ckpt_path: optim.lr is 0.002 in the checkpoint but 0.5 given; {NEW_RUN_HINT}" in capsys.readouterr().err
 
 
-def test_a_dense_config_resuming_an_moe_checkpoint_is_refused(prepared, tmp_path, monkeypatch, capsys):
+def test_a_dense_config_resuming_an_moe_checkpoint_is_refused(prepared, one_step, capsys):
     from tests.helpers.paths import CONFIGS
 
-    monkeypatch.chdir(tmp_path)
-    assert fit(prepared, "--trainer.max_steps", "1", "--out", "run") == 0
-    capsys.readouterr()
     dense = ["fit", "--config", str(CONFIGS / "experiments/tiny-dense.yaml"), "--data.data_dir", str(prepared)]
-    assert main([*dense, "--ckpt_path", "run/checkpoints/last.ckpt", "--train.precision", "null"]) == 2
+    last = str(one_step / "checkpoints/last.ckpt")
+    assert main([*dense, "--ckpt_path", last, "--train.precision", "null"]) == 2
     assert "--ckpt_path: model.d_model is 32 in the checkpoint but " in capsys.readouterr().err
 
 
@@ -175,6 +176,7 @@ def _lrs(path) -> dict[int, float]:
     return {int(row["step"]): row["train/lr"] for row in read_metrics(path) if "train/lr" in row}
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_keeps_its_schedule_or_replans_it_when_asked_and_says_which(
     prepared, tmp_path, monkeypatch, capsys
 ):
