@@ -43,13 +43,15 @@ lint: $(STAMP)
 
 # NOTE: one pytest-xdist worker per core (`auto`: physical cores; TEST_WORKERS=4 sets the count), one
 # torch thread per worker (tests/conftest.py; here also for the workers' subprocesses). loadgroup
-# hands out single tests, keeping together those marked xdist_group (docs/install.md#testing).
+# hands out one test at a time, slow ones first (tests/conftest.py), keeping together those marked
+# xdist_group (docs/install.md#testing).
 TEST_WORKERS ?= auto
 PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest
 PARALLEL := -n $(TEST_WORKERS) --dist loadgroup
 
+# Every test but the install check, which CI (.ci/run) runs next as `make test-install`.
 test: $(STAMP)
-	$(PYTEST) -q $(PARALLEL) tests
+	$(PYTEST) -q $(PARALLEL) --ignore=tests/test_install.py tests
 
 # The edit loop: every test not marked slow (docs/install.md#testing).
 test-fast: $(STAMP)

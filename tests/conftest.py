@@ -15,6 +15,12 @@ pytest_plugins = ("tests.helpers.fixtures",)
 
 
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # what pytest-xdist sets in a worker of --dist loadgroup
+        # NOTE: the slow tests go first (a stable sort, the same on every worker): loadgroup (make
+        # test) hands out one test at a time in this order, so the long ones spread over the workers
+        # at the start and short ones fill the end, instead of a long test started last running
+        # alone. (--dist load sends long runs of consecutive tests: there this order would not help.)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

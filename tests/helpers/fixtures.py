@@ -5,6 +5,7 @@ The prepared dir follows the data pipeline's contract: ``meta.json``, ``tokenize
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -56,15 +57,15 @@ def exported(tmp_path_factory, tiny_moe, prepared_dir):
     return export_model(tiny_moe, tmp_path_factory.mktemp("ckpt") / "tiny-moe", prepared_dir / "tokenizer.json")
 
 
-def built_once(tmp_path_factory, worker_id: str, name: str, build):
+def built_once(tmp_path_factory, name: str, build):
     """``build(dir)`` run once per test run, its result (a path under ``dir``) copied for the caller.
 
     NOTE: pytest-xdist gives each worker its own session and basetemp; their parent is the run's, so
     the first worker to ask builds there behind a file lock and every caller gets its own copy (the
-    tests may write into it). A run without xdist (``worker_id`` ``master``) builds in its basetemp.
+    tests may write into it). A run without xdist builds in its own basetemp.
     """
     run_dir = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         run_dir = run_dir.parent
     cache = run_dir / f"built-{name}"
     with FileLock(f"{cache}.lock"):
@@ -79,13 +80,13 @@ def built_once(tmp_path_factory, worker_id: str, name: str, build):
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory, worker_id):
+def prepared(tmp_path_factory):
     """A tiny prepared data dir (vocabulary 300) for ``moe-lit fit`` runs, this module's own copy."""
 
     def build(root):
         prepare_corpus(root, paragraphs=40, val_fraction=0.1, test_fraction=0.1)
 
-    return built_once(tmp_path_factory, worker_id, "cli_runs", build) / "data"
+    return built_once(tmp_path_factory, "cli_runs", build) / "data"
 
 
 @pytest.fixture
