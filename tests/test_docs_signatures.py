@@ -6,7 +6,8 @@ or any call in a fenced ``python`` block; every ``from moe_lit... import`` anywh
 ``python -c`` lines) and every inline ``moe_lit.a.b`` name must import. A callee resolves by its dotted
 path (``moe_lit.x.y``), else by the moe_lit class or module its first part names (``RunConfig.from_experiment``,
 ``moe_to_dense.grid``), else as a function, class or method moe_lit defines (found in the source, without
-importing it), else as a variable of the block (``beats = Claim(...)``; ``beats.on(...)``) or a placeholder
+importing it), else as a variable of the block (``beats = Claim(...)``; ``beats.on(...)``; one that another library's
+call returns is that library's) or a placeholder
 of :data:`INSTANCES` (``model(idx, targets)``). The call must bind to the signature: its keywords exist, no more
 positional arguments than it takes, none given twice (``...`` stands for arguments left out, ``a|b`` for
 alternatives). A callee of another library is listed in :data:`NOT_OURS`; any other name fails.
@@ -33,6 +34,7 @@ NOT_OURS = {
     "TaskManager": "lm-eval",
     "Shard": "torch.distributed.tensor placements",
     "len": "a builtin",
+    "print": "a builtin",
     "sqrt": "arithmetic in a formula",
     "fn": "a function the reader writes",
 }
@@ -134,7 +136,7 @@ def candidates(expr: ast.expr, env: dict[str, Any]) -> list[Any]:
     an empty list for another library's; a LookupError when moe_lit defines no such name."""
     if isinstance(expr, ast.Name):
         if expr.id in env:
-            return [env[expr.id]]
+            return [] if env[expr.id] is None else [env[expr.id]]
         if expr.id in NOT_OURS:
             return []
         if expr.id in INSTANCES:
@@ -254,8 +256,11 @@ def calls_of(quoted: Quoted) -> tuple[list[ast.Call], dict[str, Any]]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_lit"):
             env.update({a.asname or a.name: getattr(importlib.import_module(node.module), a.name) for a in node.names})
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            made = [c for c in candidates(node.value.func, env) if isinstance(c, type)]
+            callees = candidates(node.value.func, env)
+            made = [c for c in callees if isinstance(c, type)]
             env.update({t.id: Instance(made[0]) for t in node.targets if isinstance(t, ast.Name) and made})
+            # NOTE: what another library's call returns (``tok = AutoTokenizer.from_pretrained(...)``) is its too.
+            env.update({t.id: None for t in node.targets if isinstance(t, ast.Name) and not callees})
         if isinstance(node, ast.Call):
             calls.append(node)
     return calls, env
