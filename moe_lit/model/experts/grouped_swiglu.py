@@ -28,12 +28,17 @@ into slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum ov
 a token), and the backward reuses the same two index maps. Padding slots read an appended zero row of
 the input, so they compute exact zeros and add nothing to any weight gradient; a dropped
 assignment (capacity mode) points at an appended zero row of the output buffers.
+
+Every op here gives the same bits at any intra-op thread count (``torch.set_num_threads``), as the
+dense FFN does: a block of fewer than :data:`SERIAL_BLOCK_ROWS` slots runs its matmuls on one
+thread (:meth:`ExpertBlocks._each_block`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -53,6 +58,16 @@ CHUNK_OVERHEAD_ROWS = 64
 HOST_PLAN_ASSIGNMENTS = 64
 """Routings of at most this many assignments (decoding steps) are planned in python lists
 (``_plan_on_host``): per-op overhead, not arithmetic, is what a plan of a few tokens costs."""
+
+SERIAL_BLOCK_ROWS = 32
+"""Blocks of fewer slots than this run their matmuls on one thread, whatever ``torch.get_num_threads()``.
+
+NOTE: a block's row count follows the routing, so an expert that gets few tokens makes a GEMM far
+skinnier than any of the dense model's. MKL's fp32 GEMM rounds such skinny products differently at
+different thread counts (rows 2-11 against 255 or 128 columns, ``tests/model/test_thread_invariance.py``),
+and the difference grew into 0.18 nats of the demo MoE's validation loss between 1 and 2 threads.
+On one thread the rounding cannot follow the thread count; a block this small gains nothing from
+more threads. The margin above 11 is for kernels this machine did not show."""
 
 Geometry = Literal["grouped", "batched", "looped"]
 ALIGN_BYTES = 16
@@ -139,6 +154,10 @@ class ExpertBlocks:
         self.hidden_cells = sum(self._cells)
         self._filled = [i for i, rows in enumerate(self._block_rows) if rows]
         self._empty = [i for i, rows in enumerate(self._block_rows) if not rows]
+        # the slots of each filled block as one matmul sees them (a batched chunk's C rows)
+        self._filled_rows = (
+            [slots.chunk_rows] * len(self._filled) if slots.batched else [self._block_rows[i] for i in self._filled]
+        )
         self._row_starts = list(itertools.accumulate(self._block_rows, initial=0))
         self._cell_starts = list(itertools.accumulate(self._cells, initial=0))
         # NOTE: a decoding step fills a few of many experts: then slices of those beat one split
@@ -196,14 +215,32 @@ class ExpertBlocks:
         return h_H[: self.hidden_cells]
 
     # ------------------------------------------------------------------ matmuls over all blocks
+    def _each_block(
+        self,
+        matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        a: list[torch.Tensor],
+        b: list[torch.Tensor],
+        out: list[torch.Tensor],
+    ) -> None:
+        """``matmul(a_i, b_i, out_i)`` for every filled block i; the blocks of fewer than
+        :data:`SERIAL_BLOCK_ROWS` slots together on one thread."""
+        blocks = list(zip(a, b, out, self._filled_rows, strict=True))
+        for a_i, b_i, out_i, rows in blocks:
+            if rows >= SERIAL_BLOCK_ROWS:
+                matmul(a_i, b_i, out_i)
+        serial = [block for block in blocks if block[3] < SERIAL_BLOCK_ROWS]
+        if serial:
+            with one_thread():
+                for a_i, b_i, out_i, _ in serial:
+                    matmul(a_i, b_i, out_i)
+
     def project_in(self, x_PD: torch.Tensor, w_SD: torch.Tensor) -> torch.Tensor:
         """Flat hidden buffer of ``x_p @ w_e^T`` for every slot p (expert e)."""
         if self.slots.geometry == "grouped":
             x = x_PD[: self.slots.num_slots]
             return _grouped_mm(x, self.layout.as_EFD(w_SD).mT, offs=self._offs_E).view(-1)
         h_H = x_PD.new_empty(self.hidden_cells)
-        for x, h, w in zip(self._rows(x_PD), self._hidden(h_H), self._weights(w_SD), strict=True):
-            torch.matmul(x, w.mT, out=h)
+        self._each_block(_matmul_into, self._rows(x_PD), [w.mT for w in self._weights(w_SD)], self._hidden(h_H))
         return h_H
 
     def project_out(self, h_H: torch.Tensor, w_SD: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,8 +262,7 @@ class ExpertBlocks:
             matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = _matmul_into
         else:
             matmul = _add_matmul_
-        for h, w, out in zip(self._hidden(h_H), self._weights(w_SD), self._rows(add_to), strict=True):
-            matmul(h, w, out)
+        self._each_block(matmul, self._hidden(h_H), self._weights(w_SD), self._rows(add_to))
         return add_to
 
     def weight_grad(self, h_H: torch.Tensor, y_PD: torch.Tensor, like_SD: torch.Tensor) -> torch.Tensor:
@@ -249,8 +285,7 @@ class ExpertBlocks:
             outs = self._pieces(g_SD, self.layout.sizes, self.layout.offsets)
             for e in self._empty:  # idle experts get exact zeros
                 g_SD[self.layout.rows(e)].zero_()
-        for h, y, out in zip(self._hidden(h_H), self._rows(y_PD), outs, strict=True):
-            torch.matmul(h.mT, y, out=out)
+        self._each_block(_matmul_into, [h.mT for h in self._hidden(h_H)], self._rows(y_PD), outs)
         if repeated_E is not None:
             num_experts, width = self.layout.num_experts, self.layout.sizes[0] * self.d_model
             g_SD.view(num_experts, width).index_add_(0, repeated_E, outs[0].view(-1, width))
@@ -283,6 +318,20 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
     if op is None or offs is None:
         raise RuntimeError("the grouped geometry needs F.grouped_mm (or torch._grouped_mm) and group offsets")
     return op(a, b, offs=offs)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Intra-op work on one thread inside the block, the caller's thread count restored after it."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
