@@ -60,8 +60,6 @@ RUNNABLE = {
     ("data", "prepare"),  # of a local folder only
 }
 """``moe-lit`` commands a doc line of which runs for real at tiny sizes (the others parse)."""
-SEQUENCES = ("docs/tutorials/", "docs/howto/")
-"""Pages whose command lines build on each other (a tutorial's fit, then its checkpoint's use)."""
 SLOW_WORDS = ("--train.compile",)
 """Words that make a tiny run slow: such a line parses."""
 TINY_MODEL = ["--model.model.d_model", "32", "--model.model.n_layers", "2", "--model.model.d_ff", "64"]
@@ -69,7 +67,8 @@ TINY_EXPERTS = ["--model.model.moe.num_experts", "4", "--model.model.moe.expert_
 TINY_DATA = ["--data.seq_len", "16", "--data.batch_size", "4", "--data.val_batches", "1"]
 QUIET_TRAINER = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
 MACHINE_PATHS = re.compile(r"^(/work/|/home/|/root/|/Users/)")
-RUN_CKPT = "runs/tiny-moe/checkpoints/last.ckpt"
+RUN_CKPT = re.compile(r"(runs/[\w.-]+)/checkpoints/last\.ckpt")
+"""A run's checkpoint that a line uses (``runs/tiny-moe/checkpoints/last.ckpt``)."""
 
 
 class ParsedOnly(Exception):
@@ -161,10 +160,7 @@ _PLACEHOLDERS = ("CK", "CKPT", "CKPT_OR_DIR", "DIR")
 
 def _param(cmd: DocCommand):
     slow = _mode(cmd) == "run" and cmd.argv[1] in ("fit", "validate", "data")
-    marks = _slow(slow)
-    if cmd.where.startswith(SEQUENCES):  # one worker runs the page's lines in order: each uses the last one's run
-        marks.append(pytest.mark.xdist_group(cmd.where.split(":")[0]))
-    return pytest.param(cmd, id=f"{cmd.where}:{cmd.argv[1] if len(cmd.argv) > 1 else ''}", marks=marks)
+    return pytest.param(cmd, id=f"{cmd.where}:{cmd.argv[1] if len(cmd.argv) > 1 else ''}", marks=_slow(slow))
 
 
 def _slow(slow: bool):
@@ -189,9 +185,7 @@ def _run(cmd: DocCommand, env: DocsEnv, capsys) -> None:
     argv, as_written = _tiny(list(cmd.argv[1:]), env, bool(cmd.output))
     if tuple(argv) in env.ran:  # the same words on another page (README and docs/install.md)
         return
-    if RUN_CKPT in argv and not (env.cwd / RUN_CKPT).is_file():  # a line run on its own (-k)
-        experiment = ["--config", "configs/experiments/tiny-moe.yaml"]
-        assert main(["fit", *experiment, *_fit_sizes(experiment)]) == 0
+    _train_the_runs_it_uses(cmd, argv, env)
     capsys.readouterr()
     try:
         code = main(argv)
@@ -206,6 +200,26 @@ def _run(cmd: DocCommand, env: DocsEnv, capsys) -> None:
     if as_written and cmd.output:
         _assert_shows(cmd, (out + err).splitlines())
     env.ran.add(tuple(argv))
+
+
+def _train_the_runs_it_uses(cmd: DocCommand, argv: list[str], env: DocsEnv) -> None:
+    """Train each run whose checkpoint the line uses and no line before it on this worker trained (a line
+    run on its own, -k, or on another worker): the page's own fit line into it, else its experiment."""
+    used = [match.group(1) for word in argv if (match := RUN_CKPT.fullmatch(word))]
+    if argv[0] == "fit" and "--resume" in argv and "--out" in argv:
+        used.append(argv[argv.index("--out") + 1])
+    page = cmd.where.split(":")[0]
+    for run in used:
+        if (env.cwd / run / "checkpoints" / "last.ckpt").is_file():
+            continue
+        fits = [
+            list(line.argv[1:])
+            for line in COMMAND_LINES
+            if line.where.split(":")[0] == page and line.argv[1:2] == ("fit",) and "--resume" not in line.argv
+            if run in line.argv and line.argv[line.argv.index(run) - 1] == "--out"
+        ]
+        words = fits[0] if fits else ["fit", "--config", f"configs/experiments/{Path(run).name}.yaml"]
+        assert main([*words, *_fit_sizes(words)]) == 0, f"{cmd}: training {run} first failed"
 
 
 def _tiny(argv: list[str], env: DocsEnv, output: bool = False) -> tuple[list[str], bool]:
