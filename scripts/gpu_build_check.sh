@@ -117,6 +117,11 @@ import grouped_gemm, megablocks, megablocks_ops, grouped_gemm_backend
 print('imported', megablocks.__file__, megablocks_ops.__file__, grouped_gemm_backend.__file__)"
 }
 
+# keep_prebuilt: the compiled site, for the device check's build step to try first (git-ignored).
+keep_prebuilt() {
+  rm -rf .gpu-prebuilt && mkdir -p .gpu-prebuilt && cp -r "$WORK/site" .gpu-prebuilt/site && du -sb .gpu-prebuilt
+}
+
 corpus() {
   "$PY" -c "from pathlib import Path; from tests.helpers.corpus import prepare_corpus
 prepare_corpus(Path('$WORK/cpu'), paragraphs=40, val_fraction=0.1, test_fraction=0.1)"
@@ -179,7 +184,7 @@ CPATH=$("$PY" scripts/patch_gpu_sdists.py --cuda-includes)
 export CPATH
 step build-grouped_gemm build grouped_gemm grouped_gemm-0.3.0
 step build-megablocks build megablocks megablocks-0.10.0 stanford_stk-0.7.1
-step import-built imports_built
+step import-built imports_built && step prebuilt keep_prebuilt
 
 # NOTE: the device's environment for the CPU commands: the built packages importable, the version
 # gate lifted (torch 2.11 is outside the lock's tested range).

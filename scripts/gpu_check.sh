@@ -11,11 +11,12 @@
 #
 #   bash scripts/gpu_check.sh build
 #       Build grouped_gemm and megablocks from .gpu-sdists into $GPU_SITE (default /tmp/gpu-site) with
-#       $PYTHON's torch (in parallel; megablocks patched for CUDA 13's CUB). The check runs it.
+#       $PYTHON's torch (in parallel; megablocks patched for CUDA 13's CUB). The check runs it. Where
+#       .gpu-prebuilt/site (left by `make gpu-build-check`) imports against that torch, it is used instead.
 #
 #   bash scripts/gpu_check.sh
 #       ON THE GPU MACHINE (no network; carry .gpu-wheels and .gpu-sdists):
-#       run(command="bash scripts/gpu_check.sh", carry=[".gpu-wheels", ".gpu-sdists"], timeout_s=420)
+#       run(command="bash scripts/gpu_check.sh", carry=[".gpu-wheels", ".gpu-sdists", ".gpu-prebuilt"], timeout_s=420)
 #       Each step runs under its own limit, logs to $OUT/<step>.log and appends one JSON line to
 #       $OUT/gpu_check.jsonl as it ends ($OUT: the device tool's folder, else benchmarks/results/gpu-check):
 #       probe, carry (install the wheels), corpus, build (in the background from here on), `moe-lit fit`
@@ -39,6 +40,7 @@ MEGABLOCKS=megablocks-0.10.0
 STK=stanford_stk-0.7.1
 GROUPED_GEMM=grouped_gemm-0.3.0
 SITE=${GPU_SITE:-/tmp/gpu-site}
+PREBUILT=.gpu-prebuilt
 
 if [[ "${1:-}" == "fetch" ]]; then
   set -e
@@ -67,8 +69,20 @@ fi
 PY=${PYTHON:-python3}
 
 if [[ "${1:-}" == "build" ]]; then
-  BUILD=$(mktemp -d)
   mkdir -p "$SITE"
+  # NOTE: `make gpu-build-check` leaves the packages it compiled here (same sdists, patches, torch
+  # 2.11+cu130, Python 3.12, sm_90) in .gpu-prebuilt/site: where they import against this machine's
+  # torch, they save the compile; where they do not, they are removed and the sdists are built.
+  if [[ -d $PREBUILT/site ]]; then
+    cp -r "$PREBUILT/site/." "$SITE/"
+    if PYTHONPATH="$SITE" "$PY" -c "import torch, megablocks_ops, grouped_gemm_backend, megablocks, grouped_gemm"; then
+      echo "numbers: {\"prebuilt\": true, \"grouped_gemm_exit\": 0, \"megablocks_exit\": 0}"
+      exit 0
+    fi
+    echo "the prebuilt packages do not import here: building from $SDISTS"
+    rm -rf "$SITE" && mkdir -p "$SITE"
+  fi
+  BUILD=$(mktemp -d)
   for name in $MEGABLOCKS $STK $GROUPED_GEMM; do
     tar xzf "$SDISTS/$name.tar.gz" -C "$BUILD" || { echo "missing $SDISTS/$name.tar.gz (run: bash scripts/gpu_check.sh fetch)"; exit 1; }
   done
