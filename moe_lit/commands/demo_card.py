@@ -87,14 +87,14 @@ def _step(out: Path, done: Path, resume: bool, what: str) -> bool:
 
 def card_steps(trained: dict[str, RunResult], data_dir: Path, args: argparse.Namespace) -> CardSteps:
     """The suite of the three models, the routing of the two MoEs, the export of the better MoE."""
-    evals = {name: evaluate(name, trained[name].checkpoint, data_dir, args) for name in CARD_MODELS}
-    analyses = {name: analyse(name, trained[name].checkpoint, data_dir, args) for name in MOES}
+    evals = {name: evaluate_card_model(name, trained[name].checkpoint, data_dir, args) for name in CARD_MODELS}
+    analyses = {name: analyse_card_routing(name, trained[name].checkpoint, data_dir, args) for name in MOES}
     best = min(MOES, key=lambda name: trained[name].val_loss)
     hf_dir, check_file = export_best(best, trained[best].checkpoint, data_dir, args)
     return CardSteps(evals, analyses, best, hf_dir, json.loads(check_file.read_text()))
 
 
-def evaluate(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
+def evaluate_card_model(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
     """``moe-lit eval`` of the local suite (``--eval-limit`` items per task, fp32) into ``eval/<name>``."""
     from moe_lit.commands import eval as eval_command
     from moe_lit.data.layout import tokenizer_file
@@ -110,7 +110,7 @@ def evaluate(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespac
     return out
 
 
-def analyse(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
+def analyse_card_routing(name: str, checkpoint: str, data_dir: Path, args: argparse.Namespace) -> Path:
     """``moe-lit analyze routing`` of an MoE into ``analysis/<name>``."""
     from moe_lit.commands import analyze
     from moe_lit.data.layout import tokenizer_file
