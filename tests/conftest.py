@@ -28,3 +28,16 @@ def pytest_collection_modifyitems(config, items):
         # NOTE: the marker, not the keywords: keywords include directory names such as tests/gpu/.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_user_cache(tmp_path_factory):
+    """Point ``XDG_CACHE_HOME`` (the precision probes' per-machine cache) at this run's temp folder.
+
+    NOTE: a test (or the command it starts) must neither read a choice another run cached in the
+    user's ~/.cache nor leave one there; subprocesses inherit the variable.
+    """
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    patch.undo()

@@ -6,6 +6,7 @@ import pytest
 
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_directory, atomic_file, atomic_write_text, check_output
+from tests.helpers.fixtures import unreadable_by_others
 
 
 def test_check_output_refuses_inputs_always_and_non_empty_outputs_without_force(tmp_path):
@@ -31,25 +32,6 @@ def test_atomic_directory_replaces_a_file_target(tmp_path):
     with atomic_directory(target) as tmp:
         (tmp / "new.txt").write_text("new")
     assert (target / "new.txt").read_text() == "new"
-
-
-@pytest.fixture
-def umask_022():
-    """The common umask (group and others may read) for the test, then the previous one again."""
-    previous = os.umask(0o022)
-    yield
-    os.umask(previous)
-
-
-def _unreadable(*roots) -> list[str]:
-    """Directories others cannot list and enter, and files they cannot read, under ``roots``."""
-    found = []
-    for root in roots:
-        for path in [root, *root.rglob("*")]:
-            mode = path.stat().st_mode & 0o777
-            if mode & (0o055 if path.is_dir() else 0o044) != (0o055 if path.is_dir() else 0o044):
-                found.append(f"{oct(mode)} {path}")
-    return found
 
 
 @pytest.mark.parametrize(("umask", "file", "folder"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
@@ -89,4 +71,4 @@ def test_what_prepare_fit_export_eval_and_analyze_write_is_readable_by_others_un
     assert main(["analyze", "routing", "--checkpoint", str(ours), "--data", str(data), "--out", "analysis"]) == 0
     outputs = [data, tmp_path / "run", ours, tmp_path / "hf", tmp_path / "eval", tmp_path / "analysis"]
     assert all(path.exists() for path in outputs)
-    assert _unreadable(*outputs) == []
+    assert unreadable_by_others(*outputs) == []

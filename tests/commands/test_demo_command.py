@@ -17,6 +17,7 @@ from moe_lit.checkpoint import load_model
 from moe_lit.console_script import main
 from moe_lit.lit.optim import OptimConfig
 from moe_lit.studies.study import load_study
+from tests.helpers.fixtures import unreadable_by_others
 from tests.helpers.models import tiny
 
 
@@ -106,7 +107,9 @@ def _tiny_models(root: Path) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-def test_the_card_runs_end_to_end_and_resumes_without_redoing_finished_steps(prepared, tmp_path, monkeypatch):
+def test_the_card_runs_end_to_end_and_resumes_without_redoing_finished_steps(
+    prepared, tmp_path, monkeypatch, umask_022
+):
     import moe_lit.commands.analyze as analyze
     import moe_lit.commands.eval as eval_command
     import moe_lit.lit.run as lit_run
@@ -170,3 +173,4 @@ def test_the_card_runs_end_to_end_and_resumes_without_redoing_finished_steps(pre
     assert (out / "analysis" / "upcycled" / "routing.json").is_file() and (
         out / "eval" / "dense" / "results.md"
     ).is_file()
+    assert unreadable_by_others(out, work) == []  # a colleague can read every output (umask 022)

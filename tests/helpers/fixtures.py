@@ -97,3 +97,23 @@ def bf16_cpu(monkeypatch, tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 fma\n\nprocessor\t: 1\n")
     monkeypatch.setattr(precision, "CPUINFO", cpuinfo)
+
+
+@pytest.fixture
+def umask_022():
+    """The common umask (group and others may read) for the test, then the previous one again."""
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def unreadable_by_others(*roots) -> list[str]:
+    """Directories others cannot list and enter, and files they cannot read, under ``roots``."""
+    found = []
+    for root in roots:
+        for path in [root, *root.rglob("*")]:
+            mode = path.stat().st_mode & 0o777
+            wanted = 0o055 if path.is_dir() else 0o044
+            if mode & wanted != wanted:
+                found.append(f"{oct(mode)} {path}")
+    return found
