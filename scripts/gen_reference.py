@@ -146,15 +146,22 @@ def cli_page() -> str:
 
 @contextlib.contextmanager
 def _fixed_width() -> Iterator[None]:
-    before = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(COLUMNS)
+    """``$COLUMNS`` at :data:`COLUMNS`, and the default data folder printed as one fixed string.
+
+    NOTE: argparse wraps a help line before any later replacement could shorten it, so a path that
+    depends on where the checkout lies would wrap differently on every machine.
+    """
+    fixed = {"COLUMNS": str(COLUMNS), "MOE_LIT_DATA": "<checkout>/data_cache/default"}
+    before = {name: os.environ.get(name) for name in fixed}
+    os.environ.update(fixed)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _help(words: list[str]) -> list[str]:
