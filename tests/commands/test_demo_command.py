@@ -174,3 +174,45 @@ def test_the_card_runs_end_to_end_and_resumes_without_redoing_finished_steps(
         out / "eval" / "dense" / "results.md"
     ).is_file()
     assert unreadable_by_others(out, work) == []  # a colleague can read every output (umask 022)
+
+
+@pytest.mark.slow
+def test_a_demo_interrupted_twice_in_training_and_resumed_equals_an_uninterrupted_demo(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    from moe_lit.callbacks.preemption import Interrupted
+    from moe_lit.checkpoint import read_lightning_checkpoint
+    from tests.lit.fakes import SignalAt
+
+    monkeypatch.setattr(demo, "MODELS", _tiny_models(tmp_path))
+    settings = ["--data.data_dir", str(prepared), "--data.seq_len=16", "--data.batch_size=4", "--data.val_batches=1"]
+    settings += ["--train.max_steps=8", "--train.val_every=4", "--eval-limit=2"]
+
+    def argv(name: str) -> list[str]:
+        return ["demo", "--out", str(tmp_path / name), "--work-dir", str(tmp_path / f"{name}-work"), *settings]
+
+    assert main([*argv("full"), "--force"]) == 0
+    real_train = demo.train_model
+    stops = [2, 5]  # Ctrl-C at the start of the MoE's steps 3 and 6
+
+    def train_model(name, config, model_cfg, run_cfg, args, callbacks):
+        extra = [SignalAt(stops.pop(0))] if name == "moe" and stops else []
+        return real_train(name, config, model_cfg, run_cfg, args, [*callbacks, *extra])
+
+    monkeypatch.setattr(demo, "train_model", train_model)
+    last = tmp_path / "cut-work" / "moe" / "checkpoints" / "last.ckpt"
+    for resume in ([], ["--resume"]):
+        with pytest.raises(Interrupted) as interrupted:
+            main([*argv("cut"), "--force", *resume])
+        assert interrupted.value.code == 130
+    assert f"demo: training moe (moe.yaml, seed 0) continuing from {last}" in capsys.readouterr().out
+    assert read_lightning_checkpoint(last)["global_step"] == 6  # the newest, not the first interruption's
+    assert main([*argv("cut"), "--force", "--resume"]) == 0
+    assert f"continuing from {last}" in capsys.readouterr().out
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    full = read_lightning_checkpoint(tmp_path / "full-work" / "moe" / "checkpoints" / "last.ckpt")
+    cut = read_lightning_checkpoint(last)
+    assert cut["global_step"] == full["global_step"] == 8
+    assert all(torch.equal(cut["state_dict"][k], v) for k, v in full["state_dict"].items())  # bit-exact
+    runs = {name: json.loads((tmp_path / name / card.RESULTS_JSON).read_text())["runs"] for name in ("full", "cut")}
+    assert {n: r["val_loss"] for n, r in runs["cut"].items()} == {n: r["val_loss"] for n, r in runs["full"].items()}
