@@ -29,6 +29,7 @@ from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.megablocks_backend import MegaBlocksExperts
 from moe_lit.model.experts.protocol import backend_registry
 from moe_lit.model.mlp import SwiGLU
+from moe_lit.registry import UnknownName
 from tests.gpu import megablocks_standins
 from tests.helpers.models import tiny
 
@@ -183,12 +184,14 @@ def test_the_registry_refuses_a_taken_name():
     class Auto(TorchExperts):
         name = "auto"
 
-    with pytest.raises(ValueError, match=r"name 'auto' of Auto is taken by moe.backend's device choice"):
+    with pytest.raises(ValueError, match=r"^experts backend name 'auto' of Auto is reserved$"):
         backend_registry(Auto)
     assert list(BACKENDS) == ["megablocks", "torch"]  # auto's order of preference
     assert set(CONFIG_BACKENDS) == {"auto", *BACKENDS}  # moe.backend's allowed values
     with pytest.raises(TypeError):
         BACKENDS["other"] = TorchExperts  # type: ignore[index]
+    with pytest.raises(UnknownName, match=r"^experts backend: unknown name 'other', registered: megablocks, torch$"):
+        BACKENDS["other"]
 
 
 def test_the_protocol_is_what_backends_implement():

@@ -6,15 +6,15 @@ A backend is an ``nn.Module`` class holding the ONE weight layout (``mlp.w1|v1|w
 ``bias`` (D,)), so a checkpoint never depends on which backend wrote or reads it. Code outside
 ``model/`` asks this protocol (``isinstance(module, ExpertsBackend)``, ``shard_experts``,
 ``expert_parallel_group``, ``supports``), never a backend's class. A new backend is a module with
-its class, one entry in ``moe_lit.model.experts.BACKENDS`` and its name in ``config.BACKENDS``
+its class, one entry in ``moe_lit.model.experts.BACKENDS`` (a :class:`moe_lit.registry.Registry`)
+and its name in ``config.BACKENDS``
 (``moe.backend``'s allowed values, below this layer; tests/model/test_experts_backend.py keeps the
 two equal).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from moe_lit.config import MoEConfig
 from moe_lit.model.experts.layout import ExpertLayout, RoutingCounts
+from moe_lit.registry import Registry
 
 AUTO = "auto"
 """``moe.backend``'s choice by device; never a backend's name."""
@@ -103,15 +104,13 @@ class ExpertsBackend(Protocol):
         ...
 
 
-def backend_registry(*backends: type[ExpertsBackend]) -> Mapping[str, type[ExpertsBackend]]:
-    """The backends by name, read-only, in the order given; a name given twice (or 'auto') is refused."""
-    registry: dict[str, type[ExpertsBackend]] = {}
+def backend_registry(*backends: type[ExpertsBackend]) -> Registry[type[ExpertsBackend]]:
+    """The backends by their ``name``, in the order given (``auto``'s preference); a name given
+    twice, or ``auto``, is refused (:class:`moe_lit.registry.Registry`)."""
+    registry: Registry[type[ExpertsBackend]] = Registry("experts backend", reserved=(AUTO,))
     for backend in backends:
-        if backend.name == AUTO or backend.name in registry:
-            taken = registry[backend.name].__name__ if backend.name in registry else "moe.backend's device choice"
-            raise ValueError(f"experts backend name {backend.name!r} of {backend.__name__} is taken by {taken}")
-        registry[backend.name] = backend
-    return MappingProxyType(registry)
+        registry.register(backend.name, backend)
+    return registry
 
 
 __all__ = ["AUTO", "ExpertMatrices", "ExpertsBackend", "backend_registry"]
