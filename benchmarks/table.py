@@ -31,10 +31,24 @@ def _conditions(result: dict) -> str:
     )
 
 
+BF16 = "_bf16"
+"""The suffix of a model or shape measured under CPU bf16 autocast (``--precision both``)."""
+
+
+def shape_ratios(result: dict) -> dict[str, dict]:
+    """Each measured shape's ratios (``E16k2F256``, ``E16k2F256_bf16``); not the fp32 -> bf16 speedups."""
+    return {tag: ratio for tag, ratio in result["ratios"].items() if tag != "bf16_speedup"}
+
+
 def train_step_table(result: dict) -> str:
     models, rows = result["models"], []
-    for tag, ratio in result["ratios"].items():
-        dense = next(name for name in models if name.startswith("ours_dense"))
+    for tag, ratio in shape_ratios(result).items():
+        shape, suffix = tag.removesuffix(BF16), BF16 if tag.endswith(BF16) else ""
+        dense = next(
+            name
+            for name in models
+            if name.startswith("ours_dense") and name.endswith(BF16) == bool(suffix) and "_compiled" not in name
+        )
         rows.append(
             {
                 "shape": tag,
@@ -44,30 +58,45 @@ def train_step_table(result: dict) -> str:
                 "ours / OLMoE speed (goal >= 1.5)": f"{ratio['speedup_vs_olmoe']:.2f}",
                 "our dense / OLMoE speed": f"{ratio['dense_speedup_vs_olmoe']:.2f}",
                 "MoE / dense time (goal)": f"{ratio['moe_over_dense_time']:.2f} "
-                f"(<= {result['goals']['moe_over_dense_time'][tag]})",
+                f"(<= {result['goals']['moe_over_dense_time'][shape]})",
             }
         )
+    return markdown_table(rows)
+
+
+def bf16_speedup_table(result: dict) -> str:
+    """Each model's fp32 step time over its bf16-autocast twin's (``--precision both``)."""
+    speedups = result["ratios"]["bf16_speedup"]
+    goal = result["goals"]["bf16_speedup"]
+    rows = [
+        {"model": name, f"fp32 / bf16 time (goal for ours_moe >= {goal})": f"{speedup:.2f}"}
+        for name, speedup in speedups.items()
+        if not name.startswith("goal_met_")
+    ]
     return markdown_table(rows)
 
 
 def train_step_floor_table(result: dict) -> str:
     """Every model's fraction of the FLOP floor, and with ``--compile`` its compiled twin's."""
     rows = []
-    for tag, ratio in result["ratios"].items():
+    for tag, ratio in shape_ratios(result).items():
+        suffix = BF16 if tag.endswith(BF16) else ""
         fractions, speedups = ratio["floor_fraction"], ratio.get("compiled_speedup", {})
         for name, fraction in fractions.items():
-            if name.endswith("_compiled"):
+            if "_compiled" in name:
                 continue
-            compiled = fractions.get(f"{name}_compiled")
+            eager = name.removesuffix(suffix) if suffix else name
+            twin = f"{eager}_compiled{suffix}"
+            compiled = fractions.get(twin)
             rows.append(
                 {
                     "shape": tag,
                     "model": name,
                     "tok/s": round(result["models"][name]["tokens_per_s"]),
                     "floor fraction": f"{fraction:.2f}",
-                    "compiled tok/s": round(result["models"][f"{name}_compiled"]["tokens_per_s"]) if compiled else "",
+                    "compiled tok/s": round(result["models"][twin]["tokens_per_s"]) if compiled else "",
                     "compiled floor fraction": f"{compiled:.2f}" if compiled else "",
-                    "compiled speedup": f"{speedups[name]:.3f}" if name in speedups else "",
+                    "compiled speedup": f"{speedups[eager]:.3f}" if eager in speedups else "",
                 }
             )
     return markdown_table(rows)
@@ -132,8 +161,10 @@ def head_loss_table(result: dict) -> str:
 
 def train_step_tables(result: dict) -> str:
     tables = train_step_table(result)
-    if any("floor_fraction" in ratio for ratio in result["ratios"].values()):
+    if any("floor_fraction" in ratio for ratio in shape_ratios(result).values()):
         tables += "\n\n" + train_step_floor_table(result)
+    if "bf16_speedup" in result["ratios"]:
+        tables += "\n\n" + bf16_speedup_table(result)
     return tables
 
 
