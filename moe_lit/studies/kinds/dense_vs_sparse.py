@@ -3,7 +3,8 @@
 Budgets x the grid (num_experts x top_k x matching mode, dense included), and one-axis ablations at one budget,
 every MoE by :func:`moe_lit.accounting.matched_moe_config`. Claims, paired by seed: at fixed active params the most
 total params beat dense and the smallest MoE; the best expert size does not move with E; shared experts,
-heterogeneous sizes and balancing matter little (TOST within ``margin``); dropless beats token dropping.
+heterogeneous sizes and balancing matter little (TOST within ``margin``); dropless beats token dropping, tested on
+each capacity-limited point's final weights validated dropless (a 0-step child), so that only training dropped tokens.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ from moe_lit.config import ConfigError, ModelConfig, MoEConfig
 from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Point, finalize
+from moe_lit.studies.engine import Call, Point, Start, finalize
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.records import group as grouped
 from moe_lit.studies.records import minus
 from moe_lit.studies.report import LANG_PREFIX, LOSS, aggregate
 from moe_lit.studies.verdicts import EQUIVALENT, LOWER, SCRATCH, Claim, Evidence, Subject, about
 
+DROPLESS_VALIDATION = "dropless-val"
+"""Name suffix (and record ``validation`` field) of the 0-step child validating a capacity-limited point dropless."""
 DROPPING_AT_VALIDATION = (
     "the capacity-limited arm is validated with its capacity factor too (model/moe.py drops tokens outside "
-    "training), so its val loss mixes dropping in training with dropping at evaluation; the claim needs that arm "
-    "validated dropless"
+    "training), so its val loss mixes dropping in training with dropping at evaluation, and its dropless "
+    f"validation ({DROPLESS_VALIDATION}) has not finished"
 )
 ABLATIONS = ("shared", "heterogeneous", "balancing", "capacity", "matching")
 """The ablations compared with the reference MoE point, in report order (granularity: the expert-size claims)."""
@@ -183,7 +186,36 @@ def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
         point = header.point(name, seed, model, header.seeded_run(seed), {**info, "groups": dict(info["groups"])})
         if (known := points.setdefault(finalize([point])[0].hash, point)) is not point:
             known.info["groups"] |= {g: label for g, label in info["groups"].items() if g not in known.info["groups"]}
-    return list(points.values())
+    return [*points.values(), *(_dropless_validation(p) for p in points.values() if _drops_tokens(p))]
+
+
+def _drops_tokens(point: Point) -> bool:
+    return point.model.moe is not None and point.model.moe.capacity_factor is not None
+
+
+def dropless(model):
+    """The same weights with ``moe.capacity_factor: null``: every routed token reaches its experts (a pure
+    transform: ``model`` keeps its capacity)."""
+    from moe_lit.convert.common import rebuild
+
+    return rebuild(model, model.config.replace(moe={"capacity_factor": None}))
+
+
+def _dropless_validation(parent: Point) -> Point:
+    """A 0-step child validating ``parent``'s final weights dropless; its info is the parent's (the capacity
+    factor it trained with) in no group, with ``validation: dropless``."""
+    # NOTE: appended after every other point, each a new identity: the committed points keep their hashes.
+    config_name = f"{parent.config_name}/{DROPLESS_VALIDATION}"
+    return Point(
+        parent.name.replace(parent.config_name, config_name, 1),
+        config_name,
+        parent.seed,
+        parent.model.replace(moe={"capacity_factor": None}),
+        parent.run.replace(train={"max_steps": 0}),
+        info={**parent.info, "groups": {}, "validation": "dropless"},
+        start=Start(parent=parent.name, mode="init"),
+        transform=Call.of(dropless),
+    )
 
 
 def _moe_name(num_experts: int, top_k: int) -> str:
@@ -233,16 +265,29 @@ def _short(n: float) -> str:
     return f"{n / scale[1]:.3g}{scale[0]}"
 
 
+def _loss_cell(r: Row) -> float | str:
+    return r[LOSS] if r["seeds"] == 1 else f"{r[LOSS]:.4f} ± {r['loss_std']:.4f}"
+
+
+def dropless_validations(rows: list[Row]) -> dict[str, Row]:
+    """Capacity-limited configuration -> its weights validated dropless (the 0-step children's row)."""
+    suffix = f"/{DROPLESS_VALIDATION}"
+    return {r["config_name"].removesuffix(suffix): r for r in rows if r.get("validation") == "dropless"}
+
+
 def summary_rows(rows: list[Row]) -> list[Row]:
-    """The markdown table: one row per configuration."""
+    """The markdown table: one row per trained configuration; a capacity-limited one also shows its loss
+    validated dropless (``val loss`` is validated as trained)."""
     langs, nan = sorted({k for r in rows for k in r if k.startswith(LANG_PREFIX)}), float("nan")
-    out = []
-    for r in rows:
+    validated, out = dropless_validations(rows), []
+    for r in (r for r in rows if r.get("validation") != "dropless"):
         item = {"point": r["config_name"], "groups": r["groups"], "E": r["num_experts"], "k": r["top_k"]}
         item |= {"expert F": round(r["expert_size"], 1), "total": _short(r["total_params"])}
         item |= {"active": _short(r["active_params"]), "active non-emb": _short(r["active_non_embedding"])}
         item |= {"fwd FLOPs/tok": _short(r["flops_per_token"]), "tokens": _short(r.get("tokens", nan))}
-        item["val loss"] = r[LOSS] if r["seeds"] == 1 else f"{r[LOSS]:.4f} ± {r['loss_std']:.4f}"
+        item["val loss"] = _loss_cell(r)
+        child = validated.get(r["config_name"])
+        item["val loss, dropless"] = _loss_cell(child) if child else ""
         item |= {lang.removeprefix(LANG_PREFIX): r.get(lang, nan) for lang in langs}
         item |= {"tok/s": round(r.get("tokens_per_s", nan)), "imbalance": r.get("load_imbalance", nan)}
         out.append(item | {"dropped": r.get("dropped_fraction", nan)})
@@ -292,19 +337,21 @@ def claims(rows: list[Row], ablation: dict[str, Any] | None = None, margin: floa
     granularity = [c for budget, by_e in expert_size_sweeps(rows).items() for c in _size_effects(budget, by_e, margin)]
     name = f"{ablation['budget']}/{_moe_name(ablation['num_experts'], ablation['top_k'])}" if ablation else None
     ref = next((r for r in rows if r["config_name"] == name), None)  # the reference MoE point of the ablations
+    validated, dropping = dropless_validations(rows), []
     for group, members in ablation_groups(rows).items() if ref else ():
         for label, r in (m for m in members if m[1] is not ref):
             if group in SMALL:
                 tests.append((f"{group}: {label} matters little", EQUIVALENT, margin, r, ref))
             elif group == "capacity":
+                # NOTE: on the weights validated dropless, so that the arms differ only in training.
+                dropping += [] if r["config_name"] in validated else [r["config_name"]]
+                r = validated.get(r["config_name"], r)
                 tests.append((f"dropless beats token dropping ({label})", LOWER, None, ref, r))
     made = [
         Claim(text, "val loss", (a["config_name"], b["config_name"]), direction, m).on(_losses(a), _losses(b))
         for text, direction, m, a, b in tests
     ]
-    return [
-        e.untestable(DROPPING_AT_VALIDATION) if e.claim.text.startswith("dropless") else e for e in made
-    ] + granularity
+    return [e.untestable(DROPPING_AT_VALIDATION) if e.claim.arms[1] in dropping else e for e in made] + granularity
 
 
 def _size_effects(budget: str, by_k: dict[int, dict[int, Row]], margin: float | None) -> Iterator[Evidence]:
@@ -331,9 +378,16 @@ def findings(rows: list[Row]) -> list[str]:
         best = ((e, min(pts.values(), key=itemgetter(LOSS))) for e, pts in by_e.items() if len(pts) > 1)
         detail = ", ".join(f"E{e}: F={r['expert_size']:.0f} (k={r['top_k']}, {r[LOSS]:.4f})" for e, r in best)
         lines.append(f"- **Best expert size at fixed active** ({budget}): {detail}.")
+    validated = dropless_validations(rows)
     for group, members in ((g, m) for g, m in ablation_groups(rows).items() if len(m) > 1):
-        lines.append(f"- **{group}**: " + ", ".join(f"{label} {r[LOSS]:.4f}" for label, r in members) + ".")
+        losses = (f"{label} {r[LOSS]:.4f}{_validated_dropless(validated, r)}" for label, r in members)
+        lines.append(f"- **{group}**: " + ", ".join(losses) + ".")
     return lines
+
+
+def _validated_dropless(validated: dict[str, Row], r: Row) -> str:
+    child = validated.get(r["config_name"])
+    return f" (validated dropless {child[LOSS]:.4f})" if child else ""
 
 
 def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path) -> Analysis:

@@ -26,6 +26,8 @@ def test_expansion_is_the_grid_plus_ablations_deduplicated():
         "M/E4k2/cf=1",
         "M/E4k2/cf=2",
         "M/E4k2/total",
+        "M/E4k2/cf=1/dropless-val",  # each capacity-limited point validated dropless, after every trained point
+        "M/E4k2/cf=2/dropless-val",
     ]
     # the reference point is one run that appears in every ablation, with its label in each group;
     # the aux_loss=0.01 balancing variant IS the reference (default coefficient) and merges into it
@@ -83,8 +85,9 @@ def test_matched_configs_hit_their_budget():
 
 def test_shipped_studies_load_and_expand():
     tiny = load_study(STUDIES / "dense_vs_sparse.yaml").points
-    assert len(tiny) == 14 * 4  # 14 configurations x 4 seeds
+    assert len(tiny) == (14 + 1) * 4  # 14 configurations and cf=1 validated dropless, x 4 seeds
     grid = [p for p in tiny if "grid" in p.info["groups"]]
+    assert [p.name for p in tiny if p.run.steps == 0] == [f"M/E8k2/cf=1/dropless-val/s{s}" for s in range(4)]
     assert {(p.model.moe.num_experts, p.model.moe.top_k) if p.model.moe else 1 for p in grid} == {
         1,
         (8, 2),
@@ -258,3 +261,109 @@ def test_the_expert_size_claim_is_a_paired_interaction_of_top_k_and_e(shift, ver
     assert evidence.difference.paired and evidence.difference.estimate == pytest.approx(0.003 - shift, abs=1e-9)
     (judged,) = judge([evidence])
     assert judged.word == verdict
+
+
+# ----------------------------------------------------------------------------- dropless validation
+def test_a_capacity_limited_point_has_a_0_step_child_validating_its_weights_dropless():
+    from moe_lit.studies.engine import finalize
+    from moe_lit.studies.kinds.dense_vs_sparse import dropless
+
+    points = {p.name: p for p in parse_study(small_spec(seeds=[0, 1])).points}
+    parent, child = points["M/E4k2/cf=1/s1"], points["M/E4k2/cf=1/dropless-val/s1"]
+    assert (child.start.parent, child.start.mode, child.start.step) == (parent.name, "init", None)
+    assert child.run.steps == 0 and child.seed == 1 and child.transform.resolve() is dropless
+    assert child.model == parent.model.replace(moe={"capacity_factor": None})
+    assert child.info == {**parent.info, "groups": {}, "validation": "dropless"}
+    assert finalize([parent])[0].hash == parent.hash  # the child re-plans no committed point
+    assert not [p for p in points.values() if p.run.steps == 0 and "/cf=" not in p.name]  # dropless ones have none
+
+
+def test_the_dropless_transform_keeps_the_weights_and_only_stops_dropping():
+    import torch
+
+    from moe_lit.config import ModelConfig
+    from moe_lit.model import Transformer
+    from moe_lit.studies.kinds.dense_vs_sparse import dropless
+
+    moe = {"num_experts": 4, "expert_size": 16, "top_k": 2, "capacity_factor": 0.5}
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16, moe=moe)
+    torch.manual_seed(0)
+    model, idx = Transformer(cfg).eval(), torch.randint(0, 97, (2, 16))
+    reference = Transformer(cfg.replace(moe={"capacity_factor": None})).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        before = model(idx).logits_BLV
+        out = dropless(model)
+        assert out.config.moe.capacity_factor is None and model.config.moe.capacity_factor == 0.5
+        assert torch.equal(out(idx).logits_BLV, reference(idx).logits_BLV)
+        assert torch.equal(model(idx).logits_BLV, before)  # the source is untouched
+        assert not torch.allclose(before, reference(idx).logits_BLV)  # it dropped tokens: dropless differs
+
+
+def _capacity_rows(with_children: bool):
+    from moe_lit.studies.report import aggregate
+
+    records = []
+    for seed, noise in enumerate((0.0, 0.03, -0.02)):
+        records += [
+            _record("M/E4k2", seed, 3.70 + noise, {"capacity": "dropless"}),
+            _record("M/E4k2/cf=1", seed, 3.80 + noise, {"capacity": "cf=1"}),
+        ]
+        child = _record("M/E4k2/cf=1/dropless-val", seed, 3.72 + noise + 0.001 * seed, {})
+        records += [child | {"validation": "dropless"}] if with_children else []
+    return aggregate(records)
+
+
+def test_dropless_beats_dropping_is_tested_on_the_weights_validated_dropless():
+    from moe_lit.studies.kinds.dense_vs_sparse import claims, findings, summary_rows
+
+    rows = _capacity_rows(with_children=True)
+    (evidence,) = claims(rows, ABLATION)
+    assert evidence.claim.text == "dropless beats token dropping (cf=1)" and not evidence.reason
+    assert evidence.claim.arms == ("M/E4k2", "M/E4k2/cf=1/dropless-val")
+    assert evidence.difference.paired and evidence.difference.estimate == pytest.approx(-0.021)  # not -0.1
+    assert "- **capacity**: dropless 3.7033, cf=1 3.8033 (validated dropless 3.7243)." in findings(rows)
+    table = {r["point"]: r for r in summary_rows(rows)}
+    assert list(table) == ["M/E4k2", "M/E4k2/cf=1"]  # the child is a column of its parent, not a row
+    assert table["M/E4k2/cf=1"]["val loss"] == "3.8033 ± 0.0252"  # as validated with its capacity
+    assert table["M/E4k2/cf=1"]["val loss, dropless"] == "3.7243 ± 0.0248"  # seeds 3.72, 3.751, 3.702
+    assert table["M/E4k2"]["val loss, dropless"] == ""
+
+
+def test_without_its_dropless_validation_the_capacity_claim_is_untestable_here():
+    from moe_lit.studies.kinds.dense_vs_sparse import DROPPING_AT_VALIDATION, claims
+
+    (evidence,) = claims(_capacity_rows(with_children=False), ABLATION)
+    assert evidence.claim.arms == ("M/E4k2", "M/E4k2/cf=1") and evidence.reason == DROPPING_AT_VALIDATION
+    assert evidence.difference.estimate == pytest.approx(-0.1)  # the mixed contrast stays, as a finding
+
+
+@pytest.mark.slow
+def test_a_trained_capacity_point_is_validated_dropless_from_its_final_weights(tmp_path):
+    from moe_lit.studies.study import run_study
+    from tests.helpers.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
+    spec = parse_study(
+        {
+            "name": "e2e",
+            "kind": "dense_vs_sparse",
+            "data": {"source": str(corpus), "vocab_size": 300, "val_fraction": 0.1, "test_fraction": 0.1},
+            "base": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64},
+            "budgets": [{"name": "S"}],
+            "grid": {"num_experts": [4], "top_k": [2], "moe": {"backend": "torch"}},
+            "ablations": {"budget": "S", "num_experts": 4, "top_k": 2, "capacity_factor": [0.25]},
+            "run": {
+                "data": {"data_dir": str(tmp_path / "data"), "seq_len": 16, "batch_size": 4, "val_batches": 1},
+                "optim": {"warmup_steps": 1},
+                "train": {"max_tokens": 16 * 4 * 3},
+                "trainer": {"enable_progress_bar": False},
+            },
+        }
+    )
+    records = {r["name"]: r for r in run_study(spec, tmp_path / "out", log=lambda _: None)}
+    parent, child = records["S/E4k2/cf=0.25"], records["S/E4k2/cf=0.25/dropless-val"]
+    assert child["status"] == "ok", child.get("error")
+    assert (parent["steps"], child["steps"], child["parent"]) == (3, 0, "S/E4k2/cf=0.25")
+    assert child["model"]["moe"]["capacity_factor"] is None and child["capacity_factor"] == 0.25  # trained with
+    assert child["val_loss"] != parent["val_loss"]  # the same weights, no token dropped at validation
