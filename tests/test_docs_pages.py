@@ -9,12 +9,6 @@ MAX_LINES = 250
 GENERATED = "docs/reference/"
 """Generated from the code (scripts/gen_reference.py, checked by tests/test_reference.py): one row per
 config field or option, looked up rather than read through, so no length limit."""
-OVER_LENGTH = {
-    # NOTE: each is being rewritten (issue 54) by its owner; remove its line once the page fits.
-    "docs/conversion.md": "being rewritten (issue 54)",
-    "docs/lifecycle-smollm2.md": "being rewritten (issue 54)",
-}
-"""Pages allowed over :data:`MAX_LINES` for now, and why."""
 PAGES = sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").rglob("*.md"))
 
 
@@ -27,11 +21,4 @@ def test_a_page_quotes_no_git_show(page):
 @pytest.mark.parametrize("page", [page for page in PAGES if not page.startswith(GENERATED)])
 def test_a_page_has_at_most_250_lines(page):
     lines = len((REPO / page).read_text().splitlines())
-    if page in OVER_LENGTH:
-        assert lines > MAX_LINES, f"{page} has {lines} lines now: remove it from OVER_LENGTH"
-    else:
-        assert lines <= MAX_LINES, f"{page}: {lines} lines, at most {MAX_LINES}; split it or cut history"
-
-
-def test_every_allowed_page_exists():
-    assert set(OVER_LENGTH) <= set(PAGES)
+    assert lines <= MAX_LINES, f"{page}: {lines} lines, at most {MAX_LINES}; split it or cut history"
