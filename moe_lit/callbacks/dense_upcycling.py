@@ -11,20 +11,22 @@ dense ``w2`` says nothing exact about a shard of it scaled by the granularity.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from moe_lit.callbacks.upcycling import ModelSwapCallback
-from moe_lit.config import ConfigError
-from moe_lit.convert.dense_to_moe import RECIPES, dense_to_moe, upcycled_config
+from moe_lit.callbacks.upcycling import ModelSwapCallback, with_fields
+from moe_lit.convert.dense_to_moe import UpcyclingConfig, upcycle, upcycled_config
 from moe_lit.model import Transformer
 
 UPCYCLED_MOE_DEFAULTS = {"expert_output_bias": False}
-"""MoEConfig fields of the upcycled layers unless ``moe`` gives them: those of the shipped MoE
-configs, so that the model exports (``moe-lit export``)."""
+"""MoEConfig fields of the upcycled layers unless ``upcycling.moe`` gives them: those of the shipped
+MoE configs, so that the model exports (``moe-lit export``)."""
+DEFAULT_UPCYCLING = UpcyclingConfig()
+"""Copy upcycling into 8 experts, top-2 (:class:`UpcyclingConfig`'s defaults)."""
 
 
 class DenseToMoEUpcycling(ModelSwapCallback):
@@ -33,53 +35,39 @@ class DenseToMoEUpcycling(ModelSwapCallback):
     def __init__(
         self,
         at_step: int,
-        recipe: str = "copy",
-        num_experts: int = 8,
-        top_k: int = 2,
-        granularity: int = 1,
-        drop_fraction: float = 0.5,
+        upcycling: UpcyclingConfig = DEFAULT_UPCYCLING,
         optimizer_state: str = "copy",
-        seed: int = 0,
-        moe: dict[str, Any] | None = None,
+        **upcycling_fields: Any,
     ) -> None:
         """
         Args:
             at_step: Optimizer step after which the FFNs become MoE layers (>= 1).
-            recipe: copy | granular | drop (see moe_lit.convert.dense_to_moe).
-            num_experts: Experts per MoE layer.
-            top_k: Experts per token (a multiple of granularity).
-            granularity: Shards of d_ff (granular and drop recipes).
-            drop_fraction: Neurons re-initialised per expert (drop recipe).
+            upcycling: The upcycling (moe_lit.convert.dense_to_moe.UpcyclingConfig: recipe,
+                num_experts, top_k, granularity, drop_fraction, seed, moe); ``expert_output_bias``
+                is false unless its ``moe`` gives it, as in the shipped configs (no export format
+                holds an expert output bias).
             optimizer_state: copy (unchanged tensors keep their AdamW moments) | reset.
-            seed: Seed of the router initialisation and of the dropped neurons.
-            moe: Further MoEConfig fields of the new layers (balancing, aux_loss_coef, ...);
-                ``expert_output_bias`` is false unless given, as in the shipped configs (no export
-                format holds an expert output bias).
+            upcycling_fields: Fields of ``upcycling`` given one by one (``recipe="granular",
+                num_experts=8``).
         """
         super().__init__([at_step], optimizer_state)
-        if recipe not in RECIPES:
-            raise ConfigError(f"DenseToMoEUpcycling.recipe: got {recipe!r}, allowed values: {', '.join(RECIPES)}")
-        self.recipe, self.num_experts, self.top_k = recipe, num_experts, top_k
-        self.granularity, self.drop_fraction, self.seed = granularity, drop_fraction, seed
-        self.moe_fields = {**UPCYCLED_MOE_DEFAULTS, **(moe or {})}
+        upcycling = with_fields(upcycling, upcycling_fields, UpcyclingConfig, "DenseToMoEUpcycling.upcycling")
+        self.upcycling = dataclasses.replace(upcycling, moe={**UPCYCLED_MOE_DEFAULTS, **upcycling.moe})
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         cfg = pl_module.model.config
-        # NOTE: validate the arguments against the model now, not after at_step steps of training.
+        # NOTE: check the config against the model now, not after at_step steps of training.
         # A resumed run whose network is already MoE has done its upcycling (see on_load_checkpoint).
         if cfg.moe is None:
-            upcycled_config(cfg, *self._arguments()[:5], **self.moe_fields)
-
-    def _arguments(self) -> tuple:
-        return self.recipe, self.num_experts, self.top_k, self.granularity, self.drop_fraction, self.seed
+            upcycled_config(cfg, self.upcycling)
 
     @override
     def transform(
         self, model: Transformer, step: int, batch_BL1: torch.Tensor
     ) -> tuple[Transformer, dict[str, torch.Tensor], dict[str, Any]]:
-        return dense_to_moe(model, *self._arguments(), **self.moe_fields), {}, {"recipe": self.recipe}
+        return upcycle(model, self.upcycling), {}, {"recipe": self.upcycling.recipe}
 
 
-__all__ = ["UPCYCLED_MOE_DEFAULTS", "DenseToMoEUpcycling"]
+__all__ = ["DEFAULT_UPCYCLING", "UPCYCLED_MOE_DEFAULTS", "DenseToMoEUpcycling"]

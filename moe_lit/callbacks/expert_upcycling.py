@@ -12,6 +12,7 @@ starts with its source's AdamW moments.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,12 +21,10 @@ import torch
 from typing_extensions import override
 
 from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
-from moe_lit.callbacks.upcycling import ModelSwapCallback
-from moe_lit.config import BALANCING, ConfigError
+from moe_lit.callbacks.upcycling import ModelSwapCallback, with_fields
+from moe_lit.config import ConfigError
 from moe_lit.convert.expand import (
-    MAX_COPIES,
-    SELECTIONS,
-    UTILITY_METRICS,
+    ExpansionConfig,
     UtilityAccumulator,
     apply_expansion,
     expert_gradients,
@@ -35,59 +34,38 @@ from moe_lit.convert.expand import (
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 
+DEFAULT_EXPANSION = ExpansionConfig(factor=2)
+"""Each expansion doubles the experts, uniform copies (the rest: :class:`ExpansionConfig`'s defaults)."""
+
 
 class ExpertUpcycling(ModelSwapCallback):
-    """Multiply the experts of every MoE layer by ``factor`` at each step of ``at_steps``."""
+    """Grow the experts of every MoE layer by ``expansion`` at each step of ``at_steps``."""
 
     def __init__(
         self,
         at_steps: Sequence[int],
-        factor: int = 2,
-        selection: str = "uniform",
+        expansion: ExpansionConfig = DEFAULT_EXPANSION,
         optimizer_state: str = "copy",
         utility_batches: int = 10,
-        utility_metric: str = "grad_sq",
-        max_copies: int = MAX_COPIES,
-        noise: float = 1e-3,
-        balancing: str | None = "bias",
-        seed: int = 0,
-        router_noise: float = 0.0,
-        drop_fraction: float = 0.0,
+        **expansion_fields: Any,
     ) -> None:
         """
         Args:
             at_steps: Optimizer steps after which to expand (strictly increasing, >= 1).
-            factor: m: each expansion turns E experts into m*E (integer >= 2).
-            selection: uniform (m-1 copies of every expert) | utility (greedy by expert utility).
+            expansion: The expansion (moe_lit.convert.expand.ExpansionConfig: factor, selection,
+                noise, balancing, ...); its seed plus the step seeds each expansion.
             optimizer_state: copy (copies inherit their source's AdamW moments) | reset.
             utility_batches: Optimizer steps before the expansion whose gradients make the utility.
-            utility_metric: grad_sq | weight_grad | frequency.
-            max_copies: At most this many copies of one expert (utility selection).
-            noise: U(-noise, noise) on the copies' selection bias (needs balancing=bias).
-            balancing: Balancing of the expanded model: bias (default, see moe_lit.convert.expand) |
-                aux_loss | none | null to keep the source's.
-            seed: Seed of the bias noise.
-            router_noise: Relative N(0, sigma^2) noise on the copies' router rows (symmetry breaking).
-            drop_fraction: Fraction of each copy's neurons re-initialised (drop-upcycling the copies).
+            expansion_fields: Fields of ``expansion`` given one by one (``factor=4, noise=0``), as
+                the points of the upcycling study kind give them.
         """
         super().__init__(at_steps, optimizer_state)
-        if not (isinstance(factor, int) and factor >= 2):
-            raise ConfigError(f"ExpertUpcycling.factor: must be an integer >= 2, got {factor!r}")
-        for field, value, allowed in (
-            ("selection", selection, SELECTIONS),
-            ("utility_metric", utility_metric, UTILITY_METRICS),
-            ("balancing", balancing, (*BALANCING, None)),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"ExpertUpcycling.{field}: got {value!r}, allowed values: {allowed}")
+        expansion = with_fields(expansion, expansion_fields, ExpansionConfig, "ExpertUpcycling.expansion")
+        if expansion.factor is None:
+            raise ConfigError("ExpertUpcycling.expansion.counts: the expert count grows at every step; give a factor")
         if not (isinstance(utility_batches, int) and utility_batches >= 1):
             raise ConfigError(f"ExpertUpcycling.utility_batches: must be an integer >= 1, got {utility_batches!r}")
-        if noise < 0 or (noise > 0 and balancing != "bias"):
-            raise ConfigError(f"ExpertUpcycling.noise: must be >= 0 and needs balancing='bias' when > 0, got {noise}")
-        self.factor, self.selection, self.utility_batches = factor, selection, utility_batches
-        self.utility_metric, self.max_copies = utility_metric, max_copies
-        self.noise, self.balancing, self.seed = noise, balancing, seed
-        self.router_noise, self.drop_fraction = router_noise, drop_fraction
+        self.expansion, self.utility_batches = expansion, utility_batches
         self._utility = UtilityAccumulator()
 
     @override
@@ -107,7 +85,7 @@ class ExpertUpcycling(ModelSwapCallback):
     ) -> None:
         step = self.pending_step()
         if (
-            self.selection == "utility"
+            self.expansion.selection == "utility"
             and step is not None
             and step - self.utility_batches <= trainer.global_step < step
         ):
@@ -121,17 +99,15 @@ class ExpertUpcycling(ModelSwapCallback):
         self, model: Transformer, step: int, batch_BL1: torch.Tensor
     ) -> tuple[Transformer, dict[str, torch.Tensor], dict[str, Any]]:
         utility = None
-        if self.selection == "utility":
+        if self.expansion.selection == "utility":
             # NOTE: a run resumed right at the expansion step has no gradients accumulated yet;
             # the current batch then stands in for the window.
             utility = self._utility.result() if self._utility.num_batches else expert_utility(model, [batch_BL1], 1)
         self._utility = UtilityAccumulator()
-        plan = plan_expansion(model, self.factor, None, self.selection, utility, self.utility_metric, self.max_copies)
-        new = apply_expansion(
-            model, plan, self.noise, self.balancing, self.seed + step, self.router_noise, self.drop_fraction
-        )
+        plan = plan_expansion(model, self.expansion, utility)
+        new = apply_expansion(model, plan, dataclasses.replace(self.expansion, seed=self.expansion.seed + step))
         details = {
-            "selection": self.selection,
+            "selection": self.expansion.selection,
             "copies": {str(block): plan.copies(block) for block in plan.sources},
             "sources": {str(block): list(src) for block, src in plan.sources.items()},
             "utility": utility.to_dict() if utility is not None else None,
@@ -139,4 +115,4 @@ class ExpertUpcycling(ModelSwapCallback):
         return new, plan.row_sources(model), details
 
 
-__all__ = ["ExpertUpcycling"]
+__all__ = ["DEFAULT_EXPANSION", "ExpertUpcycling"]

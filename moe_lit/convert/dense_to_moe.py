@@ -32,7 +32,8 @@ Only the FFNs of the blocks that the new config makes MoE (``first_dense_layers`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -43,6 +44,50 @@ from moe_lit.model import MoELayer, Transformer
 from moe_lit.model.mlp import SwiGLU
 
 RECIPES = ("copy", "granular", "drop")
+Recipe = Literal["copy", "granular", "drop"]
+SET_BY_UPCYCLING = ("expert_size", "shared_expert_size", "num_experts", "top_k")
+"""MoEConfig fields that follow from an :class:`UpcyclingConfig` and the dense d_ff (never in its ``moe``)."""
+
+
+@dataclass(frozen=True)
+class UpcyclingConfig:
+    """One dense -> MoE upcycling: the recipe and the MoE it builds (see the module docstring)."""
+
+    recipe: Recipe = "copy"
+    """How the dense FFN becomes experts: copy | granular | drop."""
+    num_experts: int = 8
+    """Experts E per MoE layer (a multiple of granularity)."""
+    top_k: int = 2
+    """Experts routed per token (a multiple of granularity)."""
+    granularity: int = 1
+    """Shards G of d_ff per expert group (granular and drop; copy keeps 1)."""
+    drop_fraction: float = 0.5
+    """Fraction of each expert's neurons re-initialised, in [0, 1] (drop)."""
+    seed: int = 0
+    """Seed of the new routers and of the dropped neurons."""
+    moe: dict[str, Any] = field(default_factory=dict)
+    """Further MoEConfig fields of the new layers (balancing, aux_loss_coef, first_dense_layers, ...);
+    expert_size, shared_expert_size, num_experts and top_k follow from the fields above."""
+
+    def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"recipe: got {self.recipe!r}, allowed values: {', '.join(RECIPES)}")
+        granularity = self.granularity
+        if not (isinstance(granularity, int) and not isinstance(granularity, bool) and granularity >= 1):
+            raise ConfigError(f"granularity: must be a positive integer, got {granularity!r}")
+        if self.recipe == "copy" and granularity != 1:
+            raise ConfigError(f"granularity: recipe 'copy' keeps whole FFNs (granularity 1), got {granularity}")
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+            if value % granularity:
+                raise ConfigError(f"{name}: must be a multiple of granularity={granularity}, got {value}")
+        if self.recipe == "drop" and not 0.0 <= self.drop_fraction <= 1.0:
+            raise ConfigError(f"drop_fraction: must be in [0, 1], got {self.drop_fraction}")
+        for name in SET_BY_UPCYCLING:
+            if name in self.moe:
+                raise ConfigError(f"moe.{name}: set by dense_to_moe (from its arguments and d_ff), do not pass it")
 
 
 def dense_to_moe(
@@ -55,57 +100,39 @@ def dense_to_moe(
     seed: int = 0,
     **moe_fields: Any,
 ) -> Transformer:
+    """The MoE upcycling of a dense ``model``: :func:`upcycle` of the :class:`UpcyclingConfig` of
+    these arguments (``moe_fields``: its ``moe``)."""
+    return upcycle(model, UpcyclingConfig(recipe, num_experts, top_k, granularity, drop_fraction, seed, moe_fields))
+
+
+def upcycle(model: Transformer, config: UpcyclingConfig) -> Transformer:
     """The MoE upcycling of a dense ``model`` (see the module docstring for the recipes).
 
-    ``moe_fields`` are further :class:`MoEConfig` fields (balancing, score_func, aux_loss_coef,
-    first_dense_layers, ...); ``expert_size`` follows from d_ff and the granularity. ``model`` is
-    not modified; the result is on its device, dtype and train/eval mode.
+    ``model`` is not modified; the result is on its device, dtype and train/eval mode.
     """
-    cfg = model.config
-    new = rebuild(model, upcycled_config(cfg, recipe, num_experts, top_k, granularity, drop_fraction, **moe_fields))
-    generator = torch.Generator().manual_seed(seed)
+    new = rebuild(model, upcycled_config(model.config, config))
+    generator = torch.Generator().manual_seed(config.seed)
     for layer_id in new.config.moe_layer_ids:
         layer = new.moe_layer(layer_id)
-        _upcycle_layer(model.dense_ffn(layer_id), layer, granularity, cfg.init_std, generator)
-        if recipe == "drop":
-            drop_neurons(layer, drop_fraction, generator)
+        _upcycle_layer(model.dense_ffn(layer_id), layer, config.granularity, model.config.init_std, generator)
+        if config.recipe == "drop":
+            drop_neurons(layer, config.drop_fraction, generator)
     return new
 
 
-def upcycled_config(
-    cfg: ModelConfig,
-    recipe: str = "copy",
-    num_experts: int = 8,
-    top_k: int = 2,
-    granularity: int = 1,
-    drop_fraction: float = 0.5,
-    **moe_fields: Any,
-) -> ModelConfig:
-    """The config :func:`dense_to_moe` produces from a dense ``cfg`` (validates every argument)."""
+def upcycled_config(cfg: ModelConfig, config: UpcyclingConfig) -> ModelConfig:
+    """The model config :func:`upcycle` produces from a dense ``cfg`` (checks ``config`` against it)."""
     if cfg.moe is not None:
         raise MoeLitError("dense_to_moe: the model is already an MoE (model.moe is set); pass a dense model")
-    _validate(recipe, granularity, drop_fraction, num_experts, top_k, cfg.d_ff, moe_fields)
-    moe = MoEConfig(num_experts=num_experts, expert_size=cfg.d_ff // granularity, top_k=top_k, **moe_fields)
+    if cfg.d_ff % config.granularity:
+        raise ConfigError(f"model.d_ff: must be a multiple of granularity={config.granularity}, got {cfg.d_ff}")
+    moe = MoEConfig(
+        num_experts=config.num_experts,
+        expert_size=cfg.d_ff // config.granularity,
+        top_k=config.top_k,
+        **config.moe,
+    )
     return cfg.replace(moe=moe)
-
-
-def _validate(
-    recipe: str, granularity: int, drop_fraction: float, num_experts: int, top_k: int, d_ff: int, moe_fields: dict
-) -> None:
-    if recipe not in RECIPES:
-        raise ConfigError(f"recipe: got {recipe!r}, allowed values: {', '.join(RECIPES)}")
-    if not (isinstance(granularity, int) and granularity >= 1):
-        raise ConfigError(f"granularity: must be a positive integer, got {granularity!r}")
-    if recipe == "copy" and granularity != 1:
-        raise ConfigError(f"granularity: recipe 'copy' keeps whole FFNs (granularity 1), got {granularity}")
-    for name, value in (("num_experts", num_experts), ("top_k", top_k), ("model.d_ff", d_ff)):
-        if value % granularity:
-            raise ConfigError(f"{name}: must be a multiple of granularity={granularity}, got {value}")
-    if recipe == "drop" and not 0.0 <= drop_fraction <= 1.0:
-        raise ConfigError(f"drop_fraction: must be in [0, 1], got {drop_fraction}")
-    for field in ("expert_size", "shared_expert_size", "num_experts", "top_k"):
-        if field in moe_fields:
-            raise ConfigError(f"moe.{field}: set by dense_to_moe (from its arguments and d_ff), do not pass it")
 
 
 @torch.no_grad()
@@ -156,4 +183,4 @@ def drop_neurons(layer: MoELayer, fraction: float, generator, experts: Sequence[
             w_SD[dropped.to(w_SD.device)] = fresh.to(w_SD) * w_fD.std() + w_fD.mean()
 
 
-__all__ = ["RECIPES", "copy_neurons", "dense_to_moe", "set_router", "upcycled_config"]
+__all__ = ["RECIPES", "UpcyclingConfig", "copy_neurons", "dense_to_moe", "set_router", "upcycle", "upcycled_config"]

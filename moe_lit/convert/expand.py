@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lit.config import Balancing, ConfigError
+from moe_lit.config import BALANCING, Balancing, ConfigError
 from moe_lit.convert.common import next_token_loss, rebuild
 from moe_lit.convert.dense_to_moe import drop_neurons
 from moe_lit.errors import MoeLitError
@@ -52,6 +52,65 @@ MAX_COPIES = 3
 """Default cap on the copies of one expert under utility selection."""
 UTILITY_METRICS = ("grad_sq", "weight_grad", "frequency")
 EXPERT_MATRICES = ("w1", "v1", "w2")
+
+
+@dataclass(frozen=True)
+class ExpansionConfig:
+    """One E -> mE expansion: how many copies of which experts, and how the copies differ."""
+
+    factor: int | None = None
+    """m: every expert gets m-1 copies (uniform) or (m-1)*E copies are allocated (utility); an
+    integer >= 2. Exactly one of factor and counts."""
+    counts: list[int] | None = None
+    """Instances per source expert (each >= 1, the same in every layer), e.g. 3,1,2,2."""
+    selection: str = "uniform"
+    """How a factor is spent: uniform (m-1 copies of every expert) | utility (greedy by expert utility)."""
+    utility_metric: str = "grad_sq"
+    """Utility selection's score: grad_sq | weight_grad | frequency (see the module docstring)."""
+    max_copies: int = MAX_COPIES
+    """Utility selection: at most this many copies of one expert."""
+    noise: float = 1e-3
+    """U(-noise, noise) on the copies' selection bias (needs balancing bias)."""
+    balancing: Balancing | None = "bias"
+    """Load balancing of the expanded MoE: bias (aux-loss-free, see the module docstring) | aux_loss |
+    none | null to keep the source's."""
+    seed: int = 0
+    """Seed of the bias noise, the router-row noise and the dropped neurons."""
+    router_noise: float = 0.0
+    """Relative N(0, sigma^2) noise on the copies' router rows (symmetry breaking; not exact)."""
+    drop_fraction: float = 0.0
+    """Fraction of each copy's neurons re-initialised, in [0, 1) (drop-upcycling the copies; not exact)."""
+
+    def __post_init__(self) -> None:
+        if (self.factor is None) == (self.counts is None):
+            raise ConfigError("factor/counts: give exactly one of factor (an integer >= 2) or per-expert counts")
+        if self.factor is not None and not (_is_int(self.factor) and self.factor >= 2):
+            raise ConfigError(f"factor: must be an integer >= 2, got {self.factor!r}")
+        for name, allowed in (("selection", SELECTIONS), ("utility_metric", UTILITY_METRICS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}: got {getattr(self, name)!r}, allowed values: {', '.join(allowed)}")
+        if self.balancing is not None and self.balancing not in BALANCING:
+            raise ConfigError(f"balancing: got {self.balancing!r}, allowed values: {', '.join(BALANCING)}, null")
+        if not (_is_int(self.max_copies) and self.max_copies >= 1):
+            raise ConfigError(f"max_copies: must be an integer >= 1, got {self.max_copies!r}")
+        for name in ("noise", "router_noise"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.drop_fraction < 1:
+            raise ConfigError(f"drop_fraction: must be in [0, 1), got {self.drop_fraction}")
+        self.check_noise(self.balancing or "bias")
+
+    def check_noise(self, balancing: str) -> None:
+        """Refuse selection-bias noise under a ``balancing`` (the one the expanded model gets) with no bias."""
+        if self.noise > 0 and balancing != "bias":
+            raise ConfigError(
+                f"noise: goes on the copies' selection bias, which needs balancing='bias' (got {balancing!r}); "
+                "pass noise=0 or balancing='bias'"
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ----------------------------------------------------------------------------- utility
@@ -214,30 +273,18 @@ def _source_rows(layout: ExpertLayout, src: Sequence[int]) -> torch.Tensor:
 
 
 def plan_expansion(
-    model: Transformer,
-    factor: int | None = None,
-    counts: Sequence[int] | None = None,
-    selection: str = "uniform",
-    utility: ExpertUtility | None = None,
-    metric: str = "grad_sq",
-    max_copies: int = MAX_COPIES,
+    model: Transformer, config: ExpansionConfig, utility: ExpertUtility | None = None
 ) -> ExpertExpansion:
-    """Decide the copies: ``factor`` m (uniform: m-1 copies of each expert; utility: (m-1)*E copies
-    allocated by :func:`allocate_copies`) or explicit per-expert ``counts`` (instances, >= 1)."""
+    """Decide the copies: ``config.factor`` m (uniform: m-1 copies of each expert; utility: (m-1)*E
+    copies allocated by :func:`allocate_copies` from ``utility``) or ``config.counts``."""
     moe = model.config.moe
     if moe is None:
         raise MoeLitError("expand_experts: the model is dense (model.moe is null); use dense_to_moe first")
-    if selection not in SELECTIONS:
-        raise ConfigError(f"selection: got {selection!r}, allowed values: {', '.join(SELECTIONS)}")
-    if (factor is None) == (counts is None):
-        raise ConfigError("factor/counts: give exactly one of factor (an integer >= 2) or per-expert counts")
     num_experts = moe.num_experts
-    if counts is not None:
-        counts_by_block = {b: _checked_counts(counts, num_experts) for b in model.config.moe_layer_ids}
+    if config.counts is not None:
+        counts_by_block = {b: _checked_counts(config.counts, num_experts) for b in model.config.moe_layer_ids}
     else:
-        if not (isinstance(factor, int) and factor >= 2):
-            raise ConfigError(f"factor: must be an integer >= 2, got {factor!r}")
-        counts_by_block = _counts_from_factor(model, factor, selection, utility, metric, max_copies)
+        counts_by_block = _counts_from_factor(model, config, utility)
     sources = {b: _sources(c) for b, c in counts_by_block.items()}
     sizes = {tuple(moe.expert_sizes[e] for e in src) for src in sources.values()}
     if len(sizes) > 1:
@@ -255,18 +302,18 @@ def _checked_counts(counts: Sequence[int], num_experts: int) -> list[int]:
     return counts
 
 
-def _counts_from_factor(model, factor, selection, utility, metric, max_copies) -> dict[int, list[int]]:
-    num_experts = model.config.moe.num_experts
+def _counts_from_factor(model: Transformer, config: ExpansionConfig, utility: ExpertUtility | None) -> dict:
+    num_experts, factor = model.config.moe.num_experts, config.factor
     blocks = model.config.moe_layer_ids
-    if selection == "uniform":
+    if config.selection == "uniform":
         return {b: [factor] * num_experts for b in blocks}
     if utility is None:
         raise ConfigError("utility: selection='utility' needs an ExpertUtility (see expert_utility)")
-    scores = utility.metric(metric)
+    scores = utility.metric(config.utility_metric)
     missing = [b for b in blocks if b not in scores]
     if missing:
         raise MoeLitError(f"utility: no scores for MoE block(s) {missing}")
-    return {b: allocate_copies(scores[b], (factor - 1) * num_experts, max_copies) for b in blocks}
+    return {b: allocate_copies(scores[b], (factor - 1) * num_experts, config.max_copies) for b in blocks}
 
 
 def _sources(counts: Sequence[int]) -> tuple[int, ...]:
@@ -274,16 +321,8 @@ def _sources(counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(originals + [e for e, c in enumerate(counts) for _ in range(c - 1)])
 
 
-def apply_expansion(
-    model: Transformer,
-    plan: ExpertExpansion,
-    noise: float = 1e-3,
-    balancing: Balancing | None = "bias",
-    seed: int = 0,
-    router_noise: float = 0.0,
-    drop_fraction: float = 0.0,
-) -> Transformer:
-    """The expanded model (``model`` untouched). ``balancing=None`` keeps the source's balancing.
+def apply_expansion(model: Transformer, plan: ExpertExpansion, config: ExpansionConfig) -> Transformer:
+    """The expanded model (``model`` untouched); ``config.balancing`` null keeps the source's.
 
     Symmetry breaking beyond the selection-bias ``noise`` (each makes the expansion inexact):
     ``router_noise`` adds N(0, (router_noise * std of the row)^2) to every copy's router row, so a
@@ -291,28 +330,19 @@ def apply_expansion(
     of every copy's neurons (drop-upcycling, :func:`moe_lit.convert.dense_to_moe.drop_neurons`).
     """
     moe = model.config.moe_section()
-    balancing = balancing or moe.balancing
-    for name, value in (("noise", noise), ("router_noise", router_noise)):
-        if value < 0:
-            raise ConfigError(f"{name}: must be >= 0, got {value}")
-    if not 0 <= drop_fraction < 1:
-        raise ConfigError(f"drop_fraction: must be in [0, 1), got {drop_fraction}")
-    if noise > 0 and balancing != "bias":
-        raise ConfigError(
-            f"noise: goes on the copies' selection bias, which needs balancing='bias' (got {balancing!r}); "
-            "pass noise=0 or balancing='bias'"
-        )
+    balancing = config.balancing or moe.balancing
+    config.check_noise(balancing)
     src0 = next(iter(plan.sources.values()))
     sizes = [moe.expert_sizes[e] for e in src0]
     new_moe = dataclasses.replace(
         moe, num_experts=len(src0), expert_size=sizes[0] if moe.uniform else sizes, balancing=balancing
     )
     new = rebuild(model, model.config.replace(moe=new_moe))
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(config.seed)
     for block, src in plan.sources.items():
         layer = new.moe_layer(block)
-        _expand_layer(model.moe_layer(block), layer, src, noise, generator)
-        _break_symmetry(layer, moe.num_experts, router_noise, drop_fraction, generator)
+        _expand_layer(model.moe_layer(block), layer, src, config.noise, generator)
+        _break_symmetry(layer, moe.num_experts, config.router_noise, config.drop_fraction, generator)
     return new
 
 
@@ -359,7 +389,7 @@ def expand_experts(
     counts: Sequence[int] | None = None,
     selection: str = "uniform",
     utility: ExpertUtility | None = None,
-    metric: str = "grad_sq",
+    utility_metric: str = "grad_sq",
     max_copies: int = MAX_COPIES,
     noise: float = 1e-3,
     balancing: Balancing | None = "bias",
@@ -367,12 +397,17 @@ def expand_experts(
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,
 ) -> Transformer:
-    """Grow every MoE layer of ``model`` from E to M experts (see the module docstring)."""
-    plan = plan_expansion(model, factor, counts, selection, utility, metric, max_copies)
-    return apply_expansion(model, plan, noise, balancing, seed, router_noise, drop_fraction)
+    """Grow every MoE layer of ``model`` from E to M experts (see the module docstring): the
+    :class:`ExpansionConfig` of these arguments, planned (with ``utility``) and applied."""
+    counts = None if counts is None else list(counts)
+    config = ExpansionConfig(
+        factor, counts, selection, utility_metric, max_copies, noise, balancing, seed, router_noise, drop_fraction
+    )
+    return apply_expansion(model, plan_expansion(model, config, utility), config)
 
 
 __all__ = [
+    "ExpansionConfig",
     "ExpertExpansion",
     "ExpertUtility",
     "SELECTIONS",

@@ -6,6 +6,7 @@ from torch.utils.data import DataLoader
 from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.config import ConfigError
+from moe_lit.convert.expand import ExpansionConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
@@ -133,11 +134,23 @@ def test_dense_to_moe_mid_run_is_exact_keeps_attention_moments_and_can_grow_agai
     [
         (lambda: ExpertUpcycling(at_steps=[]), r"ExpertUpcycling.at_steps: need one or more integers >= 1"),
         (lambda: ExpertUpcycling(at_steps=[5, 3]), "must be strictly increasing"),
-        (lambda: ExpertUpcycling(at_steps=[2], factor=1), "ExpertUpcycling.factor: must be an integer >= 2"),
+        (lambda: ExpertUpcycling(at_steps=[2], factor=1), "ExpertUpcycling.expansion.factor: must be an integer >= 2"),
         (lambda: ExpertUpcycling(at_steps=[2], optimizer_state="keep"), "allowed values: copy, reset"),
-        (lambda: ExpertUpcycling(at_steps=[2], selection="best"), "ExpertUpcycling.selection: got 'best'"),
+        (lambda: ExpertUpcycling(at_steps=[2], selection="best"), "ExpertUpcycling.expansion.selection: got 'best'"),
+        (lambda: ExpertUpcycling(at_steps=[2], fator=2), "ExpertUpcycling.expansion.fator: unknown field; allowed: "),
+        (lambda: ExpertUpcycling(at_steps=[2], counts=[2, 1]), "ExpertUpcycling.expansion.factor/counts: give exactly"),
+        (
+            lambda: ExpertUpcycling(at_steps=[2], expansion=ExpansionConfig(counts=[2, 1])),
+            "ExpertUpcycling.expansion.counts: the expert count grows at every step; give a factor",
+        ),
         (lambda: DenseToMoEUpcycling(at_step=0), r"DenseToMoEUpcycling.at_steps: need one or more integers >= 1"),
-        (lambda: DenseToMoEUpcycling(at_step=2, recipe="split"), "DenseToMoEUpcycling.recipe: got 'split'"),
+        (lambda: DenseToMoEUpcycling(at_step=2, recipe="split"), "DenseToMoEUpcycling.upcycling.recipe: got 'split'"),
+        (
+            lambda: DenseToMoEUpcycling(
+                at_step=2, upcycling={"recipe": "granular", "num_experts": 6, "granularity": 4}
+            ),
+            "DenseToMoEUpcycling.upcycling.num_experts: must be a multiple of granularity=4",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction(make, message):
@@ -146,8 +159,8 @@ def test_bad_arguments_fail_at_construction(make, message):
 
 
 def test_bad_upcycling_shape_fails_at_setup_not_mid_run():
-    grow = DenseToMoEUpcycling(at_step=5, recipe="granular", num_experts=6, top_k=4, granularity=4)
-    with pytest.raises(ConfigError, match="num_experts: must be a multiple of granularity=4"):
+    grow = DenseToMoEUpcycling(at_step=5, recipe="granular", num_experts=6, top_k=3, granularity=3)
+    with pytest.raises(ConfigError, match="model.d_ff: must be a multiple of granularity=3, got 64"):
         _fit(tiny(dense=True), [grow], max_steps=6)
     with pytest.raises(MoeLitError, match="the model is dense; add a DenseToMoEUpcycling callback"):
         _fit(tiny(dense=True), [ExpertUpcycling(at_steps=[2])], max_steps=6)
@@ -173,3 +186,19 @@ def test_a_model_upcycled_by_dense_to_moe_with_its_defaults_exports_to_transform
         assert torch.allclose(hf(prompt).logits, ours(prompt).logits_BLV, atol=1e-4)
         generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 10) and torch.equal(generated[:, :6], prompt)
+
+
+def test_the_transform_config_comes_as_an_object_a_mapping_or_its_fields():
+    from moe_lit.convert.dense_to_moe import UpcyclingConfig
+
+    expansion = ExpansionConfig(factor=4, noise=0.0, selection="utility")
+    by_mapping = ExpertUpcycling(at_steps=[2], expansion={"factor": 4, "noise": 0.0, "selection": "utility"})
+    by_fields = ExpertUpcycling(at_steps=[2], factor=4, noise=0.0, selection="utility")
+    assert ExpertUpcycling(at_steps=[2], expansion=expansion).expansion == by_mapping.expansion == expansion
+    assert by_fields.expansion == expansion
+    upcycling = UpcyclingConfig(recipe="granular", num_experts=4, granularity=2)
+    by_object = DenseToMoEUpcycling(at_step=1, upcycling=upcycling)
+    assert (
+        by_object.upcycling == DenseToMoEUpcycling(at_step=1, recipe="granular", num_experts=4, granularity=2).upcycling
+    )
+    assert by_object.upcycling.moe == {"expert_output_bias": False}

@@ -3,6 +3,7 @@ import torch
 
 from moe_lit.config import ConfigError
 from moe_lit.convert import allocate_copies, expand_experts, expert_utility, plan_expansion
+from moe_lit.convert.expand import ExpansionConfig
 from moe_lit.convert.common import next_token_loss
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
@@ -103,7 +104,7 @@ def test_expert_utility_is_the_mean_squared_gradient_norm_per_expert():
         expected += per_row.view(4, 16).sum(-1) / 2
     assert torch.allclose(utility.grad_sq[1], expected, rtol=1e-4)
     assert utility.frequency[0].sum().item() == pytest.approx(1.0)
-    plan = plan_expansion(model, factor=2, selection="utility", utility=utility)
+    plan = plan_expansion(model, ExpansionConfig(factor=2, selection="utility"), utility)
     for block in (0, 1):
         copies = plan.copies(block)
         assert sum(copies) == 4 and max(copies) <= 3
@@ -113,7 +114,7 @@ def test_expert_utility_is_the_mean_squared_gradient_norm_per_expert():
 
 def test_row_sources_map_every_expanded_row_to_its_source_row():
     model = _model(top_k=2, expert_size=[2, 3, 1, 2])
-    plan = plan_expansion(model, counts=[1, 2, 1, 1])
+    plan = plan_expansion(model, ExpansionConfig(counts=[1, 2, 1, 1]))
     rows = plan.row_sources(model)
     assert rows["blocks.0.ffn.router.layer.weight"].tolist() == [0, 1, 2, 3, 1]
     assert rows["blocks.1.ffn.experts.mlp.w2"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 4]
