@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import dataclasses
 import inspect
 import os
 import re
@@ -62,35 +63,29 @@ import signal
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from jsonargparse import ActionYesNo
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from moe_lit._compat import require_tested
-from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
-from moe_lit.callbacks.compile import CompileBlocks
+from moe_lit.callbacks import DivergenceGuard
 from moe_lit.callbacks.preemption import Preemption, exit_status
-from moe_lit.callbacks.threads import ThreadShare
 from moe_lit.checkpoint import checkpoint_config, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.convert.model_input import load_any_config, load_any_model
 from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output, yaml_problem
-from moe_lit.lit.console import MoEModelSummary, evaluation_table, progress_bar, quiet_lightning
+from moe_lit.lit.console import MoEModelSummary, evaluation_table, quiet_lightning
 from moe_lit.lit.datamodule import MoEDataModule
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.precision import choose_precision
 from moe_lit.lit.resume import (
-    ONE_LAST_CHECKPOINT,
     WEIGHTS_HINT,
-    AtomicCheckpointIO,
     check_resumed_data,
     check_resumed_model,
     existing_run_message,
@@ -99,17 +94,21 @@ from moe_lit.lit.resume import (
     resume_checkpoint,
     resumed_precision,
 )
-from moe_lit.lit.run import throughput_monitor
+from moe_lit.lit.run_config import RunConfig, TrainConfig
+from moe_lit.lit.trainer import CHECKPOINT_ARGUMENTS, experiment_run, trainer_arguments
 
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves itself (``last``: the newest checkpoint of the run's
 ModelCheckpoint, or a fresh start when there is none); it loads them with weights_only=True too."""
 DEFAULT_LOG_DIR = "runs"
 """The parent of the default run directories (``runs/<config stem>``)."""
-CHECKPOINT_DEFAULTS = {"checkpoint.save_top_k": 0, **{f"checkpoint.{k}": v for k, v in ONE_LAST_CHECKPOINT.items()}}
-"""last.ckpt at every validation (``--train.checkpoint_every N``: every N steps), as train_run does."""
+CHECKPOINT_DEFAULTS = {f"checkpoint.{k}": v for k, v in CHECKPOINT_ARGUMENTS.items()}
+"""The run's ModelCheckpoint arguments (the builder's), which ``--checkpoint.*`` changes."""
+TRAIN_DEFAULTS = {f"train.{field.name}": None for field in dataclasses.fields(TrainConfig)}
+"""Every ``train`` field unset: TrainConfig's default, or what the trainer section says (budget,
+validation cadence) when left unset."""
 LIGHTNING_LOG_EVERY = 50
-"""Lightning's ``log_every_n_steps`` when a trainer config leaves it null."""
+"""Lightning's ``log_every_n_steps`` when a trainer config leaves it null: validate's and test's."""
 
 
 class MoELightningCLI(LightningCLI):
@@ -119,14 +118,13 @@ class MoELightningCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.seq_len", "model.model.seq_len", apply_on="parse")
         parser.link_arguments("data.vocab_size", "model.model.vocab_size", apply_on="instantiate")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # NOTE: the run's checkpoint is the builder's; these are arguments over it, not a callback.
+        parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False)
         parser.set_defaults(CHECKPOINT_DEFAULTS)
-        parser.add_lightning_class_args(RoutingMonitor, "routing")
-        # NOTE: routing statistics are logged with the other metrics, as in train_run: one setting.
-        parser.link_arguments("trainer.log_every_n_steps", "routing.every_n_steps", _log_every, apply_on="parse")
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
-        for name, help_text in TRAIN_FIELDS.items():
-            parser.add_argument(f"--train.{name}", type=int | None, default=None, help=help_text)
+        # NOTE: TrainConfig's fields and docstrings are the options; RunConfig checks the values.
+        parser.add_class_arguments(TrainConfig, "train", instantiate=False)
+        parser.set_defaults(TRAIN_DEFAULTS)
         parser.add_argument(
             "--out",
             type=str | None,
@@ -150,13 +148,6 @@ class MoELightningCLI(LightningCLI):
             help="fit: a new run from the weights of a .ckpt or exported model (its model, fresh optimizer, "
             "schedule and step; other data allowed): fine-tuning, not resuming",
         )
-        parser.add_argument("--train.compile", type=bool | None, default=None, help=TRAIN_COMPILE_HELP)
-        parser.add_argument(
-            "--train.extend_schedule", type=Literal["keep", "replan"] | None, default=None, help=EXTEND_HELP
-        )
-        parser.add_argument(
-            "--train.precision", type=Literal["auto", "32-true", "bf16-mixed"] | None, default=None, help=PRECISION_HELP
-        )
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -167,9 +158,13 @@ class MoELightningCLI(LightningCLI):
             raise MoeLitError(broken_yaml(args) or config_error_line(str(exc))) from exc
         except UnicodeDecodeError as exc:  # e.g. a .ckpt given to --config
             raise MoeLitError(f"{binary_argument(args)}: not a YAML file; a checkpoint goes to --ckpt_path") from exc
-        validate_module_config(self._section()["model"])
-        apply_train_section(self._section())
-        absolute_data_dir(self._section()["data"])
+        section = self._section()
+        validate_module_config(section["model"])
+        seed = section["train"]["seed"]
+        if seed is not None:  # NOTE: the CLI seeds before it builds anything, as train_run does
+            section["seed_everything"] = seed
+        self.run_config(section["trainer"].as_dict())  # NOTE: a train mistake is one line before any output
+        absolute_data_dir(section["data"])
 
     @override
     def _parse_ckpt_path(self) -> None:
@@ -233,30 +228,39 @@ class MoELightningCLI(LightningCLI):
         """The parsed config of the running subcommand."""
         return self.config[self.config["subcommand"]] if "subcommand" in self.config else self.config
 
+    def run_config(self, trainer: dict[str, Any]) -> RunConfig:
+        """The RunConfig of the parsed sections with the Trainer arguments ``trainer`` (parsed, or
+        built); validate and test train nothing, so their budget and ``train.precision`` go."""
+        section = self._section()
+        data = section["data"].as_dict()
+        if data.get("data_dir") is not None:
+            data["data_dir"] = os.fspath(data["data_dir"])
+        train = section["train"].as_dict()
+        if self.config["subcommand"] != "fit":
+            # NOTE: no budget, so no cadence to derive the log's from: Lightning's.
+            train.update(max_tokens=None, max_steps=0, precision=None)
+            trainer = {**trainer, "log_every_n_steps": trainer.get("log_every_n_steps") or LIGHTNING_LOG_EVERY}
+        sections = {
+            "seed_everything": section.get("seed_everything"),
+            "data": data,
+            "model": {"optim": section["model"]["optim"].as_dict()},
+            "train": train,
+            "trainer": trainer,
+            "checkpoint": section["checkpoint"].as_dict(),
+        }
+        return experiment_run(sections)
+
     @override
     def before_instantiate_classes(self) -> None:
-        # NOTE: the default progress bar goes when the config turns the progress bar off
-        # (Lightning refuses a progress-bar callback with enable_progress_bar=False); the summary
-        # likewise with enable_model_summary=False (Lightning would still run a given one).
-        trainer = self._section()["trainer"]
-        for flag, kind in (("enable_progress_bar", ProgressBar), ("enable_model_summary", ModelSummary)):
-            if trainer.get(flag) is False:
-                callbacks = self.trainer_defaults.get("callbacks", [])
-                self.trainer_defaults["callbacks"] = [c for c in callbacks if not isinstance(c, kind)]
-        if (self._section().get("train") or {}).get("compile"):
-            # NOTE: trainer_defaults' callbacks come after the configured ones (upcycling swaps included).
-            self.trainer_defaults["callbacks"] = [*self.trainer_defaults.get("callbacks", []), CompileBlocks()]
         subcommand = self.config["subcommand"]
-        run_dir = use_run_dir(self._section(), subcommand, self.start_step)
+        section = self._section()
+        self.run_dir = use_run_dir(section, subcommand, self.start_step)
+        self.resume_command: str | None = None
         if subcommand == "fit":
-            section = self._section()
-            last = last_checkpoint(section, run_dir)
-            prepare_fit_dir(
-                run_dir, section.get("ckpt_path"), self.exported, section["force"], last, trainer["max_steps"]
-            )
-            for callback in self.trainer_defaults["callbacks"]:
-                if isinstance(callback, Preemption):
-                    callback.resume = fit_resume_command(self.argv, run_dir)
+            last = last_checkpoint(section, self.run_dir)
+            steps = self.run_config(section["trainer"].as_dict()).steps
+            prepare_fit_dir(self.run_dir, section.get("ckpt_path"), self.exported, section["force"], last, steps)
+            self.resume_command = fit_resume_command(self.argv, self.run_dir)
 
     def validate(self, **kwargs: Any) -> None:
         """``trainer.validate``, its metrics printed as one table (a row per language)."""
@@ -279,24 +283,24 @@ class MoELightningCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        # NOTE: here, not at parsing: the probe of train.precision auto trains the built model
-        # (its vocabulary comes from the data). Every process of a run decides alike (no probe there).
+        # NOTE: the one Trainer builder, as train_run's; here, not at parsing: the probe of
+        # train.precision auto trains the built model (its vocabulary comes from the data).
+        subcommand = self.config["subcommand"]
         section = self._section()
-        data = section["data"]
-        requested = (section.get("train") or {}).get("precision")
-        if requested == "auto" and self.config["subcommand"] != "fit":
-            requested = None  # NOTE: auto is a training choice; validate and test keep the trainer's
-        if section["trainer"].get("plugins") is None:  # NOTE: plugins the config gives are the user's choice
-            kwargs["plugins"] = [AtomicCheckpointIO()]
-        resumed = resumed_precision(self.resumed) if self.config["subcommand"] == "fit" else None
-        choice = choose_precision(
-            requested, dict(section["trainer"]), self.model.model, data.batch_size, data.seq_len, resumed
+        trainer = self._get(self.config_init, "trainer").as_dict()
+        self.run = self.run_config(trainer)
+        callbacks = [*(trainer.get("callbacks") or []), self._get(self.config_init, "divergence")]
+        callbacks.append(Preemption(resume=self.resume_command, label=f"moe-lit {subcommand}"))
+        if trainer.get("enable_model_summary") is not False:
+            callbacks.append(MoEModelSummary())
+        checkpoint = {k: v for k, v in section["checkpoint"].as_dict().items() if k != "every_n_train_steps"}
+        resumed = resumed_precision(self.resumed) if subcommand == "fit" else None
+        arguments = trainer_arguments(
+            self.run, self.run_dir, self.model.model, callbacks, trainer.get("logger"), checkpoint, resumed
         )
-        if choice is not None:
-            kwargs["precision"] = section["trainer"]["precision"] = choice.precision
-            if rank_zero_only.rank == 0:
-                print(choice.line(), flush=True)
-        return super().instantiate_trainer(**kwargs)
+        if "precision" in arguments:  # NOTE: the saved config.yaml records the precision the run chose
+            section["trainer"]["precision"] = arguments["precision"]
+        return self._instantiate_trainer({**arguments, **kwargs}, [])
 
     @override
     def instantiate_classes(self) -> None:
@@ -314,9 +318,8 @@ class MoELightningCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._check_resumed_data()
-        extend = (self._section().get("train") or {}).get("extend_schedule")
-        if extend is not None and isinstance(self.model, MoELitModule):
-            self.model.extend_schedule = extend
+        if isinstance(self.model, MoELitModule):
+            self.model.extend_schedule = self.run.train.extend_schedule
         self._start_from_export()
 
     def before_validate(self) -> None:
@@ -359,53 +362,6 @@ def local_log_dir(trainer: Any) -> str | None:
         return trainer.default_root_dir
     logger = trainer.loggers[0]
     return getattr(logger, "log_dir", None) or logger.save_dir
-
-
-TRAIN_FIELDS = {
-    "max_tokens": "token budget: trainer.max_steps = max_tokens // (data.seq_len * data.batch_size)",
-    "max_steps": "step budget (trainer.max_steps)",
-    "val_every": "optimizer steps between validations (trainer.val_check_interval, across epochs)",
-    "checkpoint_every": "optimizer steps between checkpoints (checkpoint.every_n_train_steps)",
-    "seed": "seed of the run (seed_everything)",
-}
-"""The ``train`` section: moe_lit.lit.run_config.TrainConfig, the same section train_run reads."""
-TRAIN_COMPILE_HELP = "torch.compile each transformer block (moe_lit.callbacks.compile.CompileBlocks)"
-EXTEND_HELP = (
-    "a resume with another step budget than the run's: keep (default; the run's lr schedule, at its end value "
-    "past it) | replan (stretched over the new budget)"
-)
-PRECISION_HELP = (
-    "auto: bf16-mixed on a CPU with native bf16 where a probe of the model's step measures it faster, "
-    "else fp32 | 32-true | bf16-mixed: sets trainer.precision (moe_lit.lit.precision)"
-)
-
-
-def _log_every(log_every_n_steps: int | None) -> int:
-    return log_every_n_steps or LIGHTNING_LOG_EVERY
-
-
-def apply_train_section(section: Any) -> None:
-    """Turn a ``train`` section (RunConfig's names, shared with train_run and the studies) into the
-    Trainer, checkpoint and seed settings it means; fields left unset change nothing."""
-    from moe_lit.lit.run_config import TrainConfig
-
-    train = {k: v for k, v in (section.get("train") or {}).items() if v is not None}
-    if not train:
-        return
-    budget = {k: train[k] for k in ("max_tokens", "max_steps") if k in train}
-    try:
-        cfg = TrainConfig(**({"max_steps": section["trainer"].get("max_steps") or 1} if not budget else {}), **train)
-    except MoeLitError as exc:
-        raise MoeLitError(f"train.{exc}") from None
-    if budget:
-        section["trainer"]["max_steps"] = cfg.steps(section["data"]["seq_len"] * section["data"]["batch_size"])
-    if cfg.val_every is not None:
-        section["trainer"]["val_check_interval"] = cfg.val_every
-        section["trainer"]["check_val_every_n_epoch"] = None
-    if cfg.checkpoint_every is not None:
-        section["checkpoint"]["every_n_train_steps"] = cfg.checkpoint_every
-    if "seed" in train:
-        section["seed_everything"] = cfg.seed
 
 
 def binary_argument(args: Any) -> str:
@@ -553,18 +509,10 @@ def prepare_fit_dir(
         shutil.rmtree(run_dir) if run_dir.is_dir() else run_dir.unlink()
 
 
-def _trainer_defaults(subcommand: str) -> dict[str, Any]:
-    # NOTE: Preemption's resume command is set once the run directory is known (before_instantiate_classes).
-    return {
-        "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}},
-        "callbacks": [
-            progress_bar(),
-            MoEModelSummary(),
-            throughput_monitor(),
-            Preemption(label=f"moe-lit {subcommand}"),
-            ThreadShare(),
-        ],
-    }
+TRAINER_DEFAULTS = {
+    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": DEFAULT_LOG_DIR}}
+}
+"""The CLI's logger: a CSVLogger in the run directory (``use_run_dir``); the callbacks are the builder's."""
 
 
 _KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)')
@@ -637,7 +585,7 @@ def _run_cli(argv: Sequence[str]) -> None:
     MoELightningCLI(
         MoELitModule,
         MoEDataModule,
-        trainer_defaults=_trainer_defaults(argv[0]),
+        trainer_defaults=TRAINER_DEFAULTS,
         parser_kwargs={"exit_on_error": False, "allow_abbrev": False},  # --train.max_step is no --train.max_steps
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,

@@ -20,39 +20,26 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ThroughputMonitor
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.callbacks import Callback
 
 from moe_lit.accounting import count_config_params, forward_flops_per_token
-from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
-from moe_lit.callbacks.compile import CompileBlocks
-from moe_lit.callbacks.preemption import Preemption
 from moe_lit.callbacks.study import ValidationCurve
-from moe_lit.callbacks.threads import ThreadShare
 from moe_lit.checkpoint import read_lightning_checkpoint
 from moe_lit.config import ModelConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_text
-from moe_lit.lit.console import progress_bar, quiet_lightning
+from moe_lit.lit.console import quiet_lightning
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.precision import choose_precision
-from moe_lit.lit.resume import (
-    ONE_LAST_CHECKPOINT,
-    AtomicCheckpointIO,
-    check_resumed_data,
-    check_resumed_model,
-    resumed_precision,
-)
+from moe_lit.lit.resume import check_resumed_data, check_resumed_model, resumed_precision
 from moe_lit.lit.run_config import RunConfig
+from moe_lit.lit.trainer import CHECKPOINT_DIR, trainer_arguments
 
 ModuleFactory = Callable[[ModelConfig, OptimConfig], MoELitModule]
 
 METRICS_FILE = "metrics.csv"
-CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 ROUTING_MEAN = "routing/mean/{}"
 
@@ -96,21 +83,6 @@ class RunResult:
     first start; a resume keeps it)."""
 
 
-def tokens_in_batch(batch_BL1) -> int:
-    """Predicted tokens of a (B, L+1) batch: the ThroughputMonitor's ``length_fn``."""
-    return batch_BL1[:, 1:].numel()
-
-
-def samples_in_batch(batch_BL1) -> int:
-    return batch_BL1.shape[0]
-
-
-def throughput_monitor() -> ThroughputMonitor:
-    """Logs ``train/items_per_sec`` (tokens/s), ``train/flops_per_sec`` and, on a device whose peak
-    Lightning knows (CUDA; none on CPU), ``train/device/mfu``."""
-    return ThroughputMonitor(batch_size_fn=samples_in_batch, length_fn=tokens_in_batch, window_size=10)
-
-
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """Rows of a CSVLogger file with the empty cells dropped and the values as floats."""
     with open(path, newline="") as handle:
@@ -133,9 +105,10 @@ def train_run(
 ) -> RunResult:
     """Train ``model_cfg`` (vocab size from the data, seq_len from ``run.data``) as ``run`` says.
 
-    The only place outside LightningCLI that builds a Trainer. ``resume_from`` continues a run from
-    its Lightning checkpoint (weights, optimizer, schedule, data position, step counter), with the
-    same model, optim and data (vocabulary, tokenizer), else a one-line MoeLitError;
+    The Trainer is :func:`~moe_lit.lit.trainer.trainer_arguments`'s, as ``moe-lit fit``'s is.
+    ``resume_from`` continues a run from its Lightning checkpoint (weights, optimizer, schedule,
+    data position, step counter), with the same model, optim and data (vocabulary, tokenizer),
+    else a one-line MoeLitError;
     ``init_from`` starts a new run (fresh optimizer and schedule) from the weights of a checkpoint
     or exported model directory, whose model replaces ``model_cfg`` when it differs. With
     ``train.max_steps: 0`` nothing trains: the initial weights are validated and checkpointed.
@@ -165,18 +138,9 @@ def train_run(
     # an optimizer and a schedule over zero steps. Validating first attaches the model to the
     # trainer, so its checkpoint below is saved like a trained run's.
     earlier = _earlier_metrics(out_dir, resume_from)
-    trainer_kwargs = _trainer_kwargs(out_dir, run, [curve, *callbacks])
-    precision = choose_precision(
-        run.train.precision,
-        trainer_kwargs,
-        module.model,
-        data.batch_size,
-        data.seq_len,
-        resumed_precision(checkpoint),
+    trainer_kwargs = trainer_arguments(
+        run, out_dir, module.model, callbacks=[curve, *callbacks], resumed_precision=resumed_precision(checkpoint)
     )
-    if precision is not None:
-        trainer_kwargs["precision"] = precision.precision
-        print(precision.line(), flush=True)
     with quiet_lightning():  # the Trainer too: its constructor prints the litlogger notice
         trainer = pl.Trainer(**trainer_kwargs)
         # NOTE: the earlier rows go back in only after the trainer's last log: CSVLogger rewrites the
@@ -274,42 +238,6 @@ def _initial_module(
     return module
 
 
-def _trainer_kwargs(out_dir: Path, run: RunConfig, extra_callbacks: Iterable[Callback]) -> dict[str, Any]:
-    eval_every = run.eval_every
-    # NOTE: every_n_train_steps None: last.ckpt at every validation, as `moe-lit fit` does.
-    checkpoint = ModelCheckpoint(
-        dirpath=out_dir / CHECKPOINT_DIR,
-        save_top_k=0,
-        every_n_train_steps=run.train.checkpoint_every,
-        **ONE_LAST_CHECKPOINT,
-    )
-    log_every = run.trainer.get("log_every_n_steps") or max(1, min(50, eval_every // 4))
-    callbacks = [checkpoint, throughput_monitor(), RoutingMonitor(every_n_steps=log_every), ThreadShare()]
-    callbacks.extend(extra_callbacks)
-    callbacks.append(DivergenceGuard())
-    if run.train.compile:
-        # NOTE: after the extra callbacks: a model swap at a batch start is compiled in that batch.
-        callbacks.append(CompileBlocks())
-    if not any(isinstance(c, Preemption) for c in callbacks):
-        callbacks.append(Preemption())
-    if run.trainer.get("enable_progress_bar", True):
-        callbacks.append(progress_bar())
-    kwargs = {
-        "max_steps": run.steps,
-        "val_check_interval": eval_every,
-        "check_val_every_n_epoch": None,
-        "num_sanity_val_steps": 0,
-        "log_every_n_steps": log_every,
-        "logger": CSVLogger(out_dir, name="", version=""),
-        "enable_model_summary": False,
-        "default_root_dir": out_dir,
-        "plugins": [AtomicCheckpointIO()],
-    }
-    kwargs.update(run.trainer)
-    kwargs["callbacks"] = callbacks
-    return kwargs
-
-
 def _late_routing_mean(
     module: MoELitModule, rows: Sequence[dict[str, float]], steps: int, name: str, dense: float
 ) -> float:
@@ -359,4 +287,4 @@ def _result(
     )
 
 
-__all__ = ["RunResult", "read_metrics", "throughput_monitor", "train_run"]
+__all__ = ["CHECKPOINT_DIR", "LAST_CHECKPOINT", "RunResult", "read_metrics", "train_run"]

@@ -95,7 +95,9 @@ def test_config_error_line_flattens_nested_jsonargparse_messages(message, line):
 def test_relative_data_dir_resolves_against_its_config_file_and_the_hint_names_the_path(capsys, tmp_path, monkeypatch):
     config = tmp_path / "configs" / "exp.yaml"
     config.parent.mkdir()
-    config.write_text(f"model: {REPO / 'configs/model/tiny-moe.yaml'}\ndata:\n  data_dir: ../nodata\n")
+    config.write_text(
+        f"model: {REPO / 'configs/model/tiny-moe.yaml'}\ndata:\n  data_dir: ../nodata\ntrain:\n  max_steps: 1\n"
+    )
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
     assert main(["fit", "--config", str(config)]) == 2

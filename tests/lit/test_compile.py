@@ -19,8 +19,8 @@ from moe_lit.config import ConfigError
 from moe_lit.console_script import main
 from moe_lit.lit.module import MoELitModule
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.run import _trainer_kwargs
 from moe_lit.lit.run_config import RunConfig, TrainConfig
+from moe_lit.lit.trainer import trainer_arguments
 from moe_lit.model import Transformer
 from moe_lit.model.compile import INDUCTOR_CACHE_ENV, compile_blocks, is_compiled, use_inductor_cache_dir
 from tests.helpers.models import tiny
@@ -106,13 +106,13 @@ def test_the_inductor_cache_defaults_under_the_user_cache_and_an_explicit_settin
     assert use_inductor_cache_dir() == str(tmp_path)
 
 
-def test_train_run_adds_the_compile_callback_after_every_other_one(tmp_path):
+def test_the_trainer_builder_adds_the_compile_callback_after_every_other_one(tmp_path):
     run = RunConfig(train={"max_steps": 2, "compile": True})
-    swap = ExpertUpcycling(at_steps=[1])
-    callbacks = _trainer_kwargs(tmp_path, run, [swap])["callbacks"]
+    swap, model = ExpertUpcycling(at_steps=[1]), Transformer(_cfg())
+    callbacks = trainer_arguments(run, tmp_path, model, [swap])["callbacks"]
     kinds = [type(c) for c in callbacks]
     assert CompileBlocks in kinds and kinds.index(CompileBlocks) > kinds.index(ExpertUpcycling)
-    plain = _trainer_kwargs(tmp_path, RunConfig(train={"max_steps": 2}), [])["callbacks"]
+    plain = trainer_arguments(RunConfig(train={"max_steps": 2}), tmp_path, model)["callbacks"]
     assert not any(isinstance(c, CompileBlocks) for c in plain)
 
 
