@@ -44,7 +44,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pure model transforms (transformers import, dense->MoE, E->mE, pruning, MoE->dense)",
     ),
     "distill": ("moe_lit.commands.distill", "train a student on a frozen teacher's logits (MoE -> dense, recovery)"),
-    "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir (llama, mixtral, olmoe, qwen)"),
+    "export": ("moe_lit.commands.export", "a checkpoint as a transformers model dir of a supported family (--format)"),
     "study": (
         "moe_lit.commands.study",
         "studies of every kind on one engine (resumable, workers, SLURM), their reports and points",

@@ -1,6 +1,6 @@
 """``moe-lit convert ACTION``: model transforms from the command line, each writing an exported model dir.
 
-Actions: ``import-hf`` (a transformers Llama / Mixtral / OLMoE / Qwen2-MoE / Qwen3-MoE dir, or a
+Actions: ``import-hf`` (a transformers dir of a registered family, ``moe_lit.convert.hf.FAMILIES``, or a
 GGUF file -> moe_lit, with its tokenizer where it has a real one that fits), ``upcycle`` (dense ->
 MoE), ``expand`` (E -> mE experts),
 ``partition`` (dense -> MoE by neuron partitioning: random, k-means, co-activation, DOT-MoE) and
@@ -10,6 +10,10 @@ concatenate experts into a dense FFN; writes ``moe_to_dense.json`` with the plan
 Lightning ``.ckpt`` or an exported directory; the
 tokenizer found beside the input travels with the output. Every action refuses an ``--out`` that
 is, holds or lies inside its input, and a non-empty one unless ``--force``.
+
+A transform's options are its config's fields (``UpcyclingConfig``, ``ExpansionConfig``,
+``MoeToDenseConfig``, ``MaestroConfig``) or its function's parameters, derived by
+:func:`moe_lit.commands.options.add_options`: a new field is a new option, its docstring the help.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch
 
 from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import export_model
-from moe_lit.config import BALANCING
-from moe_lit.convert.dense_to_moe import RECIPES
+from moe_lit.commands.options import add_options
+from moe_lit.config import MoEConfig
 from moe_lit.convert.model_input import load_any_model
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
 from moe_lit.data.tokenizer import find_tokenizer, model_tokenizer
@@ -31,88 +35,112 @@ from moe_lit.errors import MoeLitError
 from moe_lit.io import check_output
 
 PARTITION_METHODS = (*ASSIGNMENTS, "dot_moe", "pruning")
-
-
-def _counts(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--counts: expected comma-separated integers, got {text!r}") from exc
+PARTITION_HELP = {
+    "num_experts": "E (divides d_ff)",
+    "top_k": "experts routed per token",
+    "router": f"router of a heuristic split: {' | '.join(ROUTERS)} (default centroid); dot_moe learns its own",
+    "calibration_tokens": "tokens for coactivation / trained router",
+    "router_steps": "full-batch Adam steps of a trained router",
+    "train_tokens": "dot_moe: training tokens (after the calibration ones)",
+    "lr": "dot_moe: constant AdamW learning rate",
+    "train_dense": "dot_moe: train every weight, not only affinities + routers",
+    "balancing": "load balancing of the MoE",
+    "seed": "seed of the partition and the routers",
+}
+"""Help of :func:`moe_lit.convert.recipes.partition_dense`'s parameters (its docstring has no ``Args:``)."""
+PRUNE_HELP = {
+    "fraction": "share of the experts removed, in [0, 1)",
+    "num": "experts removed per layer (with --global: in total)",
+    "global_budget": "one budget over all layers: layers keep different counts (never below top-k)",
+    "clamp_top_k": "lower top-k to the fewest kept experts instead of failing",
+    "seed": "seed of --method random",
+    "naee_cap": "NAEE: exhaustive up to this many subsets, else greedy",
+}
+"""Help of :func:`moe_lit.convert.importance.plan_keep`'s parameters (its docstring has no ``Args:``)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    _configure_import_hf(actions)
+    _configure_upcycle(actions)
+    _configure_expand(actions)
+    _configure_partition(actions)
+    _configure_prune(actions)
+    _configure_moe_to_dense(actions)
+
+
+def _checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--checkpoint``, the input model of every action but import-hf."""
+    parser.add_argument("--checkpoint", required=True, type=Path, help=f"{what}: .ckpt or exported dir")
+
+
+def _output(parser: argparse.ArgumentParser) -> None:
+    """``--out`` and ``--force``, the last options of every action."""
+    parser.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+
+def _configure_import_hf(actions) -> None:
+    from moe_lit.convert.hf.families import FAMILIES, from_hf
 
     hf = actions.add_parser("import-hf", help="import a local transformers checkpoint (dir, or dir + GGUF file)")
+    families = ", ".join(FAMILIES.names())
     hf.add_argument(
-        "--model",
-        required=True,
-        type=Path,
-        help="directory of a Llama, Mixtral, OLMoE, Qwen2-MoE or Qwen3-MoE causal LM (or of a GGUF file)",
+        "--model", required=True, type=Path, help=f"directory of a causal LM ({families}) or of a GGUF file"
     )
-    hf.add_argument("--gguf-file", help="GGUF file name inside --model (needs `pip install gguf accelerate`)")
-    hf.add_argument("--seq-len", type=int, help="RoPE table size; default: max_position_embeddings")
-    hf.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="dtype to load and keep the weights in (bfloat16 halves the memory of a big import)",
-    )
-    hf.add_argument("--out", required=True, type=Path, help="exported model directory to write")
-    hf.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    options = add_options(hf, from_hf, only=("gguf_file", "seq_len"))
+    hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=_doc(from_hf, "dtype"))
+    _output(hf)
+    hf.set_defaults(options={"from_hf": options})
+
+
+def _doc(source, name: str) -> str:
+    """The docstring of ``source``'s field or parameter ``name`` (for an option add_options cannot type)."""
+    import docstring_parser
+
+    return next(p.description for p in docstring_parser.parse_from_object(source).params if p.arg_name == name)
+
+
+def _configure_upcycle(actions) -> None:
+    from moe_lit.convert.dense_to_moe import UpcyclingConfig
 
     up = actions.add_parser("upcycle", help="dense -> MoE (copy | granular | drop upcycling)")
-    up.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
-    up.add_argument("--recipe", choices=RECIPES, default="copy", help="how the dense FFN becomes experts")
-    up.add_argument("--num-experts", type=int, default=8, help="experts E of the MoE")
-    up.add_argument("--top-k", type=int, default=2, help="experts routed per token")
-    up.add_argument("--granularity", type=int, default=1, help="shards of d_ff per expert group (granular, drop)")
-    up.add_argument("--drop-fraction", type=float, default=0.5, help="neurons re-initialised per expert (drop)")
-    up.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
-    up.add_argument("--seed", type=int, default=0, help="seed of the new routers (and drop re-init)")
-    up.add_argument("--out", required=True, type=Path, help="exported model directory to write")
-    up.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _checkpoint(up, "dense model")
+    upcycling = add_options(up, UpcyclingConfig, skip=("moe",))
+    moe = add_options(up, MoEConfig, only=("balancing",))
+    _output(up)
+    up.set_defaults(options={"upcycling": upcycling, "moe": moe})
+
+
+def _configure_expand(actions) -> None:
+    from moe_lit.convert.expand import ExpansionConfig
 
     ex = actions.add_parser("expand", help="E -> mE experts by duplication (uniform factor or per-expert counts)")
-    ex.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
-    group = ex.add_mutually_exclusive_group(required=True)
-    group.add_argument("--factor", type=int, help="m: every expert gets m-1 copies")
-    group.add_argument("--counts", type=_counts, help="instances per expert, e.g. 3,1,2,2")
-    ex.add_argument("--noise", type=float, default=1e-3, help="U(-noise, noise) on the copies' selection bias")
-    ex.add_argument("--balancing", choices=BALANCING, default="bias", help="load balancing of the expanded MoE")
-    ex.add_argument("--seed", type=int, default=0, help="seed of the --noise")
-    ex.add_argument("--out", required=True, type=Path, help="exported model directory to write")
-    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    _checkpoint(ex, "MoE model")
+    # NOTE: utility selection needs training gradients, which a command has none of (ExpertUpcycling has).
+    utility = ("selection", "utility_metric", "max_copies")
+    expansion = add_options(ex, ExpansionConfig, skip=utility, one_of=("factor", "counts"))
+    _output(ex)
+    ex.set_defaults(options={"expansion": expansion})
+
+
+def _configure_partition(actions) -> None:
+    from moe_lit.convert.recipes import partition_dense
 
     pa = actions.add_parser(
         "partition",
         help="dense -> MoE by neuron partitioning (random | kmeans | coactivation | dot_moe), or the dense "
         "structured-pruning baseline at the same active width (pruning)",
     )
-    pa.add_argument("--checkpoint", required=True, type=Path, help="dense model: .ckpt or exported dir")
+    _checkpoint(pa, "dense model")
     pa.add_argument("--method", choices=PARTITION_METHODS, required=True, help="how neurons are grouped into experts")
     pa.add_argument("--experts", "--num-experts", dest="num_experts", type=int, default=8, help="E (divides d_ff)")
-    pa.add_argument("--top-k", type=int, default=2, help="experts routed per token")
-    pa.add_argument(
-        "--router", choices=ROUTERS, help="router of a heuristic split (default centroid); dot_moe learns its own"
-    )
     pa.add_argument("--calibration", type=Path, help="prepared data dir (moe-lit data prepare): its training stream")
-    pa.add_argument("--calibration-tokens", type=int, default=16_384, help="tokens for coactivation / trained router")
-    pa.add_argument("--router-steps", type=int, default=100, help="full-batch Adam steps of a trained router")
-    pa.add_argument(
-        "--train-tokens", type=int, default=65_536, help="dot_moe: training tokens (after the calibration ones)"
-    )
-    pa.add_argument("--lr", type=float, default=1e-2, help="dot_moe: constant AdamW learning rate")
-    pa.add_argument(
-        "--train-dense", action="store_true", help="dot_moe: train every weight, not only affinities + routers"
-    )
     pa.add_argument("--batch-size", type=int, default=8, help="sequences per calibration / training batch")
-    pa.add_argument("--balancing", choices=BALANCING, default="aux_loss", help="load balancing of the MoE")
-    pa.add_argument("--seed", type=int, default=0, help="seed of the partition and the routers")
-    pa.add_argument("--out", required=True, type=Path, help="exported model directory to write")
-    pa.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    _configure_prune(actions)
-    _configure_moe_to_dense(actions)
+    keywords = [n for n in PARTITION_HELP if n != "num_experts"]
+    options = add_options(pa, partition_dense, keywords, defaults={"top_k": 2}, helps=PARTITION_HELP)
+    _output(pa)
+    pa.set_defaults(options={"partition_dense": options})
 
 
 def _configure_calibration(parser: argparse.ArgumentParser) -> None:
@@ -130,48 +158,41 @@ def _configure_calibration(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_moe_to_dense(actions) -> None:
-    from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES
+    from moe_lit.convert.moe_to_dense import MoeToDenseConfig
 
     md = actions.add_parser("moe-to-dense", help="MoE -> dense: score, select, group, scale and concatenate experts")
-    md.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
-    # NOTE: no argparse choices: an unknown value is the config's one-line error naming the field.
-    md.add_argument("--score", default="do_acp", help=f"expert score: {' | '.join(SCORES)} (do_acp: diversity-aware)")
-    md.add_argument("--keep", type=int, required=True, help="experts K kept per MoE layer")
-    md.add_argument("--groups", type=int, help="groups k per layer (default: --keep, one expert per group)")
-    md.add_argument("--grouping", default="single", help=f"how kept experts form groups: {' | '.join(GROUPINGS)}")
-    md.add_argument("--scaling", default="gate_mass", help=f"down-projection scale of a group: {' | '.join(SCALINGS)}")
+    _checkpoint(md, "MoE model")
+    config = add_options(
+        md,
+        MoeToDenseConfig,
+        rename={"max_tokens": "feature_tokens"},
+        required=("keep",),
+        defaults={"groups": None},
+        helps={"groups": "groups G per layer (default: --keep, one expert per group)"},
+    )
     _configure_calibration(md)
-    md.add_argument("--feature-tokens", type=int, default=1024, help="tokens of the output features (do_acp, output)")
-    md.add_argument("--seed", type=int, default=0, help="seed of --score random")
-    md.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    md.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    _output(md)
+    md.set_defaults(options={"moe_to_dense": config})
 
 
 def _configure_prune(actions) -> None:
-    from moe_lit.convert.importance import METHODS, WEIGHTINGS
+    from moe_lit.convert.importance import METHODS, MaestroConfig, plan_keep
 
     pr = actions.add_parser("prune", help="remove experts scored on calibration text (MAESTRO, REAP, NAEE, ...)")
-    pr.add_argument("--checkpoint", required=True, type=Path, help="MoE model: .ckpt or exported dir")
+    _checkpoint(pr, "MoE model")
     pr.add_argument("--method", choices=METHODS, default="maestro", help="expert importance score")
-    budget = pr.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--fraction", type=float, help="share of the experts removed, in [0, 1)")
-    budget.add_argument("--num", type=int, help="experts removed per layer (with --global: in total)")
-    pr.add_argument(
-        "--global",
-        dest="global_budget",
-        action="store_true",
-        help="one budget over all layers: layers keep different counts (never below top-k)",
+    budget = add_options(
+        pr,
+        plan_keep,
+        list(PRUNE_HELP),
+        rename={"global_budget": "global"},
+        helps=PRUNE_HELP,
+        one_of=("fraction", "num"),
     )
     _configure_calibration(pr)
-    pr.add_argument("--damping", type=float, default=0.85, help="MAESTRO PageRank damping in (0, 1]; 1 = none")
-    pr.add_argument("--weighting", choices=WEIGHTINGS, default="gate", help="MAESTRO edge weights")
-    pr.add_argument("--naee-cap", type=int, default=2000, help="NAEE: exhaustive up to this many subsets, else greedy")
-    pr.add_argument(
-        "--clamp-top-k", action="store_true", help="lower top-k to the fewest kept experts instead of failing"
-    )
-    pr.add_argument("--seed", type=int, default=0, help="seed of --method random")
-    pr.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    pr.add_argument("--out", required=True, type=Path, help="exported model directory to write")
+    maestro = add_options(pr, MaestroConfig, prefix="MAESTRO: ")
+    _output(pr)
+    pr.set_defaults(options={"plan_keep": budget, "maestro": maestro})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         from moe_lit.convert.hf import from_hf
         from moe_lit.convert.hf.tokenizer import NoTokenizer, write_tokenizer_json
 
-        model = from_hf(args.model, gguf_file=args.gguf_file, seq_len=args.seq_len, dtype=getattr(torch, args.dtype))
+        model = from_hf(args.model, **args.options["from_hf"].values(args), dtype=getattr(torch, args.dtype))
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 tokenizer: Path | None = write_tokenizer_json(args.model, Path(tmp) / "tokenizer.json", args.gguf_file)
@@ -198,30 +219,15 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: no tokenizer written: {reason}; {args.out} has none (eval needs --tokenizer)")
             export_model(model, args.out, tokenizer)
     elif args.action == "upcycle":
-        from moe_lit.convert.dense_to_moe import dense_to_moe
+        from moe_lit.convert.dense_to_moe import UpcyclingConfig, upcycle
 
-        model = dense_to_moe(
-            load_any_model(args.checkpoint),
-            args.recipe,
-            args.num_experts,
-            args.top_k,
-            args.granularity,
-            args.drop_fraction,
-            args.seed,
-            balancing=args.balancing,
-        )
+        config = UpcyclingConfig(**args.options["upcycling"].values(args), moe=args.options["moe"].values(args))
+        model = upcycle(load_any_model(args.checkpoint), config)
         export_model(model, args.out, find_tokenizer(args.checkpoint))
     else:
-        from moe_lit.convert.expand import expand_experts
+        from moe_lit.convert.expand import ExpansionConfig, grow
 
-        model = expand_experts(
-            load_any_model(args.checkpoint),
-            factor=args.factor,
-            counts=args.counts,
-            noise=args.noise,
-            balancing=args.balancing,
-            seed=args.seed,
-        )
+        model = grow(load_any_model(args.checkpoint), ExpansionConfig(**args.options["expansion"].values(args)))
         export_model(model, args.out, find_tokenizer(args.checkpoint))
     moe = model.config.moe
     shape = f"{moe.num_experts} experts, top-{moe.top_k}" if moe else "dense"
@@ -251,33 +257,23 @@ def _run_prune(args: argparse.Namespace) -> int:
     from moe_lit.convert.prune import memory_saved, prune_experts
     from moe_lit.io import atomic_write_json
 
-    maestro = MaestroConfig(damping=args.damping, weighting=args.weighting)
+    maestro = MaestroConfig(**args.options["maestro"].values(args))
     model = load_any_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; pruning needs MoE layers")
-    check_prune_budget(args, model.config)
+    budget = args.options["plan_keep"].values(args)
+    check_prune_budget(budget, model.config)
     trace, calibration = _calibration(args, model, record_inputs=args.method in ("reap", "naee"))
-    keep, details = plan_keep(
-        args.method,
-        model,
-        trace,
-        args.fraction,
-        args.num,
-        args.global_budget,
-        args.clamp_top_k,
-        args.seed,
-        maestro,
-        args.naee_cap,
-    )
-    pruned = prune_experts(model, keep, args.clamp_top_k)
+    keep, details = plan_keep(args.method, model, trace, maestro=maestro, **budget)
+    pruned = prune_experts(model, keep, budget["clamp_top_k"])
     export_model(pruned, args.out, find_tokenizer(args.checkpoint))
     memory = memory_saved(model, pruned)
     report = {
         "checkpoint": str(args.checkpoint),
         "method": args.method,
-        "fraction": args.fraction,
-        "num": args.num,
-        "global": args.global_budget,
+        "fraction": budget["fraction"],
+        "num": budget["num"],
+        "global": budget["global_budget"],
         "calibration": calibration,
         "top_k": pruned.config.moe.top_k,
         "keep": {str(b): k for b, k in keep.items()},
@@ -301,30 +297,24 @@ def _run_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_prune_budget(args: argparse.Namespace, config) -> None:
-    """Refuse a budget that cannot be met (``--num``/``--fraction`` past the experts, a layer below
-    top-k) before the calibration forward: the plan of equal scores meets the same checks."""
+def check_prune_budget(budget: dict, config) -> None:
+    """Refuse a ``budget`` (:func:`~moe_lit.convert.importance.plan_keep`'s keywords) that cannot be
+    met (``--num``/``--fraction`` past the experts, a layer below top-k) before the calibration
+    forward: the plan of equal scores meets the same checks."""
     from moe_lit.convert.prune import plan_pruning, pruned_config
 
     equal_scores = {block: torch.zeros(config.moe_layer_config(block).num_experts) for block in config.moe_layer_ids}
-    min_keep = 1 if args.clamp_top_k else config.moe_section().top_k
-    keep = plan_pruning(equal_scores, args.fraction, args.num, args.global_budget, min_keep)
-    pruned_config(config, keep, args.clamp_top_k)
+    min_keep = 1 if budget["clamp_top_k"] else config.moe_section().top_k
+    keep = plan_pruning(equal_scores, budget["fraction"], budget["num"], budget["global_budget"], min_keep)
+    pruned_config(config, keep, budget["clamp_top_k"])
 
 
 def _run_moe_to_dense(args: argparse.Namespace) -> int:
     from moe_lit.convert.moe_to_dense import MoeToDenseConfig, check_convertible, moe_to_dense
     from moe_lit.io import atomic_write_json
 
-    cfg = MoeToDenseConfig(
-        score=args.score,
-        keep=args.keep,
-        groups=args.keep if args.groups is None else args.groups,
-        grouping=args.grouping,
-        scaling=args.scaling,
-        seed=args.seed,
-        max_tokens=args.feature_tokens,
-    )
+    fields = args.options["moe_to_dense"].values(args)
+    cfg = MoeToDenseConfig(**{**fields, "groups": args.keep if args.groups is None else args.groups})
     model = load_any_model(args.checkpoint)
     if not model.config.is_moe:
         raise MoeLitError(f"--checkpoint: {args.checkpoint} is a dense model; moe-to-dense needs MoE layers")

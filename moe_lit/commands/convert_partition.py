@@ -39,22 +39,8 @@ def run_partition(args: argparse.Namespace) -> int:
         if args.calibration is not None
         else None
     )
-    model, record = partition_dense(
-        dense,
-        args.method,
-        args.num_experts,
-        args.top_k,
-        batches,
-        router=args.router,
-        calibration_tokens=args.calibration_tokens,
-        router_steps=args.router_steps,
-        train_tokens=args.train_tokens,
-        lr=args.lr,
-        train_dense=args.train_dense,
-        balancing=args.balancing,
-        seed=args.seed,
-        fit=fit_dot_moe,
-    )
+    options = args.options["partition_dense"].values(args)
+    model, record = partition_dense(dense, args.method, args.num_experts, batches=batches, fit=fit_dot_moe, **options)
     export_model(model, args.out, find_tokenizer(args.checkpoint))
     params = count_model_params(model)
     record.update(
@@ -65,7 +51,7 @@ def run_partition(args: argparse.Namespace) -> int:
         checkpoint=str(args.checkpoint),
         total_params=params.total,
         active_params=params.active,
-        arguments={k: v for k, v in vars(args).items() if k != "action"},
+        arguments={k: v for k, v in vars(args).items() if k not in ("action", "options")},
     )
     atomic_write_json(args.out / PARTITION_FILE, record)
     shape = (
@@ -78,8 +64,10 @@ def run_partition(args: argparse.Namespace) -> int:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    from moe_lit.convert.partition import NEEDS_CALIBRATION
+    from moe_lit.convert.partition import NEEDS_CALIBRATION, ROUTERS
 
+    if args.router not in (None, *ROUTERS):
+        raise MoeLitError(f"--router: got {args.router!r}, allowed values: {', '.join(ROUTERS)}")
     if args.method in ("dot_moe", PRUNING) and args.router is not None:
         raise MoeLitError(f"--router: {args.method} has no router to choose; leave --router out")
     needs = (

@@ -1,4 +1,4 @@
-"""``moe-lit export``: a checkpoint as a transformers model directory (llama | mixtral | olmoe | qwen2_moe | qwen3_moe).
+"""``moe-lit export``: a checkpoint as a transformers model directory of a registered family (``--format``).
 
 The directory loads offline with ``AutoModelForCausalLM.from_pretrained(DIR)`` and
 ``AutoTokenizer.from_pretrained(DIR)``; a checkpoint with no stored tokenizer (and no
@@ -20,7 +20,7 @@ from moe_lit.io import check_output
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, type=Path, help="model: .ckpt or exported dir")
-    parser.add_argument("--format", required=True, choices=list(FAMILIES), help="transformers model family to write")
+    parser.add_argument("--format", required=True, choices=FAMILIES.names(), help="transformers model family to write")
     parser.add_argument(
         "--out", required=True, type=Path, help="directory to write (absent or empty, unless --force; never the input)"
     )

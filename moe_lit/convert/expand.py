@@ -397,12 +397,18 @@ def expand_experts(
     router_noise: float = 0.0,
     drop_fraction: float = 0.0,
 ) -> Transformer:
-    """Grow every MoE layer of ``model`` from E to M experts (see the module docstring): the
-    :class:`ExpansionConfig` of these arguments, planned (with ``utility``) and applied."""
+    """Grow every MoE layer of ``model`` from E to M experts: :func:`grow` by the
+    :class:`ExpansionConfig` of these arguments."""
     counts = None if counts is None else list(counts)
     config = ExpansionConfig(
         factor, counts, selection, utility_metric, max_copies, noise, balancing, seed, router_noise, drop_fraction
     )
+    return grow(model, config, utility)
+
+
+def grow(model: Transformer, config: ExpansionConfig, utility: ExpertUtility | None = None) -> Transformer:
+    """Grow every MoE layer of ``model`` from E to M experts (see the module docstring); ``utility``
+    is what utility selection allocates the copies by."""
     return apply_expansion(model, plan_expansion(model, config, utility), config)
 
 
@@ -418,5 +424,6 @@ __all__ = [
     "expand_experts",
     "expert_gradients",
     "expert_utility",
+    "grow",
     "plan_expansion",
 ]

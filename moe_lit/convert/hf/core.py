@@ -39,6 +39,7 @@ from torch import nn
 
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.errors import MoeLitError
+from moe_lit.registry import Registry
 
 TESTED_TRANSFORMERS = "5.24.0"
 """The transformers version the parity tests ran with (the fused expert layout needs >= 5)."""
@@ -239,7 +240,7 @@ def model_features(model) -> set[str]:
     return used
 
 
-def check_exportable(model, family: Family, families: dict[str, Family]) -> None:
+def check_exportable(model, family: Family, families: Registry[Family]) -> None:
     """Refuse, in one line, a model that uses a feature ``family`` lacks (or lacks one it needs)."""
     used = model_features(model)
     prefix = f"export --format {family.name}:"

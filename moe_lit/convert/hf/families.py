@@ -1,5 +1,9 @@
 """The family registry and the two transforms: :func:`from_hf` (transformers -> ours) and :func:`to_hf`.
 
+A family is one module of this package with its :class:`~moe_lit.convert.hf.core.Family`,
+registered in :data:`FAMILIES` under transformers' ``model_type``; every list of families (the
+``--format`` choices, help texts, error messages) reads the registry.
+
 Both are pure: the source model is untouched (its tensors are copied) and the result is in eval
 mode. Guarantees (tests/convert/hf/, fp32, tiny random models of every family): imported logits
 equal transformers' < 1e-4; a model exported and loaded back by ``from_pretrained`` gives our
@@ -28,17 +32,18 @@ from moe_lit.convert.hf.core import (
 )
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
+from moe_lit.registry import Registry
 
-FAMILIES: dict[str, Family] = {
-    family.name: family for family in (llama.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY)
-}
+FAMILIES: Registry[Family] = Registry("HF family")
 """Export formats and importable model types, by transformers' ``model_type``."""
+for _family in (llama.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY):
+    FAMILIES.register(_family.name, _family)
 
 
 def family(name: str | None) -> Family:
     """The family of a format / ``model_type``; a one-line error naming the allowed ones."""
     if name not in FAMILIES:
-        raise MoeLitError(f"hf: model_type={name!r} is not supported; allowed: {', '.join(FAMILIES)}")
+        raise MoeLitError(f"hf: model_type={name!r} is not supported; allowed: {', '.join(FAMILIES.names())}")
     return FAMILIES[name]
 
 
@@ -52,8 +57,12 @@ def from_hf(
 ) -> Transformer:
     """A Transformer (weights in ``dtype``) computing what a transformers causal LM computes.
 
-    ``hf_model_or_dir``: a model object (its tensors are copied) or a local directory (loaded in
-    ``dtype`` and its tensors taken over, so the peak memory is about one model).
+    Args:
+        hf_model_or_dir: A model object (its tensors are copied) or a local directory (loaded in
+            ``dtype`` and its tensors taken over, so the peak memory is about one model).
+        gguf_file: GGUF file name inside the directory (needs `pip install gguf accelerate`).
+        seq_len: RoPE table size; default: max_position_embeddings.
+        dtype: dtype to load and keep the weights in (bfloat16 halves the memory of a big import).
     """
     from_dir = isinstance(hf_model_or_dir, (str, Path))
     hf_model = load_hf_model(hf_model_or_dir, gguf_file, dtype) if from_dir else hf_model_or_dir
@@ -89,9 +98,9 @@ def to_hf(model: Transformer, fmt: str, special_ids: dict[str, int | None] | Non
     ``special_ids`` (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) go into its config.
     Refuses (one line) a model that uses a feature ``fmt`` lacks, naming the formats that have it.
     """
-    target = FAMILIES.get(fmt)
-    if target is None:
-        raise MoeLitError(f"--format: got {fmt!r}, allowed values: {', '.join(FAMILIES)}")
+    if fmt not in FAMILIES:
+        raise MoeLitError(f"--format: got {fmt!r}, allowed values: {', '.join(FAMILIES.names())}")
+    target = FAMILIES[fmt]
     check_exportable(model, target, FAMILIES)
     transformers = require_transformers(moe=target.is_moe)
     hf_config = target.hf_config(model.config, special_ids or {})
