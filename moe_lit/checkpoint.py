@@ -33,8 +33,9 @@ import torch
 import yaml
 
 from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.configbase import to_data, yaml_problem
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory, yaml_problem
+from moe_lit.io import atomic_directory
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -79,14 +80,12 @@ def _write_error(exc: Exception) -> Exception:
 
 
 def _config_from(value: Any, path: Path) -> ModelConfig:
-    if isinstance(value, ModelConfig):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if not isinstance(value, dict):
+    if dataclasses.is_dataclass(value) and not isinstance(value, (type, ModelConfig)):
+        value = to_data(value)
+    if not isinstance(value, (dict, ModelConfig)):
         raise MoeLitError(f"checkpoint {path}: no moe_lit model config inside; is it a moe_lit checkpoint?")
     try:
-        return ModelConfig.from_dict(dict(value))
+        return ModelConfig.from_dict(value)
     except (MoeLitError, TypeError) as exc:
         raise MoeLitError(f"checkpoint {path}: its model config is invalid ({exc})") from exc
 

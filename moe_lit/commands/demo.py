@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from moe_lit.config import ModelConfig, refuse_unknown_keys
+from moe_lit.config import ModelConfig
+from moe_lit.configbase import dotted, load_yaml, refuse_unknown_keys
 from moe_lit.data.layout import tokenizer_file
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json, check_output
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.run_config import RunConfig, check_settings, merge_sections, read_yaml
+from moe_lit.lit.run_config import RunConfig
 from moe_lit.resources import CONFIGS_DIR
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ STUDY = CONFIGS_DIR / "studies/dense_vs_sparse.yaml"
 """The study whose best arm the demo trains; its ``data`` section prepares the demo's data."""
 RUN = CONFIGS_DIR / "runs/demo.yaml"
 """The default ``--config``: the run of each model."""
-SETTINGS_CHECK = check_settings
+SETTINGS_CHECK = RunConfig.check_settings
 """``--SECTION.FIELD VALUE`` words over ``--config`` (moe_lit.console_script): the run's sections."""
 WORK_DIR_SETTINGS, RESULT_FILE = "demo.json", "result.json"
 """In ``--work-dir``: the settings of the demo it holds; in each model's folder: its RunResult."""
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_lit.commands import demo_card
 
     check_counts(args)
-    run_doc = merge_sections(read_yaml(args.config, "--config"), args.settings)
+    run_doc = RunConfig.merge(load_yaml(args.config, "--config"), dotted(args.settings))
     base = RunConfig.from_dict(run_doc)  # every setting checked before anything is written
     inputs = {"data.data_dir": base.data.data_dir}
     check_output(args.out, inputs, args.force)
@@ -117,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
     settings |= {"eval_limit": args.eval_limit, "step_rounds": args.step_rounds}
     check_work_dir(args, settings, inputs)  # not --seeds: a resumed demo may add seeds
     data_dir = prepare_default_data(base.data.data_dir)
-    run_doc = merge_sections(run_doc, {"data": {"data_dir": str(data_dir)}})
+    run_doc = RunConfig.merge(run_doc, {"data.data_dir": str(data_dir)})
     preemption = Preemption(resume=resume_command(), label="moe-lit demo")
     models = {name: load_module_config(path) for name, path in MODELS.items()}
     runs = {
-        name: RunConfig.from_dict(merge_sections({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}}))
+        name: RunConfig.from_dict(RunConfig.merge({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}}))
         for name, (_, optim) in models.items()
     }
     trained: dict[str, RunResult] = {}

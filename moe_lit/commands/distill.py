@@ -16,22 +16,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from moe_lit.config import ModelConfig
+from moe_lit.configbase import dotted, load_yaml
 from moe_lit.errors import MoeLitError
 from moe_lit.lit.distill import DistillConfig
 from moe_lit.lit.optim import OptimConfig
-from moe_lit.lit.run_config import check_settings
+from moe_lit.lit.run_config import RunConfig
 from moe_lit.resources import CONFIGS_DIR
 
 MODEL_DIR, REPORT = "model", "distill.json"
 RUN = CONFIGS_DIR / "runs/distill.yaml"
 """The default ``--config``."""
-DISTILL_SECTION = "distill"
-"""The run YAML's section of the distillation loss (:class:`DistillConfig`), besides the run's."""
-SETTINGS_CHECK = partial(check_settings, extra={DISTILL_SECTION: DistillConfig})
+
+
+@dataclass
+class DistillSettings(RunConfig):
+    """A distillation's ``--config``: the run's sections, and the distillation loss's."""
+
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """The weights of the distillation loss (temperature, KL and CE weights)."""
+
+    def run(self) -> RunConfig:
+        """The run's sections alone (what train_run takes)."""
+        return RunConfig(self.data, self.optim, self.train, self.trainer)
+
+
+SETTINGS_CHECK = DistillSettings.check_settings
 """``--SECTION.FIELD VALUE`` words over ``--config`` (moe_lit.console_script): the run's sections and distill."""
 
 
@@ -62,11 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_lit.data.tokenizer import find_tokenizer
     from moe_lit.io import atomic_write_json, check_output
     from moe_lit.lit.run import train_run
-    from moe_lit.lit.run_config import RunConfig, build_section, merge_sections, read_yaml
 
-    doc = merge_sections(read_yaml(args.config, "--config"), args.settings)
-    distill = build_section(DistillConfig, doc.pop(DISTILL_SECTION, None), DISTILL_SECTION)
-    run_cfg = RunConfig.from_dict(doc)
+    config = DistillSettings.from_dict(DistillSettings.merge(load_yaml(args.config, "--config"), dotted(args.settings)))
+    run_cfg, distill = config.run(), config.distill
     check_output(args.out, {"--teacher": args.teacher, "--student": args.student}, args.force)
     if args.force and args.out.exists():
         # NOTE: a run directory is appended to (metrics, checkpoints): replacing one means removing it.
@@ -81,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     trained = load_model(Path(result.checkpoint))
     export_model(trained, args.out / MODEL_DIR, find_tokenizer(args.student))
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "settings"}
-    settings |= {"run": run_cfg.to_dict(), DISTILL_SECTION: dataclasses.asdict(distill)}
+    settings |= {"run": run_cfg.to_dict(), "distill": dataclasses.asdict(distill)}
     atomic_write_json(args.out / REPORT, {"settings": settings, "result": dataclasses.asdict(result)})
     print(
         f"wrote {args.out / MODEL_DIR} (distilled {result.tokens:,} tokens in {result.steps} steps from "

@@ -31,13 +31,13 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lit.config import ConfigError, refuse_unknown_keys
+from moe_lit.configbase import ConfigBase, ConfigError
 from moe_lit.model.experts.grouped_swiglu import combine_slots
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.protocol import ExpertsBackend
@@ -60,8 +60,10 @@ SCORES_PER_CALL = 1 << 16
 
 
 @dataclass
-class SparsityConfig:
+class SparsityConfig(ConfigBase):
     """Intra-expert activation sparsity of a model (``sparsity: {target: 0.8, rule: gate}``)."""
+
+    section: ClassVar[str] = "sparsity"
 
     target: float = 0.8
     """Fraction of each expert's neurons to skip on the calibration tokens, in [0, 1)."""
@@ -85,11 +87,6 @@ class SparsityConfig:
             raise ConfigError(
                 f"sparsity.calibration_tokens: must be a positive integer, got {self.calibration_tokens!r}"
             )
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SparsityConfig:
-        refuse_unknown_keys(data, cls, "sparsity")
-        return cls(**data)
 
 
 # ---------------------------------------------------------------------- expert views of FFN modules

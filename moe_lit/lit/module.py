@@ -49,8 +49,8 @@ class MoELitModule(pl.LightningModule):
         super().__init__()
         # NOTE: checkpoints store both configs as plain dicts (on_save_checkpoint), which
         # load_from_checkpoint passes back here.
-        model = model if isinstance(model, ModelConfig) else ModelConfig.from_dict(dict(model))
-        optim = optim if isinstance(optim, OptimConfig) else OptimConfig(**optim)
+        model = ModelConfig.from_dict(model)
+        optim = OptimConfig.from_dict(optim)
         # NOTE: moe_lit.checkpoint rebuilds the network from hyper_parameters['model'].
         self.save_hyperparameters()
         self.config = model
@@ -96,7 +96,7 @@ class MoELitModule(pl.LightningModule):
         # NOTE: a model grown mid-run (moe_lit.callbacks upcycling) saved its new shape in
         # hyper_parameters['model']; rebuild in that shape before Lightning loads the weights.
         saved = checkpoint.get("hyper_parameters", {}).get("model")
-        if isinstance(saved, dict):
+        if saved is not None:
             saved = ModelConfig.from_dict(saved)
         if saved is not None and saved != self.config:
             self.replace_model(Transformer(saved).to(self.device))

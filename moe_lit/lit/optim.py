@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from moe_lit.config import ConfigError
+from moe_lit.configbase import ConfigBase, ConfigError
 
 Schedule = Literal["cosine", "wsd", "constant"]
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -35,8 +35,10 @@ IMPLEMENTATIONS = tuple(ADAMW_KERNELS)
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(ConfigBase):
     """AdamW and its learning-rate schedule (gradient clipping is the Trainer's gradient_clip_val)."""
+
+    section: ClassVar[str] = "optim"
 
     lr: float = 1e-3
     """Peak learning rate, reached at the end of the warmup."""

@@ -23,7 +23,6 @@ run from a checkpoint's weights, on other data or with other settings, is ``--in
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
 from moe_lit.config import ModelConfig
+from moe_lit.configbase import to_data
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_file
 from moe_lit.lit.datamodule import TOKENIZER_KEY, MoEDataModule
@@ -147,18 +147,15 @@ def check_resumed_model(
     started = (checkpoint.get(RUN_STATE) or {}).get("model") or hparams.get("model")
     found = None
     if model is not None and started is not None:
-        saved = ModelConfig.from_dict(dict(_plain(started))).to_dict()
+        saved = ModelConfig.from_dict(_plain(started)).to_dict()
         found = first_difference(
             {k: v for k, v in saved.items() if k not in FROM_DATA},
             {k: v for k, v in model.to_dict().items() if k not in FROM_DATA},
             "model.",
         )
     if found is None and optim is not None and hparams.get("optim") is not None:
-        # NOTE: as JSON: a checkpoint holds the tuples of a config (betas) as lists.
-        saved_optim, given_optim = (
-            json.loads(json.dumps(v)) for v in (_plain(hparams["optim"]), dataclasses.asdict(optim))
-        )
-        found = first_difference(saved_optim, given_optim, "optim.")
+        # NOTE: as plain data: a checkpoint may hold the tuples of a config (betas) as lists.
+        found = first_difference(to_data(_plain(hparams["optim"])), optim.to_dict(), "optim.")
     if found is not None:
         raise _refusal(flag, *found, hint=hint)
 

@@ -10,20 +10,18 @@ The LightningCLI experiment YAMLs use the same sections and names (``data:``, ``
 one YAML feeds ``moe-lit fit`` and :func:`moe_lit.lit.run.train_run`
 (:meth:`RunConfig.from_experiment`). The demo and every study kind build a ``RunConfig``; ``moe-lit
 demo`` and ``moe-lit distill`` read one from a run YAML (``configs/runs/``) with ``--SECTION.FIELD``
-settings over it (:func:`check_settings`, :func:`merge_sections`).
+settings over it (:meth:`~moe_lit.configbase.ConfigBase.check_settings`,
+:meth:`~moe_lit.configbase.ConfigBase.with_overrides`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import yaml
-
-from moe_lit.config import ConfigError, refuse_unknown_keys
-from moe_lit.io import yaml_problem
+from moe_lit.configbase import ConfigBase, ConfigError, is_int, load_yaml, require, require_positive_int
 from moe_lit.lit.optim import EXTEND_SCHEDULE, OptimConfig
 from moe_lit.lit.precision import PRECISIONS
 
@@ -31,36 +29,21 @@ DEFAULT_EVALUATIONS = 8
 """Validations per run when ``train.val_every`` is not set."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+BUDGETS = ("max_tokens", "max_steps")
+"""TrainConfig's budget fields: a run sets exactly one."""
 
 
 def _positive(value: Any, name: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not _is_int(value) or value < 1:
-        raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-
-
-def build_section(cls, data: Any, section: str):
-    """``cls(**data)`` with unknown keys and non-mappings reported under ``section``."""
-    if isinstance(data, cls):
-        return data
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{section}: expected a mapping, got {type(data).__name__}")
-    refuse_unknown_keys(data, cls, section)
-    try:
-        return cls(**data)
-    except ConfigError as exc:
-        message = str(exc)
-        raise ConfigError(message if message.startswith(f"{section}.") else f"{section}.{message}") from None
+    """An integer >= 1 (or null when ``allow_none``)."""
+    if value is not None or not allow_none:
+        require_positive_int(value, name)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ConfigBase):
     """Which prepared tokens a run reads, and how (the ``MoEDataModule`` arguments)."""
+
+    section: ClassVar[str] = "data"
 
     data_dir: str | None = None
     """Directory written by ``moe-lit data prepare``; relative paths are relative to the working
@@ -83,17 +66,21 @@ class DataConfig:
         _positive(self.seq_len, "seq_len")
         _positive(self.batch_size, "batch_size")
         _positive(self.val_batches, "val_batches", allow_none=True)
-        if not _is_int(self.num_workers) or self.num_workers < 0:
-            raise ConfigError(f"num_workers: must be an integer >= 0, got {self.num_workers!r}")
-        if self.languages is not None:
-            if (
-                not isinstance(self.languages, list)
-                or not self.languages
-                or not all(isinstance(lang, str) for lang in self.languages)
-            ):
-                raise ConfigError(f"languages: must be a non-empty list of language codes, got {self.languages!r}")
-        if self.language_weights is not None and not isinstance(self.language_weights, dict):
-            raise ConfigError(f"language_weights: must be a mapping language -> weight, got {self.language_weights!r}")
+        workers = self.num_workers
+        require(is_int(workers) and workers >= 0, "num_workers", f"must be an integer >= 0, got {workers!r}")
+        languages = self.languages
+        require(
+            languages is None
+            or (isinstance(languages, list) and bool(languages) and all(isinstance(lang, str) for lang in languages)),
+            "languages",
+            f"must be a non-empty list of language codes, got {languages!r}",
+        )
+        weights = self.language_weights
+        require(
+            weights is None or isinstance(weights, dict),
+            "language_weights",
+            f"must be a mapping language -> weight, got {weights!r}",
+        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -109,8 +96,10 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigBase):
     """How long a run trains, how often it validates and checkpoints, and its seed."""
+
+    section: ClassVar[str] = "train"
 
     max_tokens: int | None = None
     """Token budget (rounded down to whole optimizer steps of seq_len x batch_size tokens); set
@@ -143,11 +132,11 @@ class TrainConfig:
                 f"max_steps={self.max_steps!r}"
             )
         _positive(self.max_tokens, "max_tokens", allow_none=True)
-        if self.max_steps is not None and (not _is_int(self.max_steps) or self.max_steps < 0):
+        if self.max_steps is not None and (not is_int(self.max_steps) or self.max_steps < 0):
             raise ConfigError(f"max_steps: must be an integer >= 0 (0 = validate only), got {self.max_steps!r}")
         _positive(self.val_every, "val_every", allow_none=True)
         _positive(self.checkpoint_every, "checkpoint_every", allow_none=True)
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile: must be true or false, got {self.compile!r}")
@@ -158,6 +147,11 @@ class TrainConfig:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ConfigError(f"precision: got {self.precision!r}, allowed values: {', '.join(PRECISIONS)}, null")
 
+    @classmethod
+    def overridden(cls, data: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+        """A new budget (max_tokens or max_steps) replaces the old one."""
+        return {**data, **dict.fromkeys(BUDGETS)} if set(BUDGETS) & set(changes) else data
+
     def steps(self, tokens_per_step: int) -> int:
         """Optimizer steps of the run."""
         return self.max_steps if self.max_steps is not None else self.max_tokens // tokens_per_step
@@ -167,8 +161,10 @@ class TrainConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(ConfigBase):
     """One training run's settings besides the model (see the module docstring)."""
+
+    section: ClassVar[str] = "run"
 
     data: DataConfig = field(default_factory=DataConfig)
     """The data module's settings."""
@@ -180,9 +176,9 @@ class RunConfig:
     """Extra Lightning Trainer arguments (replace train_run's defaults; callbacks are not allowed here)."""
 
     def __post_init__(self) -> None:
-        self.data = build_section(DataConfig, self.data, "data")
-        self.optim = build_section(OptimConfig, self.optim, "optim")
-        self.train = build_section(TrainConfig, self.train, "train")
+        self.data = DataConfig.from_dict(self.data, "data")
+        self.optim = OptimConfig.from_dict(self.optim, "optim")
+        self.train = TrainConfig.from_dict(self.train, "train")
         if not isinstance(self.trainer, dict):
             raise ConfigError(f"trainer: must be a mapping of Trainer arguments, got {self.trainer!r}")
         if "callbacks" in self.trainer:
@@ -207,36 +203,6 @@ class RunConfig:
     def tokens(self) -> int:
         """Training tokens of the run (whole steps)."""
         return self.steps * self.data.tokens_per_step
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["optim"]["betas"] = list(data["optim"]["betas"])
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Any) -> RunConfig:
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, dict):
-            raise ConfigError(f"run: expected a mapping with data, optim, train, trainer; got {type(data).__name__}")
-        refuse_unknown_keys(data, cls, "run")
-        return cls(**data)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(read_yaml(path, "run"))
-
-    def replace(self, **sections: Any) -> RunConfig:
-        """A copy with fields of whole sections changed: ``replace(train={"seed": 1})`` changes
-        train.seed only; a new budget (max_tokens or max_steps) replaces the old one."""
-        data = self.to_dict()
-        for name, changes in sections.items():
-            if name not in data or not isinstance(changes, dict):
-                raise ConfigError(f"run: replace takes mappings of the sections {list(data)}, got {name}={changes!r}")
-        return RunConfig.from_dict(merge_sections(data, sections))
 
     @classmethod
     def from_experiment(cls, path: str | Path) -> tuple[Any, RunConfig]:
@@ -269,49 +235,9 @@ class RunConfig:
         return ModelConfig.from_dict(model), run
 
 
-SECTIONS: dict[str, Any] = {"data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "trainer": None}
-"""A run's sections and the dataclass of each (``trainer``: any Lightning Trainer argument)."""
-
-
-def check_settings(settings: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None) -> None:
-    """``--SECTION.FIELD`` settings name the run's sections and their fields (and those of ``extra``,
-    a command's own sections); anything else is a one-line ConfigError. Values are checked when the
-    run is built."""
-    sections = {**SECTIONS, **(extra or {})}
-    refuse_unknown_keys(settings, sections, "settings", what="section(s)", label="allowed sections")
-    for name, fields in settings.items():
-        if sections[name] is not None:
-            refuse_unknown_keys(fields, sections[name], name)
-
-
-def merge_sections(data: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
-    """``data`` (a run mapping, e.g. a run YAML's) with fields of its sections changed:
-    ``{"train": {"seed": 1}}`` changes train.seed only; a new budget (max_tokens or max_steps)
-    replaces the old one."""
-    merged = dict(data)
-    for name, changes in sections.items():
-        section = merged.get(name) or {}
-        if not isinstance(changes, dict) or not isinstance(section, dict):
-            raise ConfigError(f"{name}: expected a mapping of fields, got {changes!r} over {section!r}")
-        section = dict(section)
-        if name == "train" and {"max_tokens", "max_steps"} & set(changes):
-            section.update(max_tokens=None, max_steps=None)
-        merged[name] = {**section, **changes}
-    return merged
-
-
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:
     """The mapping in a YAML file; a missing file, bad YAML or a non-mapping is a one-line ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{what}: no such file {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what}: {path} is not valid YAML ({yaml_problem(exc)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {path} must hold a mapping, got {type(data).__name__}")
-    return data
+    return load_yaml(Path(path), what)
 
 
 def _section_file(value: Any, owner: Path, name: str) -> dict[str, Any]:
@@ -323,13 +249,4 @@ def _section_file(value: Any, owner: Path, name: str) -> dict[str, Any]:
     return value
 
 
-__all__ = [
-    "SECTIONS",
-    "DataConfig",
-    "RunConfig",
-    "TrainConfig",
-    "build_section",
-    "check_settings",
-    "merge_sections",
-    "read_yaml",
-]
+__all__ = ["BUDGETS", "DataConfig", "RunConfig", "TrainConfig", "read_yaml"]

@@ -1,9 +1,10 @@
-"""One spec builder for every study kind, and the validators its fields share.
+"""The study kinds' spec parser, and the validators their fields share.
 
 A kind's own fields are a dataclass (its spec). :func:`parser` turns the study file's mapping
-into it: unknown and missing keys are one-line errors, nested sections are built from the field
-types (a dataclass, a list of them, ``X | None``), every :class:`~moe_lit.config.ModelConfig`
-field gets the run's ``seq_len``, and an error inside a section names it (``recovery.warmup: ...``).
+into it with the one config builder (:func:`moe_lit.configbase.build`, also here as :func:`build`):
+unknown and missing keys are one-line errors, nested sections are built from the field types (a
+dataclass, a list of them, ``X | None``), every :class:`~moe_lit.config.ModelConfig` field gets the
+run's ``seq_len``, and an error inside a section names it (``recovery.warmup: ...``).
 Values are checked in each spec's ``__post_init__`` with the validators below, which all raise
 ``ConfigError("<field>: <what is allowed>, got <value>")``.
 """
@@ -11,23 +12,17 @@ Values are checked in each spec's ``__post_init__`` with the validators below, w
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from moe_lit.config import ConfigError, ModelConfig, _require, _require_bool, refuse_unknown_keys
+from moe_lit.configbase import ConfigError, build, is_int, is_number, refuse_unknown_keys, require
+from moe_lit.configbase import require_bool as boolean
 
 T = TypeVar("T")
 SPLITS = ("train", "val", "test")
 """Splits of the parallel text a calibration or evaluation reads."""
-
-
-def require(ok: bool, name: str, message: str) -> None:
-    """A rule of the field ``name``: ``ConfigError("<name>: <message>")`` unless ``ok``."""
-    _require(ok, name, message)
 
 
 @contextmanager
@@ -48,21 +43,11 @@ def known_keys(
     refuse_unknown_keys(keys, allowed, name, what, label)
 
 
-def is_int(value: Any) -> bool:
-    """An int, not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """An int or float, not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def positive_int(value: Any, name: str, optional: bool = False) -> None:
     """An integer >= 1 (or null when ``optional``)."""
     if optional and value is None:
         return
-    _require(is_int(value) and value >= 1, name, f"must be {'null or ' * optional}a positive integer, got {value!r}")
+    require(is_int(value) and value >= 1, name, f"must be {'null or ' * optional}a positive integer, got {value!r}")
 
 
 def positive_fields(spec: Any, *names: str, optional: bool = False) -> None:
@@ -73,13 +58,13 @@ def positive_fields(spec: Any, *names: str, optional: bool = False) -> None:
 
 def integer(value: Any, name: str, low: int) -> None:
     """An integer >= ``low``."""
-    _require(is_int(value) and value >= low, name, f"must be an integer >= {low}, got {value!r}")
+    require(is_int(value) and value >= low, name, f"must be an integer >= {low}, got {value!r}")
 
 
 def int_in(value: Any, name: str, low: int, high: int, high_name: str | None = None, closed: bool = False) -> None:
     """An integer in ``[low, high)`` (``[low, high]`` when ``closed``); ``high_name`` names the bound."""
     ok = is_int(value) and low <= value and (value <= high if closed else value < high)
-    _require(ok, name, f"must be an integer in [{low}, {high_name or high}{']' if closed else ')'}, got {value!r}")
+    require(ok, name, f"must be an integer in [{low}, {high_name or high}{']' if closed else ')'}, got {value!r}")
 
 
 def number(
@@ -98,17 +83,13 @@ def number(
         allowed = f" {'>=' if 'low' in closed else '>'} {low:g}"
     else:
         allowed = f" <{'=' if 'high' in closed else ''} {high:g}" if high is not None else ""
-    _require(is_number(value) and above and below, name, f"must be a number{allowed}, got {value!r}")
-
-
-def boolean(value: Any, name: str) -> None:
-    _require_bool(value, name)
+    require(is_number(value) and above and below, name, f"must be a number{allowed}, got {value!r}")
 
 
 def choice(value: Any, name: str, allowed: Iterable[Any]) -> None:
     """One of ``allowed``."""
     allowed = tuple(allowed)
-    _require(value in allowed, name, f"got {value!r}, allowed values: {', '.join(map(str, allowed))}")
+    require(value in allowed, name, f"got {value!r}, allowed values: {', '.join(map(str, allowed))}")
 
 
 def choices(values: Any, name: str, allowed: Iterable[Any]) -> None:
@@ -119,7 +100,7 @@ def choices(values: Any, name: str, allowed: Iterable[Any]) -> None:
 
 def label(value: Any, name: str) -> None:
     """A name used in point names: a non-empty string without '/'."""
-    _require(
+    require(
         isinstance(value, str) and bool(value) and "/" not in value,
         name,
         f"must be a non-empty string without '/', got {value!r}",
@@ -142,20 +123,20 @@ def distinct(
         return
     ok = isinstance(values, list) and (empty or bool(values)) and len(set(map(repr, values))) == len(values)
     nonempty = "" if empty else "non-empty "
-    _require(ok, name, f"must be {'null or ' * optional}a {nonempty}list of distinct {what}, got {values!r}")
+    require(ok, name, f"must be {'null or ' * optional}a {nonempty}list of distinct {what}, got {values!r}")
     if allowed is not None:
         allowed = tuple(allowed)
         unknown = [v for v in values if v not in allowed]
-        _require(not unknown, name, f"unknown {unknown}, allowed values: {', '.join(map(str, allowed))}")
+        require(not unknown, name, f"unknown {unknown}, allowed values: {', '.join(map(str, allowed))}")
     if each is not None:
         bad = [v for v in values if isinstance(v, bool) or not each(v)]
-        _require(not bad, name, f"{bad} not allowed, each must be {must or what}")
+        require(not bad, name, f"{bad} not allowed, each must be {must or what}")
 
 
 def numbers(values: Any, name: str, low: float) -> None:
     """A non-empty list of numbers > ``low``."""
     ok = isinstance(values, list) and bool(values) and all(is_number(v) and v > low for v in values)
-    _require(ok, name, f"must be a non-empty list of numbers > {low:g}, got {values!r}")
+    require(ok, name, f"must be a non-empty list of numbers > {low:g}, got {values!r}")
 
 
 def ints(values: Any, name: str, low: int, empty: bool = False) -> None:
@@ -201,51 +182,6 @@ class FineTune:
         return base.replace(train=train, optim=optim)
 
 
-def build(cls: type[T], data: Any, name: str, **known: Any) -> T:
-    """``cls`` from a mapping (null: its defaults): unknown keys refused, nested sections built by
-    their field types, ModelConfig fields given ``known['seq_len']``; errors named under ``name``."""
-    if isinstance(data, cls):
-        return data
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{name}: expected a mapping, got {type(data).__name__}")
-    known_keys(data, name, [f.name for f in dataclasses.fields(cls)])  # type: ignore[arg-type]
-    return _construct(cls, data, name, **known)
-
-
-def _construct(cls: type[T], data: dict[str, Any], name: str, **known: Any) -> T:
-    hints = typing.get_type_hints(cls)
-    values = {key: _section(hints[key], value, f"{name}.{key}" if name else key, known) for key, value in data.items()}
-    try:
-        return cls(**values)
-    except ConfigError as exc:
-        message = str(exc)
-        raise ConfigError(message if not name or message.startswith(f"{name}.") else f"{name}.{message}") from None
-
-
-def _section(hint: Any, value: Any, name: str, known: dict[str, Any]) -> Any:
-    """A field's value built by its type: a dataclass section, a list of them, a model config."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    options = typing.get_args(hint) if union else (hint,)
-    kind = next((t for t in options if t is not type(None)), hint)
-    if value is None:
-        return None
-    if kind is ModelConfig:
-        if not isinstance(value, (dict, ModelConfig)):
-            raise ConfigError(f"{name}: expected a mapping of model fields, got {value!r}")
-        model = value if isinstance(value, ModelConfig) else ModelConfig.from_dict(dict(value))
-        return model.replace(seq_len=known["seq_len"]) if "seq_len" in known else model
-    if dataclasses.is_dataclass(kind):
-        return build(kind, value, name, **known)  # type: ignore[arg-type]
-    item = typing.get_args(kind)[0] if typing.get_origin(kind) is list and typing.get_args(kind) else None
-    if item is not None and dataclasses.is_dataclass(item):
-        if not isinstance(value, list) or not value:
-            raise ConfigError(f"{name}: must be a non-empty list of mappings, got {value!r}")
-        return [build(item, entry, f"{name}[{i}]", **known) for i, entry in enumerate(value)]  # type: ignore[arg-type]
-    return value
-
-
 def parser(cls: type[T], required: tuple[str, ...] = ()) -> Callable[[dict[str, Any], Any], T]:
     """A kind's ``parse(fields, header)``: the study file's own fields into ``cls`` (the header's
     fields are the study's; model configs take ``run.data.seq_len``)."""
@@ -256,7 +192,7 @@ def parser(cls: type[T], required: tuple[str, ...] = ()) -> Callable[[dict[str, 
         for key in required:
             if key not in fields:
                 raise ConfigError(f"{key}: is required")
-        return _construct(cls, fields, "", seq_len=header.run.data.seq_len)
+        return build(cls, fields, "", seq_len=header.run.data.seq_len)
 
     return parse
 
