@@ -24,6 +24,8 @@ from typing import Any
 
 import docstring_parser
 
+NULL = "null"
+"""The word that sets a field whose type allows None and whose default is not None to None."""
 SCALARS = (int, float, str, Path)
 """Field types an option reads as they are (``bool`` is a flag, ``list[int]`` comma-separated)."""
 
@@ -100,7 +102,7 @@ def _label(source: type | Callable[..., Any]) -> str:
 
 def _kind(hint: Any, required: bool, default: Any) -> dict[str, Any]:
     """``add_argument`` keywords (type, action, metavar, default) of a field of type ``hint``."""
-    hint = _without_none(hint)
+    nullable, hint = _without_none(hint) is not hint, _without_none(hint)
     if required:
         default = None
     if default is inspect.Parameter.empty:
@@ -113,7 +115,10 @@ def _kind(hint: Any, required: bool, default: Any) -> dict[str, Any]:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         values = typing.get_args(hint)
-        return {**base, "type": type(values[0]), "metavar": "{" + ",".join(map(str, values)) + "}"}
+        words = [str(value) for value in values]
+        if nullable and default is not None:  # NOTE: the config's null ("keep the source's") as a word
+            return {**base, "type": _null_or_text, "metavar": "{" + ",".join([*words, NULL]) + "}"}
+        return {**base, "type": type(values[0]), "metavar": "{" + ",".join(words) + "}"}
     if origin in (list, tuple) and typing.get_args(hint)[0] in SCALARS:
         item = typing.get_args(hint)[0]
         return {**base, "type": _comma_list(item), "metavar": f"{item.__name__.upper()},..."}
@@ -123,12 +128,16 @@ def _kind(hint: Any, required: bool, default: Any) -> dict[str, Any]:
 
 
 def _without_none(hint: Any) -> Any:
-    """``X`` of ``X | None`` (a null default: the option is simply left out)."""
+    """``X`` of ``X | None`` (a null default: the option is simply left out; else see :data:`NULL`)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         if len(rest) == 1:
             return rest[0]
     return hint
+
+
+def _null_or_text(text: str) -> str | None:
+    return None if text == NULL else text
 
 
 def _comma_list(item: type) -> Callable[[str], list[Any]]:

@@ -31,6 +31,10 @@ class Made:
     """Per layer."""
     flag: bool = False
     """Switch it on."""
+    on: bool = True
+    """Switch it off."""
+    mode: Literal["x", "y"] | None = "x"
+    """x | y | null for none."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("a", "b"):
@@ -40,13 +44,14 @@ class Made:
 def test_every_field_is_an_option_with_its_type_default_and_docstring(capsys):
     parser = ArgumentParser(prog="made")
     options = add_options(parser, Made)
-    args = parser.parse_args(["--size", "5", "--sizes", "1,2", "--flag"])
-    assert Made(**options.values(args)) == Made(size=5, kind="a", sizes=[1, 2], flag=True)
+    args = parser.parse_args(["--size", "5", "--sizes", "1,2", "--flag", "--no-on", "--mode", "null"])
+    assert Made(**options.values(args)) == Made(size=5, kind="a", sizes=[1, 2], flag=True, on=False, mode=None)
     assert Made(**options.values(parser.parse_args([]))) == Made()
     parser.print_help()
     text = " ".join(capsys.readouterr().out.split())
     assert "--size SIZE How many (default: 3)" in text and "--kind {a,b} Which one: a | b (default: a)" in text
     assert "--sizes INT,... Per layer" in text and "--flag Switch it on" in text
+    assert "--on, --no-on Switch it off (default: True)" in text and "--mode {x,y,null} x | y | null" in text
 
 
 def test_rename_required_defaults_and_one_of():
@@ -125,3 +130,13 @@ def test_the_help_lists_every_registered_family(capsys):
     assert f"directory of a causal LM ({', '.join(FAMILIES.names())})" in import_help
     with pytest.raises(ValueError, match="HF family name 'llama' of Family is taken by Family"):
         FAMILIES.register("llama", FAMILIES["llama"])
+
+
+def test_expand_balancing_null_keeps_the_sources(tmp_path):
+    torch.manual_seed(0)
+    export_model(Transformer(tiny(balancing="aux_loss")), tmp_path / "moe")
+    argv = ["convert", "expand", "--checkpoint", str(tmp_path / "moe"), "--factor", "2", "--noise", "0"]
+    assert main([*argv, "--balancing", "null", "--out", str(tmp_path / "kept")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "bias")]) == 0
+    assert load_model(tmp_path / "kept").config.moe.balancing == "aux_loss"
+    assert load_model(tmp_path / "bias").config.moe.balancing == "bias"
