@@ -15,6 +15,14 @@ elementwise ops per layer; its 2*256 norm weights per layer replace our 256 expe
 the parameter count) and runs its experts with transformers' default ``grouped_mm`` path
 (``torch._grouped_mm``; ``--olmoe-experts eager`` times the per-expert loop instead).
 
+``--thread-fix MODEL`` times instead the cost of the MoE's thread invariance (issue 53): the training
+step of a trained demo MoE (``results/demo/models/moe``, made by ``make demo``) and of the same model
+freshly initialised, on the demo's first training batch, with the expert blocks of fewer than
+``SERIAL_BLOCK_ROWS`` slots on one thread (``serial``, the default) and with every block on all
+threads (``threaded``: the constant set to 0 around the step, the behaviour before it), interleaved,
+as the median per-round ratio serial / threaded; beside it, how many expert blocks of that batch
+are that small and their share of the routed assignments (of the expert FLOPs).
+
 ``--compile`` adds a compiled twin of every model (same initial weights; each transformer block /
 OLMoE decoder layer compiled in place with inductor, as ``train.compile`` does), timed in the same
 interleaved rounds; the warmup rounds include the compile (keep ``--warmup`` >= 2: our MoE
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from collections.abc import Callable
 from typing import cast
 
@@ -221,6 +230,83 @@ def shape_ratios(
     return ratios
 
 
+def small_blocks(model: Transformer, batch_BL1: torch.Tensor, rows: int) -> dict[str, float]:
+    """Over ``model``'s MoE layers on one forward of ``batch_BL1``: the expert blocks (experts given
+    tokens) with fewer than ``rows`` slots, all blocks, and the share of routed assignments (of the
+    expert FLOPs, the experts being of equal size) in the small ones."""
+    counts: list[torch.Tensor] = []
+
+    def record(router: nn.Module, inputs: object, out: object) -> None:
+        counts.append(torch.bincount(out.indices_TK.flatten(), minlength=router.num_experts))
+
+    hooks = [layer.router.register_forward_hook(record) for layer in model.moe_layers()]
+    with torch.no_grad():
+        model(batch_BL1[:, :-1], batch_BL1[:, 1:])
+    for hook in hooks:
+        hook.remove()
+    counts_E = torch.cat(counts)
+    small = counts_E[(counts_E > 0) & (counts_E < rows)]
+    return {
+        "small_blocks": int(small.numel()),
+        "blocks": int((counts_E > 0).sum()),
+        "assignment_share_in_small": float(small.sum() / counts_E.sum()),
+    }
+
+
+def thread_fix_cost(path: str, rounds: int, warmup: int, clock: str) -> dict[str, object]:
+    """The training step of the trained MoE at ``path`` and of its config freshly initialised, with
+    and without the single-thread small blocks (see the module docstring)."""
+    from moe_lit.checkpoint import load_model
+    from moe_lit.commands.demo import RUN, prepare_default_data
+    from moe_lit.lit.datamodule import MoEDataModule
+    from moe_lit.lit.run_config import RunConfig
+    from moe_lit.model.experts import grouped_swiglu
+
+    run = RunConfig.from_yaml(RUN)
+    data = run.replace(data={"data_dir": str(prepare_default_data(run.data.data_dir))}).data
+    batch_BL1 = next(iter(MoEDataModule.from_config(data, run.train.seed).train_dataloader()))
+    trained = load_model(path)
+    torch.manual_seed(0)
+    models = {"trained": trained, "init": Transformer(trained.config)}
+
+    def with_serial_rows(rows: int, step: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            kept, grouped_swiglu.SERIAL_BLOCK_ROWS = grouped_swiglu.SERIAL_BLOCK_ROWS, rows
+            try:
+                step()
+            finally:
+                grouped_swiglu.SERIAL_BLOCK_ROWS = kept
+
+        return timed
+
+    serial_rows = grouped_swiglu.SERIAL_BLOCK_ROWS
+    cases = {
+        f"{name}/{variant}": with_serial_rows(rows, training_step(copy.deepcopy(model), batch_BL1))
+        for name, model in models.items()
+        for variant, rows in (("serial", serial_rows), ("threaded", 0))
+    }
+    times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
+    tokens = batch_BL1[:, :-1].numel()
+    return {
+        "setup": {
+            "model": path,
+            "batch": list(batch_BL1[:, :-1].shape),
+            "serial_block_rows": serial_rows,
+            "rounds": rounds,
+            "clock": clock,
+        },
+        "models": {
+            name: {
+                "serial_over_threaded_time": paired_ratio(times, f"{name}/serial", f"{name}/threaded"),
+                **small_blocks(model, batch_BL1, serial_rows),
+                **{f"{v}_tokens_per_s": tokens / median(times[f"{name}/{v}"]) for v in ("serial", "threaded")},
+            }
+            for name, model in models.items()
+        },
+        "times_s": times,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -251,9 +337,18 @@ def main() -> None:
         default="both",
         help="fp32 steps only, or beside them bf16-autocast steps (every model, OLMoE too, and bf16 GEMMs)",
     )
+    parser.add_argument(
+        "--thread-fix",
+        metavar="MODEL",
+        help="only time the MoE at MODEL with and without its single-thread small blocks",
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     set_threads(args.threads)
+    if args.thread_fix:
+        result = thread_fix_cost(args.thread_fix, args.rounds, args.warmup, args.clock)
+        report("train_step", result | {"load_avg_1m_after": os.getloadavg()[0]}, save=not args.no_save)
+        return
     torch.manual_seed(0)
     shapes = tuple(s for s in SHAPES if args.shapes is None or shape_tag(s) in args.shapes)
     built = build_models(args.olmoe_experts, args.loss_chunk_tokens, args.strategy, shapes)
