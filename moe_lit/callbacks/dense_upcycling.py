@@ -11,7 +11,6 @@ dense ``w2`` says nothing exact about a shard of it scaled by the granularity.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,7 +51,7 @@ class DenseToMoEUpcycling(ModelSwapCallback):
         """
         super().__init__([at_step], optimizer_state)
         upcycling = with_fields(upcycling, upcycling_fields, UpcyclingConfig, "DenseToMoEUpcycling.upcycling")
-        self.upcycling = dataclasses.replace(upcycling, moe={**UPCYCLED_MOE_DEFAULTS, **upcycling.moe})
+        self.upcycling = upcycling.replace(moe={**UPCYCLED_MOE_DEFAULTS, **upcycling.moe})
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

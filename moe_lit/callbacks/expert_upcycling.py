@@ -12,7 +12,6 @@ starts with its source's AdamW moments.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,7 +104,7 @@ class ExpertUpcycling(ModelSwapCallback):
             utility = self._utility.result() if self._utility.num_batches else expert_utility(model, [batch_BL1], 1)
         self._utility = UtilityAccumulator()
         plan = plan_expansion(model, self.expansion, utility)
-        new = apply_expansion(model, plan, dataclasses.replace(self.expansion, seed=self.expansion.seed + step))
+        new = apply_expansion(model, plan, self.expansion.replace(seed=self.expansion.seed + step))
         details = {
             "selection": self.expansion.selection,
             "copies": {str(block): plan.copies(block) for block in plan.sources},

@@ -25,7 +25,6 @@ Shape legend: R rows of a grown parameter (dim 0).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -35,30 +34,21 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from moe_lit.config import ConfigError
+from moe_lit.configbase import ConfigBase
 from moe_lit.convert.common import next_token_loss
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 
 OPTIMIZER_STATES = ("copy", "reset")
-C = TypeVar("C")
+C = TypeVar("C", bound=ConfigBase)
 
 
-def with_fields(config: C | Mapping[str, Any], fields: dict[str, Any], cls: type[C], owner: str) -> C:
-    """A callback's transform config: ``config`` (a ``cls``, or its fields as a mapping, as a study
-    point's JSON gives it) with ``fields`` replaced; an error is one line naming the field under
-    ``owner`` (``ExpertUpcycling.expansion``)."""
-    unknown = sorted(set(fields).union(config if isinstance(config, Mapping) else ()) - _field_names(cls))
-    if unknown:
-        raise ConfigError(f"{owner}.{unknown[0]}: unknown field; allowed: {', '.join(sorted(_field_names(cls)))}")
-    try:
-        base = cls(**config) if isinstance(config, Mapping) else config
-        return dataclasses.replace(base, **fields)  # type: ignore[type-var]
-    except ConfigError as exc:
-        raise ConfigError(f"{owner}.{exc}") from None
-
-
-def _field_names(cls: type) -> set[str]:
-    return {field.name for field in dataclasses.fields(cls)}
+def with_fields(config: C | Mapping[str, Any], fields: Mapping[str, Any], cls: type[C], owner: str) -> C:
+    """A callback's transform config (a :class:`~moe_lit.configbase.ConfigBase`): ``config`` (a
+    ``cls``, or its fields as a mapping, as a study point's JSON gives it) with ``fields`` over it;
+    an error is one line naming the field under ``owner`` (``ExpertUpcycling.expansion.factor: ...``)."""
+    data = config.to_dict() if isinstance(config, cls) else dict(config)
+    return cls.from_dict({**data, **fields}, owner)
 
 
 def _positive_steps(at_steps: Sequence[int], owner: str) -> list[int]:

@@ -37,7 +37,8 @@ from typing import Any, Literal
 
 import torch
 
-from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.configbase import ConfigBase, ConfigError, require, require_choice, require_positive_int
 from moe_lit.convert.common import rebuild
 from moe_lit.errors import MoeLitError
 from moe_lit.model import MoELayer, Transformer
@@ -49,8 +50,8 @@ SET_BY_UPCYCLING = ("expert_size", "shared_expert_size", "num_experts", "top_k")
 """MoEConfig fields that follow from an :class:`UpcyclingConfig` and the dense d_ff (never in its ``moe``)."""
 
 
-@dataclass(frozen=True)
-class UpcyclingConfig:
+@dataclass
+class UpcyclingConfig(ConfigBase):
     """One dense -> MoE upcycling: the recipe and the MoE it builds (see the module docstring)."""
 
     recipe: Recipe = "copy"
@@ -70,24 +71,21 @@ class UpcyclingConfig:
     expert_size, shared_expert_size, num_experts and top_k follow from the fields above."""
 
     def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ConfigError(f"recipe: got {self.recipe!r}, allowed values: {', '.join(RECIPES)}")
+        require_choice(self.recipe, "recipe", RECIPES)
         granularity = self.granularity
-        if not (isinstance(granularity, int) and not isinstance(granularity, bool) and granularity >= 1):
-            raise ConfigError(f"granularity: must be a positive integer, got {granularity!r}")
-        if self.recipe == "copy" and granularity != 1:
-            raise ConfigError(f"granularity: recipe 'copy' keeps whole FFNs (granularity 1), got {granularity}")
+        require_positive_int(granularity, "granularity")
+        copy_whole = f"recipe 'copy' keeps whole FFNs (granularity 1), got {granularity}"
+        require(self.recipe != "copy" or granularity == 1, "granularity", copy_whole)
         for name in ("num_experts", "top_k"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-            if value % granularity:
-                raise ConfigError(f"{name}: must be a multiple of granularity={granularity}, got {value}")
-        if self.recipe == "drop" and not 0.0 <= self.drop_fraction <= 1.0:
-            raise ConfigError(f"drop_fraction: must be in [0, 1], got {self.drop_fraction}")
+            require_positive_int(value, name)
+            require(value % granularity == 0, name, f"must be a multiple of granularity={granularity}, got {value}")
+        in_range = self.recipe != "drop" or 0.0 <= self.drop_fraction <= 1.0
+        require(in_range, "drop_fraction", f"must be in [0, 1], got {self.drop_fraction}")
         for name in SET_BY_UPCYCLING:
-            if name in self.moe:
-                raise ConfigError(f"moe.{name}: set by dense_to_moe (from its arguments and d_ff), do not pass it")
+            require(
+                name not in self.moe, f"moe.{name}", "set by dense_to_moe (from its arguments and d_ff), do not pass it"
+            )
 
 
 def dense_to_moe(

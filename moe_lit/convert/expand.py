@@ -39,7 +39,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lit.config import BALANCING, Balancing, ConfigError
+from moe_lit.config import BALANCING, Balancing
+from moe_lit.configbase import (
+    ConfigBase,
+    ConfigError,
+    is_int,
+    is_number,
+    require,
+    require_choice,
+    require_number,
+    require_positive_int,
+)
 from moe_lit.convert.common import next_token_loss, rebuild
 from moe_lit.convert.dense_to_moe import drop_neurons
 from moe_lit.errors import MoeLitError
@@ -54,8 +64,8 @@ UTILITY_METRICS = ("grad_sq", "weight_grad", "frequency")
 EXPERT_MATRICES = ("w1", "v1", "w2")
 
 
-@dataclass(frozen=True)
-class ExpansionConfig:
+@dataclass
+class ExpansionConfig(ConfigBase):
     """One E -> mE expansion: how many copies of which experts, and how the copies differ."""
 
     factor: int | None = None
@@ -82,22 +92,19 @@ class ExpansionConfig:
     """Fraction of each copy's neurons re-initialised, in [0, 1) (drop-upcycling the copies; not exact)."""
 
     def __post_init__(self) -> None:
-        if (self.factor is None) == (self.counts is None):
-            raise ConfigError("factor/counts: give exactly one of factor (an integer >= 2) or per-expert counts")
-        if self.factor is not None and not (_is_int(self.factor) and self.factor >= 2):
-            raise ConfigError(f"factor: must be an integer >= 2, got {self.factor!r}")
-        for name, allowed in (("selection", SELECTIONS), ("utility_metric", UTILITY_METRICS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name}: got {getattr(self, name)!r}, allowed values: {', '.join(allowed)}")
-        if self.balancing is not None and self.balancing not in BALANCING:
-            raise ConfigError(f"balancing: got {self.balancing!r}, allowed values: {', '.join(BALANCING)}, null")
-        if not (_is_int(self.max_copies) and self.max_copies >= 1):
-            raise ConfigError(f"max_copies: must be an integer >= 1, got {self.max_copies!r}")
-        for name in ("noise", "router_noise"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.drop_fraction < 1:
-            raise ConfigError(f"drop_fraction: must be in [0, 1), got {self.drop_fraction}")
+        give_one = "give exactly one of factor (an integer >= 2) or per-expert counts"
+        require((self.factor is None) != (self.counts is None), "factor/counts", give_one)
+        if self.factor is not None:
+            require(is_int(self.factor) and self.factor >= 2, "factor", f"must be an integer >= 2, got {self.factor!r}")
+        require_choice(self.selection, "selection", SELECTIONS)
+        require_choice(self.utility_metric, "utility_metric", UTILITY_METRICS)
+        if self.balancing is not None:
+            require_choice(self.balancing, "balancing", BALANCING)
+        require_positive_int(self.max_copies, "max_copies")
+        require_number(self.noise, "noise", strictly_positive=False)
+        require_number(self.router_noise, "router_noise", strictly_positive=False)
+        in_range = is_number(self.drop_fraction) and 0 <= self.drop_fraction < 1
+        require(in_range, "drop_fraction", f"must be in [0, 1), got {self.drop_fraction}")
         self.check_noise(self.balancing or "bias")
 
     def check_noise(self, balancing: str) -> None:
@@ -107,10 +114,6 @@ class ExpansionConfig:
                 f"noise: goes on the copies' selection bias, which needs balancing='bias' (got {balancing!r}); "
                 "pass noise=0 or balancing='bias'"
             )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ----------------------------------------------------------------------------- utility

@@ -137,7 +137,10 @@ def test_dense_to_moe_mid_run_is_exact_keeps_attention_moments_and_can_grow_agai
         (lambda: ExpertUpcycling(at_steps=[2], factor=1), "ExpertUpcycling.expansion.factor: must be an integer >= 2"),
         (lambda: ExpertUpcycling(at_steps=[2], optimizer_state="keep"), "allowed values: copy, reset"),
         (lambda: ExpertUpcycling(at_steps=[2], selection="best"), "ExpertUpcycling.expansion.selection: got 'best'"),
-        (lambda: ExpertUpcycling(at_steps=[2], fator=2), "ExpertUpcycling.expansion.fator: unknown field; allowed: "),
+        (
+            lambda: ExpertUpcycling(at_steps=[2], fator=2),
+            r"ExpertUpcycling.expansion: unknown key\(s\) \['fator'\], allowed keys: \['factor', ",
+        ),
         (lambda: ExpertUpcycling(at_steps=[2], counts=[2, 1]), "ExpertUpcycling.expansion.factor/counts: give exactly"),
         (
             lambda: ExpertUpcycling(at_steps=[2], expansion=ExpansionConfig(counts=[2, 1])),
