@@ -22,7 +22,7 @@ reproduced (equivalence shown), contradicted (the difference shown beyond the ma
 its F-test CI and the Brown-Forsythe p (``scipy.stats.levene``, median-centred), the per-seed
 correlation of the two precisions (how much a seed's data order and initialisation still tie them),
 and the wall ratio (both precisions of a seed run one after the other, under the same load).
-``--from`` judges the runs of a stored result again (no training).
+``--from`` judges again the runs of a stored result, or those a ``--store`` holds so far (no training).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,6 +62,8 @@ MoE (0.0649 over 5 seeds, ``results/demo-seeds5``; the dense model's is 0.0650).
 it moves the mean loss by less than a change of seed moves one run."""
 DEFAULT_STORE = Path("runs/bf16_accuracy")
 SETUP_FILE = "setup.json"
+RUN_FILE = re.compile(r"(\w+)-(32-true|bf16-mixed)-(\d+)\.json")
+"""A stored run's file name: model, precision, seed."""
 CLAIM_POLL_S = 30
 """Seconds between two looks at runs that other processes of the same store are training."""
 
@@ -108,6 +111,8 @@ def sd_ratio(bf16: list[float], fp32: list[float]) -> dict[str, float]:
     from scipy import stats
 
     a, b = summarize(bf16), summarize(fp32)
+    if min(a.n, b.n) < 2 or b.std == 0:
+        return {"ratio": math.nan, "ci": [math.nan, math.nan], "p_f_test": math.nan, "p_brown_forsythe": math.nan}
     ratio = a.std / b.std
     dfa, dfb = a.n - 1, b.n - 1
     low = ratio / math.sqrt(stats.f.ppf(1 - ALPHA / 2, dfa, dfb))
@@ -147,7 +152,7 @@ def verdict(runs: dict[str, dict[str, dict]], seeds: list[int], margin: float, n
             pairing=INDEPENDENT,
         )
         evidence.append(claim.on(loss["bf16-mixed"], loss["32-true"]))
-        wall = {p: sum(runs[name][f"{p}/{s}"]["wall_s"] for s in loss[p]) / len(loss[p]) for p in PRECISIONS}
+        wall = {p: summarize([runs[name][f"{p}/{s}"]["wall_s"] for s in loss[p]]).mean for p in PRECISIONS}
         rest[name] = {
             "precisions": {p: vars(summarize(list(loss[p].values()))) for p in PRECISIONS},
             "sd_ratio_bf16_over_fp32": sd_ratio(list(loss["bf16-mixed"].values()), list(loss["32-true"].values())),
@@ -159,14 +164,28 @@ def verdict(runs: dict[str, dict[str, dict]], seeds: list[int], margin: float, n
 
 
 def rejudge(path: Path, margin: float) -> dict[str, object]:
-    """The verdicts of a stored result's runs at ``margin``."""
-    stored = json.loads(path.read_text())
-    seeds, models = stored["setup"]["seeds"], stored["models"]
-    runs = {name: models[name]["runs"] for name in models}
+    """The verdicts at ``margin`` of a stored result's runs, or of the runs in a store directory so far."""
+    if path.is_dir():
+        setup, runs = json.loads((path / SETUP_FILE).read_text()), stored_runs(path)
+        seeds = sorted({int(key.split("/")[1]) for model in runs.values() for key in model})
+    else:
+        stored = json.loads(path.read_text())
+        setup, runs = stored["setup"], {name: model["runs"] for name, model in stored["models"].items()}
+        seeds = setup["seeds"]
     return {
-        "setup": {**stored["setup"], "source": str(path), "margin": margin},
+        "setup": {**setup, "seeds": seeds, "source": str(path), "margin": margin},
         "models": {name: {"runs": runs[name], **row} for name, row in verdict(runs, seeds, margin, list(runs)).items()},
     }
+
+
+def stored_runs(store: Path) -> dict[str, dict[str, dict]]:
+    """The finished runs in ``store``: model -> "precision/seed" -> run."""
+    runs: dict[str, dict[str, dict]] = {}
+    for path in sorted(store.glob("*.json")):
+        if match := RUN_FILE.fullmatch(path.name):
+            name, precision, seed = match.groups()
+            runs.setdefault(name, {})[f"{precision}/{seed}"] = json.loads(path.read_text())
+    return runs
 
 
 def open_store(store: Path, setup: dict[str, object]) -> None:
@@ -243,7 +262,9 @@ def main() -> None:
     parser.add_argument("--data", type=Path, help="prepared data directory (default: the demo's)")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE, help="where each run's result is kept")
-    parser.add_argument("--from", dest="source", type=Path, help="judge the runs of a stored result again")
+    parser.add_argument(
+        "--from", dest="source", type=Path, help="judge again the runs of a stored result, or of a --store so far"
+    )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     if args.margin <= 0:
