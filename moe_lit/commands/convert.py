@@ -26,7 +26,7 @@ import torch
 
 from moe_lit.accounting import count_model_params
 from moe_lit.checkpoint import export_model
-from moe_lit.commands.options import add_options
+from moe_lit.commands.options import add_options, field_help
 from moe_lit.config import MoEConfig
 from moe_lit.convert.model_input import load_any_model
 from moe_lit.convert.partition import ASSIGNMENTS, ROUTERS
@@ -89,16 +89,9 @@ def _configure_import_hf(actions) -> None:
         "--model", required=True, type=Path, help=f"directory of a causal LM ({families}) or of a GGUF file"
     )
     options = add_options(hf, from_hf, only=("gguf_file", "seq_len"))
-    hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=_doc(from_hf, "dtype"))
+    hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help=field_help(from_hf, "dtype"))
     _output(hf)
     hf.set_defaults(options={"from_hf": options})
-
-
-def _doc(source, name: str) -> str:
-    """The docstring of ``source``'s field or parameter ``name`` (for an option add_options cannot type)."""
-    import docstring_parser
-
-    return next(p.description for p in docstring_parser.parse_from_object(source).params if p.arg_name == name)
 
 
 def _configure_upcycle(actions) -> None:

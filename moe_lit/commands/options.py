@@ -76,7 +76,7 @@ def add_options(
             raise TypeError(f"{_label(source)} has no field {name!r}")
         word = rename.get(name, name).replace("_", "-")
         default = defaults.get(name, parameters[name].default)
-        text = " ".join((helps.get(name) or docs.get(name) or "").split()).removesuffix(".")
+        text = _one_line(helps.get(name) or docs.get(name) or "")
         if not text:
             raise TypeError(f"{_label(source)}.{name} has no docstring; pass its help")
         kwargs = _kind(hints[name], name in required, None if name in one_of else default)
@@ -94,6 +94,16 @@ def _docs(source: type | Callable[..., Any]) -> dict[str, str]:
     """Field -> its docstring (a dataclass's attribute docstrings, a function's ``Args:``)."""
     parsed = docstring_parser.parse_from_object(source)
     return {param.arg_name: param.description or "" for param in parsed.params}
+
+
+def field_help(source: type | Callable[..., Any], name: str) -> str:
+    """The help :func:`add_options` gives field ``name`` of ``source``: for an option it cannot type."""
+    return _one_line(_docs(source)[name])
+
+
+def _one_line(text: str) -> str:
+    """A docstring as a help line: whitespace collapsed, no final period (argparse adds the default)."""
+    return " ".join(text.split()).removesuffix(".")
 
 
 def _label(source: type | Callable[..., Any]) -> str:
@@ -150,4 +160,4 @@ def _comma_list(item: type) -> Callable[[str], list[Any]]:
     return parse
 
 
-__all__ = ["Options", "add_options"]
+__all__ = ["Options", "add_options", "field_help"]

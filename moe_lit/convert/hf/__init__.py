@@ -1,8 +1,8 @@
 """Hugging Face transformers interop: import and export of the model families of ``FAMILIES``.
 
 ``core`` holds what the families share (the one weight mapping, the feature table, loading); one
-module per family maps its config both ways (a new family: its module, and one line registering
-it in ``families``); ``families`` has the registry and the transforms
+module per family maps its config both ways (a new family: its module, imported and registered
+in ``families``); ``families`` has the registry and the transforms
 ``from_hf`` / ``to_hf``; ``export`` writes a directory ``from_pretrained`` loads; ``tokenizer``
 moves tokenizers both ways. Everything here needs transformers (imported on use).
 
