@@ -276,8 +276,8 @@ def dropless_validations(rows: list[Row]) -> dict[str, Row]:
 
 
 def summary_rows(rows: list[Row]) -> list[Row]:
-    """The markdown table: one row per trained configuration; a capacity-limited one also shows its loss
-    validated dropless (``val loss`` is validated as trained)."""
+    """The markdown table: one row per trained configuration; where some were capacity-limited, a column of
+    their losses validated dropless (``val loss`` is validated as trained)."""
     langs, nan = sorted({k for r in rows for k in r if k.startswith(LANG_PREFIX)}), float("nan")
     validated, out = dropless_validations(rows), []
     for r in (r for r in rows if r.get("validation") != "dropless"):
@@ -286,8 +286,9 @@ def summary_rows(rows: list[Row]) -> list[Row]:
         item |= {"active": _short(r["active_params"]), "active non-emb": _short(r["active_non_embedding"])}
         item |= {"fwd FLOPs/tok": _short(r["flops_per_token"]), "tokens": _short(r.get("tokens", nan))}
         item["val loss"] = _loss_cell(r)
-        child = validated.get(r["config_name"])
-        item["val loss, dropless"] = _loss_cell(child) if child else ""
+        if validated:  # NOTE: a study without capacity-limited points has no such column
+            child = validated.get(r["config_name"])
+            item["val loss, dropless"] = _loss_cell(child) if child else ""
         item |= {lang.removeprefix(LANG_PREFIX): r.get(lang, nan) for lang in langs}
         item |= {"tok/s": round(r.get("tokens_per_s", nan)), "imbalance": r.get("load_imbalance", nan)}
         out.append(item | {"dropped": r.get("dropped_fraction", nan)})

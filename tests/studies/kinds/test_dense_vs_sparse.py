@@ -328,6 +328,7 @@ def test_dropless_beats_dropping_is_tested_on_the_weights_validated_dropless():
     assert table["M/E4k2/cf=1"]["val loss"] == "3.8053 ± 0.0244"  # as validated with its capacity: 3.8, 3.832, 3.784
     assert table["M/E4k2/cf=1"]["val loss, dropless"] == "3.7243 ± 0.0248"  # seeds 3.72, 3.751, 3.702
     assert table["M/E4k2"]["val loss, dropless"] == ""
+    assert not [r for r in summary_rows(_capacity_rows(with_children=False)) if "val loss, dropless" in r]
 
 
 def test_without_its_dropless_validation_the_capacity_claim_is_untestable_here():
