@@ -3,8 +3,8 @@ import torch
 
 from moe_lit.config import ConfigError
 from moe_lit.convert import allocate_copies, expand_experts, expert_utility, plan_expansion
-from moe_lit.convert.expand import ExpansionConfig
 from moe_lit.convert.common import next_token_loss
+from moe_lit.convert.expand import ExpansionConfig
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 from tests.helpers.models import tiny
