@@ -3,9 +3,10 @@
 Each file keeps its own precision, gradient clipping and optimizer; only what a CPU cannot do is
 overridden (accelerator cpu, 2 devices, one node). Per file: a 4-step fit exits 0 and writes a
 checkpoint at step 2 and at the end; a fit resumed from step 2 logs the uninterrupted run's losses
-and gradient norms; ``moe-lit validate`` and ``moe-lit eval`` read the final checkpoint. The
-GPU-only files (FSDP1 needs an accelerator, expert parallelism needs MegaBlocks) are parsed and
-their strategy built.
+and gradient norms; ``moe-lit validate`` and ``moe-lit eval`` read the final checkpoint, once per
+checkpoint format. Files that are one trainer once the CPU overrides apply (multinode-slurm.yaml is
+fsdp2.yaml on one node) run once, named together. The GPU-only files (FSDP1 needs an accelerator,
+expert parallelism needs MegaBlocks) are parsed and their strategy built.
 """
 
 from __future__ import annotations
@@ -29,11 +30,40 @@ pytestmark = pytest.mark.slow
 
 TRAINER_CONFIGS = sorted(p.name for p in (CONFIGS / "trainer").glob("*.yaml"))
 GPU_ONLY = {"fsdp.yaml": "FSDP1 needs a CUDA device", "fsdp2-ep.yaml": "expert parallelism needs MegaBlocks"}
-CPU = ["--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.num_nodes", "1"]
+CPU_OVERRIDES = {"accelerator": "cpu", "devices": 2, "num_nodes": 1}
+CPU = [arg for key, value in CPU_OVERRIDES.items() for arg in (f"--trainer.{key}", str(value))]
 STEPS = 4
 RESUME_STEP = 2
 MOE_LIT = str(Path(sys.executable).with_name("moe-lit"))
 TIMEOUT_S = 300
+
+
+def on_cpu(trainer_yaml: str) -> dict:
+    """The trainer a CPU run of ``trainer_yaml`` gets: the shipped file with ``CPU_OVERRIDES``."""
+    return yaml.safe_load((CONFIGS / "trainer" / trainer_yaml).read_text()) | CPU_OVERRIDES
+
+
+def checkpoint_format(trainer_yaml: str) -> str:
+    """Who writes the checkpoint: our strategy class (FSDP2's consolidated file), else Lightning's one file.
+
+    NOTE: a string strategy (``ddp``, ``auto``) saves rank 0's full state dict through Lightning.
+    """
+    strategy = on_cpu(trainer_yaml).get("strategy", "auto")
+    return strategy["class_path"] if isinstance(strategy, dict) else "lightning"
+
+
+def cpu_runs() -> list:
+    """One param per distinct CPU trainer (its files joined by ``+``); the first of each checkpoint format
+    also validates and evaluates."""
+    groups: list[list[str]] = []
+    for name in (n for n in TRAINER_CONFIGS if n not in GPU_ONLY):
+        twin = next((group for group in groups if on_cpu(group[0]) == on_cpu(name)), None)
+        if twin:
+            twin.append(name)
+        else:
+            groups.append([name])
+    formats = {checkpoint_format(group[0]): group[0] for group in reversed(groups)}
+    return [pytest.param(group, group[0] in formats.values(), id="+".join(group)) for group in groups]
 
 
 def moe_lit(*args: str) -> subprocess.CompletedProcess:
@@ -78,10 +108,12 @@ def assert_ok(done: subprocess.CompletedProcess, what: str) -> None:
     assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("trainer_yaml", [name for name in TRAINER_CONFIGS if name not in GPU_ONLY])
-def test_trainer_config_fits_resumes_validates_and_evaluates_in_two_processes(trainer_yaml, prepared, tmp_path):
-    shipped = yaml.safe_load((CONFIGS / "trainer" / trainer_yaml).read_text())
-    assert shipped.get("gradient_clip_val", 0) > 0  # every shipped file clips; the run keeps it
+@pytest.mark.parametrize("trainer_yamls,evaluates", cpu_runs())
+def test_trainer_config_fits_resumes_validates_and_evaluates_in_two_processes(
+    trainer_yamls, evaluates, prepared, tmp_path
+):
+    trainer_yaml = trainer_yamls[0]  # the others are the same trainer on a CPU
+    assert on_cpu(trainer_yaml).get("gradient_clip_val", 0) > 0  # every shipped file clips; the run keeps it
 
     full = tmp_path / "full"
     done = moe_lit(*fit_args(trainer_yaml, prepared, full))
@@ -100,6 +132,8 @@ def test_trainer_config_fits_resumes_validates_and_evaluates_in_two_processes(tr
     for step, row in resumed.items():
         assert row == pytest.approx(uninterrupted[step], rel=1e-5), step
     assert all(row["train/grad_norm"] > 0 for row in uninterrupted.values())
+    if not evaluates:
+        return
 
     done = moe_lit(
         "validate", "--ckpt_path", str(final), "--data.data_dir", str(prepared), "--out", str(tmp_path / "v")
