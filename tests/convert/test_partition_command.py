@@ -71,6 +71,7 @@ def test_kmeans_partition_with_all_experts_equals_dense_and_out_is_protected(den
         (["--method", "pruning", "--router", "centroid"], "--router: pruning has no router to choose"),
         (["--method", "pruning"], "--calibration: --method pruning needs calibration tokens"),
         (["--method", "kmeans", "--experts", "5"], "num_experts: must divide model.d_ff=64"),
+        (["--method", "kmeans", "--router", "nope"], "--router: got 'nope', allowed values: centroid, trained, random"),
     ],
 )
 def test_bad_arguments_are_one_line_exit_2(dense_dir, tmp_path, capsys, extra, message):
