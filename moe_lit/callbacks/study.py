@@ -2,7 +2,7 @@
 checkpoints, validation probes and expert-copy separation (the study engine and its kinds).
 
 Each callback with a ``study_record() -> dict`` method adds that dict to its point's record
-(:func:`moe_lit.studies.engine.run_point`).
+(:func:`moe_lit.studies.run.run_point`).
 
 Shape legend: E experts, S stacked expert rows, D d_model (see ``model/experts/layout.py``).
 """

@@ -3,6 +3,7 @@ per language, the start weights' validation, local-suite accuracy, a child point
 finished one, the final model of a point's result, the dense -> MoE partition on the training
 stream (a transform two kinds call); and the measurements of models a kind's points name (sparsity profile, training
 step times, routing divergence, the MoE -> dense screen), each a plain function of a checkpoint.
+The point plug-ins among them are registered by name in :mod:`moe_lit.studies.plugins`.
 
 A point's measurement (``Point.measure = Call.of(fn, **kwargs)``) is called after its run as
 ``fn(point, result, run_dir, **kwargs)`` and returns fields for the point's record. To measure
@@ -23,7 +24,7 @@ from moe_lit.config import ModelConfig
 from moe_lit.convert import recipes
 from moe_lit.data.tokenizer import model_tokenizer
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
+from moe_lit.studies.identity import TRANSFORMED_START, Call, Point, Start
 
 
 @dataclass
@@ -281,6 +282,11 @@ def sparsity_profile(
     }
 
 
+def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`sparsity_profile` of the point's final weights (its start weights after a 0-step run)."""
+    return sparsity_profile(final_checkpoint(result), **kwargs)
+
+
 def _suite_at(model, sample, target, granularity, tokenizer, data_dir, options) -> dict[str, Any]:
     """Local-suite scores of ``model`` dense and sparsified at ``target`` (thresholds from ``sample``)."""
     from moe_lit.inference.sparsity import sparsify, thresholds_at
@@ -441,6 +447,7 @@ __all__ = [
     "model_quality",
     "partition_on_stream",
     "measure_child",
+    "measure_sparsity",
     "start_validation",
     "suite",
     "suite_fields",

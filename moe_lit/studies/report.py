@@ -24,7 +24,7 @@ from typing import Any
 from moe_lit.accounting import markdown_table
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json, atomic_write_text
-from moe_lit.studies.engine import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
+from moe_lit.studies.identity import RUNS_DIR, STATUS_FAILED, STATUS_OK, read_record
 from moe_lit.studies.kinds import Analysis, kind_module
 from moe_lit.studies.study import study_from_plan
 from moe_lit.studies.verdicts import Verdict, claim_findings, judge, report_json, used_tests

@@ -11,8 +11,11 @@ import os
 from pathlib import Path
 
 from moe_lit.accounting import count_config_params
+from moe_lit.studies.plugins import MODULES
 
 CALLS_FILE = "fake_calls.jsonl"
+MODULE_PROBE = "test_module_probe"
+"""The registered name of :func:`module_probe` (a point's module is called by name)."""
 
 
 def _log_call(out_dir: Path, model_cfg, start=None) -> None:
@@ -79,6 +82,9 @@ def interrupt(*args, **kwargs):
 def module_probe(cfg, optim, parent=None, tag=""):
     """A point's module factory for the engine tests: what it was built with, not a LightningModule."""
     return {"d_ff": cfg.d_ff, "lr": optim.lr, "parent": parent, "tag": tag}
+
+
+MODULES.register(MODULE_PROBE, module_probe)
 
 
 def train_with_module(model_cfg, run, out_dir, callbacks=(), resume_from=None, init_from=None, module_factory=None):

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from moe_lit.errors import MoeLitError
-from moe_lit.studies.engine import record_path
+from moe_lit.studies.identity import record_path
 from moe_lit.studies.study import parse_study, run_study
 from tests.helpers.studies import small_spec
 from tests.studies import fakes
@@ -117,7 +117,7 @@ def test_bad_parallel_and_mismatched_data_are_one_line_errors(spec, tmp_path):
 def _family(seed_points=1):
     """A parent and two children forking from its step-2 checkpoint, hashed."""
     from moe_lit.lit.run_config import RunConfig
-    from moe_lit.studies.engine import Point, Start, finalize
+    from moe_lit.studies.identity import Point, Start, finalize
     from tests.helpers.models import tiny
 
     run = RunConfig(data={"seq_len": 16, "batch_size": 4}, train={"max_steps": 6, "val_every": 2})
@@ -127,7 +127,8 @@ def _family(seed_points=1):
 
 
 def test_children_start_from_their_parents_checkpoint_which_trains_once(tmp_path):
-    from moe_lit.studies.engine import fork_checkpoint, run_points
+    from moe_lit.studies.identity import fork_checkpoint
+    from moe_lit.studies.schedule import run_points
 
     points = _family()
     by_name = {p.name: p for p in points}
@@ -144,7 +145,7 @@ def test_children_start_from_their_parents_checkpoint_which_trains_once(tmp_path
 
 
 def test_a_failed_parent_fails_its_children_without_running_them(tmp_path):
-    from moe_lit.studies.engine import run_points
+    from moe_lit.studies.schedule import run_points
 
     def parent_fails(model_cfg, run, out_dir, **kwargs):
         if kwargs.get("resume_from") is None:
@@ -158,8 +159,8 @@ def test_a_failed_parent_fails_its_children_without_running_them(tmp_path):
 
 
 def test_a_point_leased_by_another_runner_is_left_to_it(tmp_path):
-    from moe_lit.studies.engine import run_points
     from moe_lit.studies.leases import try_lease
+    from moe_lit.studies.schedule import run_points
 
     points = _family()
     parent = next(p for p in points if p.name == "parent")
@@ -174,8 +175,8 @@ def test_a_point_leased_by_another_runner_is_left_to_it(tmp_path):
 
 @pytest.mark.slow
 def test_submitit_local_executor_runs_the_waves(tmp_path):
-    from moe_lit.studies.engine import run_points
     from moe_lit.studies.executors import ExecutorConfig
+    from moe_lit.studies.schedule import run_points
 
     executor = ExecutorConfig(kind="submitit_local", timeout_min=5)
     records = run_points(_family(), tmp_path, train_fn=fakes.fake_train, executor=executor, log=lambda _: None)
@@ -186,7 +187,7 @@ def test_submitit_local_executor_runs_the_waves(tmp_path):
 def test_identity_ignores_fields_left_at_their_defaults():
     import dataclasses
 
-    from moe_lit.studies.engine import digest, stable_dict
+    from moe_lit.studies.identity import digest, stable_dict
 
     @dataclasses.dataclass
     class Before:
@@ -202,14 +203,10 @@ def test_identity_ignores_fields_left_at_their_defaults():
     assert stable_dict(After()) == {}
 
 
-PLAIN_CHILD_HASH = "49adcecd2aa2"
-"""The child of :func:`_module_points` without a module, hashed by the engine before Point.module existed."""
-
-
 def _module_points(module):
     from moe_lit.config import ModelConfig
     from moe_lit.lit.run_config import RunConfig
-    from moe_lit.studies.engine import Point, Start, finalize
+    from moe_lit.studies.identity import Point, Start, finalize
 
     model = ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32)
     run = RunConfig.from_dict({"data": {"data_dir": "x", "seq_len": 8}, "train": {"max_steps": 2}})
@@ -219,9 +216,10 @@ def _module_points(module):
 
 
 def test_a_point_with_a_module_trains_with_it_built_over_its_parents_checkpoint(tmp_path):
-    from moe_lit.studies.engine import Call, fork_checkpoint, run_points
+    from moe_lit.studies.identity import Call, fork_checkpoint
+    from moe_lit.studies.schedule import run_points
 
-    parent, child = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "kd"}))
+    parent, child = _module_points(Call.of(fakes.module_probe, tag="kd"))
     records = run_points([parent, child], tmp_path, train_fn=fakes.train_with_module, log=lambda _: None)
     assert "module" not in records[0]  # no module: train_fn gets no module_factory (the plain LM module)
     assert records[1]["module"] == {
@@ -232,13 +230,30 @@ def test_a_point_with_a_module_trains_with_it_built_over_its_parents_checkpoint(
     }
 
 
-def test_the_module_joins_the_identity_only_when_set():
-    from moe_lit.studies.engine import Call
+def test_a_plug_in_is_hashed_by_its_registered_name_and_version_not_its_import_path(monkeypatch):
+    from moe_lit.registry import Entry
+    from moe_lit.studies.identity import Call
+    from moe_lit.studies.plugins import MODULES
 
     parent, plain = _module_points(None)
-    _, with_module = _module_points(Call("tests.studies.fakes:module_probe"))
-    _, other_kwargs = _module_points(Call("tests.studies.fakes:module_probe", {"tag": "x"}))
-    assert "module" not in plain.identity(parent.hash)
-    # the hash this point had before Point gained the module field (computed with that engine)
-    assert plain.hash == PLAIN_CHILD_HASH
+    _, with_module = _module_points(Call.of(fakes.module_probe))
+    _, other_kwargs = _module_points(Call.of(fakes.module_probe, tag="x"))
+    assert plain.identity(parent.hash)["module"] is None
+    assert with_module.identity(parent.hash)["module"] == {"name": fakes.MODULE_PROBE, "version": 1, "kwargs": {}}
     assert len({plain.hash, with_module.hash, other_kwargs.hash}) == 3
+    # the same name on a function defined elsewhere: the same point; a new version: a new point
+    moved = Entry(fakes.MODULE_PROBE, 1, fakes.train_with_module)
+    monkeypatch.setitem(MODULES._entries, fakes.MODULE_PROBE, moved)
+    assert _module_points(Call(fakes.MODULE_PROBE))[1].hash == with_module.hash
+    monkeypatch.setitem(MODULES._entries, fakes.MODULE_PROBE, Entry(fakes.MODULE_PROBE, 2, fakes.module_probe))
+    assert _module_points(Call(fakes.MODULE_PROBE))[1].hash != with_module.hash
+
+
+def test_a_call_names_a_registered_plug_in_only():
+    from moe_lit.registry import UnknownName
+    from moe_lit.studies.identity import Call
+
+    with pytest.raises(ValueError, match="is not a registered study plug-in"):
+        Call.of(fakes.fake_train)
+    with pytest.raises(UnknownName, match="study plug-in: unknown name 'nope', registered: expand_experts, "):
+        Call("nope").to_dict()

@@ -63,13 +63,14 @@ def test_the_chain_forks_from_the_model_on_disk_and_from_the_named_moe(tiny):
     assert all(points[name].transform.kwargs["split"] == "train" for name in calibrated)  # never the suite's text
 
 
-def test_calibration_on_the_test_split_keeps_the_hashes_of_records_made_before_the_field(tiny):
-    """The records of configs/studies/lifecycle-smollm2.yaml calibrated on the recipes' default, test."""
+def test_the_calibration_split_reaches_the_calibrated_transforms_and_only_their_hashes(tiny):
     on_test = {p.name: p for p in parse_study({**tiny[2], "calibration_split": "test"}).points}
     on_train = {p.name: p for p in parse_study(tiny[2]).points}
-    assert all("split" not in p.transform.kwargs for p in on_test.values() if p.transform)
+    calibrated = {name for name, point in on_test.items() if point.transform and "split" in point.transform.kwargs}
+    assert all(on_test[name].transform.kwargs["split"] == "test" for name in calibrated)
+    assert all(on_train[name].transform.kwargs["split"] == "train" for name in calibrated)
     changed = {name for name, point in on_test.items() if point.hash != on_train[name].hash}
-    assert changed == {name for name in on_test if name.startswith(("prune/", "to_dense/"))}
+    assert changed == calibrated == {name for name in on_test if name.startswith(("prune/", "to_dense/"))}
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from moe_lit.config import ConfigError
-from moe_lit.studies.engine import Point, Start
+from moe_lit.studies.identity import Point, Start
 from moe_lit.studies.records import best, cells, collect, language_means
 from moe_lit.studies.spec import FineTune, errors_under
 from moe_lit.studies.study import parse_study

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from moe_lit.studies.engine import Call
+from moe_lit.studies.identity import Call
 from moe_lit.studies.study import load_study
 from moe_lit.studies.verdicts import (
     CONTRADICTED,
@@ -98,11 +98,12 @@ def test_no_old_verdict_words_in_results_readme_docs_or_code():
     assert offending == []
 
 
-def test_call_of_names_a_function_by_the_path_its_hash_covers():
-    from moe_lit.studies.kinds.pruning import prune_by_importance
+def test_call_of_names_a_plug_in_by_the_name_its_hash_covers():
+    from moe_lit.convert.recipes import prune_by_importance
     from moe_lit.studies.measures import local_suite
 
-    assert Call.of(prune_by_importance, fraction=0.5).path == "moe_lit.studies.kinds.pruning:prune_by_importance"
-    assert Call.of(local_suite, limit=5) == Call("moe_lit.studies.measures:local_suite", {"limit": 5})
-    with pytest.raises(Exception, match="not a module-level function"):
+    assert Call.of(prune_by_importance, fraction=0.5).name == "prune_by_importance"
+    assert Call.of(local_suite, limit=5) == Call("local_suite", {"limit": 5})
+    assert Call.of(local_suite, limit=5).to_dict() == {"name": "local_suite", "version": 1, "kwargs": {"limit": 5}}
+    with pytest.raises(ValueError, match="is not a registered study plug-in"):
         Call.of(lambda: None)

@@ -1,4 +1,6 @@
-"""Study kinds: each a short declaration the one engine (:mod:`moe_lit.studies.engine`) runs.
+"""Study kinds: each a short declaration the one engine runs (:mod:`moe_lit.studies.identity`,
+:mod:`moe_lit.studies.run`, :mod:`moe_lit.studies.schedule`), registered by name in
+:data:`moe_lit.studies.plugins.KINDS`.
 
 A kind module is a :class:`StudyKind`: its spec (``parse``: the study file's own fields, built
 and validated by :func:`moe_lit.studies.spec.parser`), its plan (``expand``: the points, with
@@ -10,26 +12,14 @@ at most one plot of its own). The claims are judged together by
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 from moe_lit.config import ConfigError
-from moe_lit.studies.engine import Point
+from moe_lit.studies.identity import Point
 from moe_lit.studies.verdicts import Evidence
-
-KINDS = {
-    "dense_vs_sparse": "moe_lit.studies.kinds.dense_vs_sparse",
-    "upcycling": "moe_lit.studies.kinds.upcycling",
-    "language_expansion": "moe_lit.studies.kinds.language_expansion",
-    "partition": "moe_lit.studies.kinds.partition",
-    "pruning": "moe_lit.studies.kinds.pruning",
-    "moe_to_dense": "moe_lit.studies.kinds.moe_to_dense",
-    "sparsity": "moe_lit.studies.kinds.sparsity",
-    "lifecycle": "moe_lit.studies.kinds.lifecycle",
-}
 
 
 @dataclass
@@ -66,9 +56,12 @@ class StudyKind(Protocol):
 
 
 def kind_module(name: Any) -> StudyKind:
+    """The kind registered as ``name`` in :data:`moe_lit.studies.plugins.KINDS`."""
+    from moe_lit.studies.plugins import KINDS
+
     if name not in KINDS:
         raise ConfigError(f"kind: got {name!r}, allowed values: {', '.join(KINDS)}")
-    return cast(StudyKind, importlib.import_module(KINDS[name]))
+    return cast(StudyKind, KINDS[name])
 
 
-__all__ = ["Analysis", "KINDS", "StudyKind", "kind_module"]
+__all__ = ["Analysis", "StudyKind", "kind_module"]

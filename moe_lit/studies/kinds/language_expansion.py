@@ -28,7 +28,7 @@ from moe_lit.convert.expand import expand_experts
 from moe_lit.stats import format_values, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point
+from moe_lit.studies.identity import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import routing_divergence
 from moe_lit.studies.records import cells, collect, minus, select

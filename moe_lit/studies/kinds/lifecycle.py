@@ -24,7 +24,7 @@ from moe_lit.errors import MoeLitError
 from moe_lit.inference.sparsity import RULES
 from moe_lit.studies import measures, plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import TRANSFORMED_START, Call, Point, Start
+from moe_lit.studies.identity import TRANSFORMED_START, Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.records import select
 from moe_lit.studies.verdicts import CONVERTED_MOE, EQUIVALENT, HIGHER, TRAINED_MOE, Claim, Subject, about, finding
@@ -107,9 +107,7 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
     quality = {"data_dir": data_dir, "languages": spec.languages, "bpb_split": "val", "bpb_tokens": spec.bpb_tokens}
     quality |= {"tasks": spec.tasks, "limit": spec.limit, "suite_languages": spec.suite_languages or spec.languages}
     calibration, on_disk = {"calibration_tokens": spec.calibration_tokens}, Start(path=spec.model, mode="init")
-    # NOTE: test is the recipes' default: named only when it differs, so that the records made
-    # before calibration_split existed keep their hashes.
-    text = calibration | ({"split": spec.calibration_split} if spec.calibration_split != "test" else {})
+    text = calibration | {"split": spec.calibration_split}
     first = {k / e: [e, k] for e, k in reversed(spec.shapes)}
     extra = [s for s in spec.conversion_seeds if s not in header.seeds]
     for seed in [*header.seeds, *extra]:
@@ -130,11 +128,12 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
             if method == PRUNING and first[top_k / experts] != [experts, top_k]:
                 continue  # pruning once per active width (at its first shape)
             kwargs = {"method": method, "experts": experts, "top_k": top_k, "data_dir": data_dir, "seed": seed}
+            kwargs |= {"batch_size": CALIBRATION_BATCH}
             kwargs |= {"train_tokens": spec.train_tokens} if method == DOT_MOE else {}
             kwargs |= calibration if method in ("coactivation", PRUNING) else {}
             model = partitioned_config(dense, experts, top_k)
             model = dense.replace(d_ff=dense.d_ff * top_k // experts) if method == PRUNING else model
-            shape, transform = f"E{experts}k{top_k}", Call.of(partition, **kwargs)
+            shape, transform = f"E{experts}k{top_k}", Call.of(measures.partition_on_stream, **kwargs)
             info = {"stage": "partition", "method": method, "shape": shape, "active_ffn": top_k / experts}
             add(f"{shape}/{method}", model, info, on_disk, transform, recovered=True)
         if seed in extra:
@@ -158,14 +157,9 @@ def expand(spec: LifecycleSpec, header) -> list[Point]:
         sparsity |= {"calibration_tokens": spec.calibration_tokens, "eval_tokens": spec.bpb_tokens, "timing_tokens": 1}
         sparsity |= {"timing_rounds": 20, "decode_tokens": 16, "max_increase": spec.max_increase}
         for rule in RULES:
-            measure = Call.of(measure_sparsity, rule=rule, statistics_target=SPARSE_TARGET, **sparsity)
+            measure = Call.of(measures.measure_sparsity, rule=rule, statistics_target=SPARSE_TARGET, **sparsity)
             add(f"sparsity/{rule}", moe, {"stage": "sparsity", "method": rule}, from_source, measure=measure)
     return points
-
-
-def partition(model, method: str, experts: int, top_k: int, data_dir: str, seed: int, **options):
-    """The dense ``model`` partitioned (or pruned) by ``method`` on the training stream of ``data_dir``."""
-    return measures.partition_on_stream(model, method, experts, top_k, data_dir, CALIBRATION_BATCH, seed, **options)
 
 
 def distill_module(cfg: ModelConfig, optim, parent: Path | None, teacher: str):
@@ -179,11 +173,6 @@ def measure_model(point: Point, result: Any, run_dir: Path, before: bool, **opti
     """:func:`~moe_lit.studies.measures.model_quality` of the final weights; ``before``: of the start's too."""
     out = measures.model_quality(measures.final_checkpoint(result), **options)
     return out | ({"before": measures.model_quality(Path(run_dir) / TRANSFORMED_START, **options)} if before else {})
-
-
-def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
-    """:func:`~moe_lit.studies.measures.sparsity_profile` of the final weights."""
-    return measures.sparsity_profile(measures.final_checkpoint(result), **kwargs)
 
 
 # ----------------------------------------------------------------------------- analysis

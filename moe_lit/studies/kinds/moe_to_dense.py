@@ -22,7 +22,7 @@ from moe_lit.convert.moe_to_dense import GROUPINGS, SCALINGS, SCORES, MoeToDense
 from moe_lit.stats import format_values, summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point
+from moe_lit.studies.identity import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import conversion_screen, final_model, start_validation, suite_fields
 from moe_lit.studies.records import best, cells, collect, language_means, select
@@ -188,10 +188,11 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
             cfg = spec.conversion(label)
             info = {"arm": arm, "method": "moe_to_dense", "conversion": label}
             info |= {k: getattr(cfg, k) for k in ("score", "grouping", "scaling", "keep")}
-            transform = Call.of(convert, **calibration, **{k: getattr(cfg, k) for k in CONVERSION}, seed=seed)
+            conversion = {k: getattr(cfg, k) for k in CONVERSION}
+            transform = Call.of(recipes.moe_to_dense_on_text, **calibration, **conversion, seed=seed)
             children.append((f"{arm}/{label}", info, "moe", transform, arm_module))
         if spec.baseline:
-            transform = Call.of(prune_baseline, **calibration, width=spec.width)
+            transform = Call.of(recipes.prune_dense_to_width, **calibration, width=spec.width)
             children.append((f"distill/{BASELINE}", baseline, "dense", transform, module))
         for name, info, parent, transform, teacher in children:
             points.append(
@@ -201,16 +202,6 @@ def expand(spec: MoeToDenseSpec, header) -> list[Point]:
 
 
 # ----------------------------------------------------------------------------- transforms, module, measures
-def convert(model, **kwargs: Any):
-    """The study's MoE -> dense transform: :func:`moe_lit.convert.recipes.moe_to_dense_on_text`."""
-    return recipes.moe_to_dense_on_text(model, **kwargs)
-
-
-def prune_baseline(model, **kwargs: Any):
-    """The dense -> dense baseline: :func:`moe_lit.convert.recipes.prune_dense_to_width`."""
-    return recipes.prune_dense_to_width(model, **kwargs)
-
-
 def teacher_module(cfg, optim, parent: Path | None, temperature: float, kl_weight: float, ce_weight: float):
     """The distilled children's ``Point.module``: a DistillModule whose frozen teacher is the parent's checkpoint."""
     from moe_lit.errors import MoeLitError
@@ -352,4 +343,4 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     return Analysis(claims=claims, tables=dict(zip(TABLES, rows, strict=True)), plots=written)
 
 
-__all__ = ["MoeToDenseSpec", "analyse", "convert", "expand", "measure_distilled", "measure_screen", "parse"]
+__all__ = ["MoeToDenseSpec", "analyse", "expand", "measure_distilled", "measure_screen", "parse"]

@@ -23,7 +23,7 @@ from moe_lit.plotting import seed_errorbar, spread_note, zero_line
 from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point
+from moe_lit.studies.identity import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, measure_child, partition_on_stream, start_validation
 from moe_lit.studies.records import best, cells, collect, language_means, select
@@ -205,19 +205,13 @@ def expand(spec: PartitionSpec, header) -> list[Point]:
                 model = partitioned_config(spec.dense, setting.experts, setting.top_k, balancing=spec.balancing)
             if method != DENSE:
                 kwargs = conversion_kwargs(spec, method, router, setting, data_dir, seed)
-                transform, info["conversion_tokens"] = Call.of(convert, **kwargs), _conversion_tokens(kwargs, seq_len)
+                transform = Call.of(partition_on_stream, **kwargs)
+                info["conversion_tokens"] = _conversion_tokens(kwargs, seq_len)
             measure = Call.of(measure_converted) if transform else None
             points.append(header.point(config_name, seed, model, recovery, info, start, transform, measure=measure))
             if spec.suite is not None:
                 points.append(measure_child(points[-1], spec.suite.measure()))
     return points
-
-
-def convert(model, method: str, experts: int, top_k: int, data_dir: str, batch_size: int, seed: int, **options: Any):
-    """The study's transform: ``model`` (dense) converted by ``method`` (a partition method of
-    :func:`~moe_lit.convert.recipes.partition_dense`, or ``pruning`` to the active width d_ff *
-    top_k / experts), reading calibration / training tokens from ``data_dir``."""
-    return partition_on_stream(model, method, experts, top_k, data_dir, batch_size, seed, **options)
 
 
 def measure_converted(point: Point, result: Any, run_dir: Path) -> dict[str, Any]:
@@ -332,4 +326,4 @@ def analyse(plan: dict[str, Any], records: list[dict[str, Any]], plots_dir: Path
     return Analysis(claims=claims, findings=[NOTE] * bool(claims), tables=tables, plots=[plot] if plot else [])
 
 
-__all__ = ["PartitionSpec", "analyse", "chance_retention", "convert", "expand", "measure_converted", "parse"]
+__all__ = ["PartitionSpec", "analyse", "chance_retention", "expand", "measure_converted", "parse"]

@@ -21,7 +21,7 @@ from moe_lit.errors import MoeLitError
 from moe_lit.stats import format_values
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point
+from moe_lit.studies.identity import Call, Point
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import final_model, suite_fields
 from moe_lit.studies.records import best, collect, language_means, select
@@ -159,15 +159,10 @@ def expand(spec: PruningSpec, header) -> list[Point]:
             # NOTE: the suite only where the spec asks for tasks at the fraction (not the single-language arms)
             scored = calibration == mix and (spec.task_fractions is None or fraction in spec.task_fractions)
             kwargs = {"method": method, "fraction": fraction, **pruning, "seed": seed, **changes}
-            transform = Call.of(prune_by_importance, **kwargs)
+            transform = Call.of(recipes.prune_by_importance, **kwargs)
             measure, info["reference"] = Call.of(measure_memory, **(tasks if scored else {})), references[arm]
             points.append(header.point(name, seed, spec.model, runs[arm], info, start, transform, measure=measure))
     return points
-
-
-def prune_by_importance(model, **kwargs: Any):
-    """The study's transform: :func:`moe_lit.convert.recipes.prune_by_importance`."""
-    return recipes.prune_by_importance(model, **kwargs)
 
 
 def measure_tasks(point: Point, result: Any, run_dir: Path, limit: int | None = None) -> dict[str, Any]:

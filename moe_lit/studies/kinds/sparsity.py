@@ -23,7 +23,7 @@ from moe_lit.plotting import seed_errorbar
 from moe_lit.stats import format_difference, format_values, paired_difference, summarize
 from moe_lit.studies import measures, plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start
+from moe_lit.studies.identity import Call, Point, Start
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import SuiteSpec, token_weighted
 from moe_lit.studies.records import group, language_means, select
@@ -134,8 +134,8 @@ KWARGS += ("max_increase", "statistics_target", "timing_tokens", "timing_rounds"
 
 def expand(spec: SparsitySpec, header) -> list[Point]:
     kwargs = {"data_dir": str(header.run.data.resolved_dir()), **{name: getattr(spec, name) for name in KWARGS}}
-    # NOTE: the suite only when set, so that the points of a study without it keep their hashes.
-    kwargs |= {"suite_limit": spec.suite.limit, "suite_batch_size": spec.suite.batch_size} if spec.suite else {}
+    suite = spec.suite
+    kwargs |= {"suite_limit": suite and suite.limit, "suite_batch_size": suite and suite.batch_size}
     points = []
     for seed in header.seeds:
         run = header.seeded_run(seed).replace(train={"max_steps": 0})
@@ -149,15 +149,10 @@ def expand(spec: SparsitySpec, header) -> list[Point]:
             granularities = list(spec.granularities) if model_cfg.moe is not None else ["layer"]
             for rule, granularity in ((r, g) for r in spec.rules for g in granularities):
                 info = {"arm": "sparsity", "model_name": name, "rule": rule, "granularity": granularity}
-                measure = Call.of(measure_sparsity, **kwargs, rule=rule, granularity=granularity, seed=seed)
+                measure = Call.of(measures.measure_sparsity, **kwargs, rule=rule, granularity=granularity, seed=seed)
                 config = f"{name}/{rule}/{granularity}"
                 points.append(header.point(config, seed, model_cfg, run, info, start, measure=measure))
     return points
-
-
-def measure_sparsity(point: Point, result: Any, run_dir: Path, **kwargs: Any) -> dict[str, Any]:
-    """The measurement (:func:`moe_lit.studies.measures.sparsity_profile`) of the point's start weights."""
-    return measures.sparsity_profile(measures.final_checkpoint(result), **kwargs)
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -362,4 +357,4 @@ def plot_curves(arms, max_increase: float, plots_dir: Path) -> Path:
     return plots.save(fig, plots_dir, "loss_vs_sparsity")
 
 
-__all__ = ["SparsitySpec", "analyse", "expand", "increase_at", "measure_sparsity", "overall_at", "parse", "plot_curves"]
+__all__ = ["SparsitySpec", "analyse", "expand", "increase_at", "overall_at", "parse", "plot_curves"]

@@ -42,7 +42,7 @@ from moe_lit.stats import (
 )
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, stable_dict
+from moe_lit.studies.identity import Call, Point, stable_dict
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.measures import step_times
 from moe_lit.studies.records import by_seed, group, minus, paired
@@ -156,9 +156,8 @@ def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
 
 def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
     grow = {"at_steps": [spec.expand_at], "factor": spec.factor, "utility_batches": spec.utility_batches, "seed": seed}
+    grow["max_copies"] = arm.max_copies or MAX_COPIES
     arm_fields = ("selection", "optimizer_state", "noise", "router_noise", "drop_fraction")
-    # NOTE: max_copies joins the callback's arguments only when set: the points without it keep their hashes.
-    grow |= {"max_copies": arm.max_copies} if arm.max_copies is not None else {}
     return (
         Call.of(ValidationProbe, step=spec.expand_at, key="before"),
         Call.of(ExpertUpcycling, **grow, **{k: getattr(arm, k) for k in arm_fields}),
@@ -169,7 +168,7 @@ def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
 
 def expand(spec: UpcyclingSpec, header) -> list[Point]:
     points = []
-    # NOTE: the source model as a stable dict (defaults left out): a config gaining a field keeps the hash.
+    # NOTE: the source model as a stable dict (defaults left out), as a point's own model is hashed.
     timing = Call.of(measure_step_times, source=stable_dict(spec.model), rounds=spec.timing_rounds)
     grown = spec.grown_model()
     for seed in header.seeds:

@@ -265,7 +265,7 @@ def test_the_expert_size_claim_is_a_paired_interaction_of_top_k_and_e(shift, ver
 
 # ----------------------------------------------------------------------------- dropless validation
 def test_a_capacity_limited_point_has_a_0_step_child_validating_its_weights_dropless():
-    from moe_lit.studies.engine import finalize
+    from moe_lit.studies.identity import finalize
     from moe_lit.studies.kinds.dense_vs_sparse import dropless
 
     points = {p.name: p for p in parse_study(small_spec(seeds=[0, 1])).points}

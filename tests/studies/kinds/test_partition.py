@@ -50,7 +50,7 @@ def test_every_conversion_forks_from_its_seeds_pretrained_dense_with_one_recover
     dense = points["dense/recovered/s1"]
     assert dense.transform is None and dense.measure is None and dense.model.moe is None
     kmeans = points["E16k8/kmeans+centroid/s1"]
-    assert kmeans.transform.path == "moe_lit.studies.kinds.partition:convert" and kmeans.measure is not None
+    assert kmeans.transform.name == "partition_on_stream" and kmeans.measure is not None
     assert (kmeans.model.moe.num_experts, kmeans.model.moe.top_k, kmeans.model.moe.unit_weights) == (16, 8, True)
     assert kmeans.transform.kwargs["seed"] == 1 and kmeans.info["conversion_tokens"] == 0
     # only what a method reads is in its arguments (and its hash): DOT-MoE's lr is not kmeans'
@@ -76,8 +76,8 @@ def test_suite_adds_one_zero_step_measuring_child_per_recovered_model_and_keeps_
     child = {p.name: p for p in suite}["E8k4/dot_moe/suite/s1"]
     assert (child.start.parent, child.start.mode, child.run.steps, child.seed) == ("E8k4/dot_moe/s1", "init", 0, 1)
     assert child.transform is None and child.model == plain["E8k4/dot_moe/s1"].model
-    assert (child.measure.path, child.measure.kwargs) == (
-        "moe_lit.studies.measures:local_suite",
+    assert (child.measure.name, child.measure.kwargs) == (
+        "local_suite",
         {"limit": 5, "batch_size": 32},
     )
     assert all(plain[p.name].hash == p.hash for p in study.points if p.info["phase"] != "suite")

@@ -49,7 +49,7 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
     pruned, recovered = by_name["maestro/50%/pruned/s1"], by_name["maestro/50%/recovered/s1"]
     for child in (pruned, recovered):
         assert (child.start.parent, child.start.mode, child.start.step) == ("original/s1", "init", None)
-        assert child.transform.path == "moe_lit.studies.kinds.pruning:prune_by_importance"
+        assert child.transform.name == "prune_by_importance"
         assert child.transform.kwargs == {
             "method": "maestro",
             "fraction": 0.5,
@@ -61,7 +61,7 @@ def test_every_method_and_fraction_prunes_the_seeds_own_parent_with_and_without_
             "naee_cap": 2000,
             "seed": 1,
         }
-        assert child.measure.path == "moe_lit.studies.kinds.pruning:measure_memory" and child.measure.kwargs == {}
+        assert child.measure.name == "measure_memory" and child.measure.kwargs == {}
         assert child.info["method"] == "maestro" and child.info["fraction"] == 0.5
         assert child.info["calibration"] == "mix"
     assert pruned.info["reference"] == "original/s1" and recovered.info["reference"] == "original/recovered/s1"
@@ -103,7 +103,8 @@ def test_single_language_arms_prune_at_half_with_one_language_and_measure_tasks(
     # tasks: the references and the 50% children measure them, the 25% children only the memory
     for name in ("original/s0", "original/recovered/s0"):
         assert by_name[name].measure.to_dict() == {
-            "path": "moe_lit.studies.kinds.pruning:measure_tasks",
+            "name": "measure_tasks",
+            "version": 1,
             "kwargs": {"limit": 20},
         }
     assert mix.measure.kwargs == {"tasks": True, "task_limit": 20}
@@ -126,7 +127,7 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
     # the task / calibration study: 50% pruned, every method on the suite, de and en arms on val loss
     tasks = load_study("configs/studies/pruning_tasks.yaml")
     assert len(tasks.points) == 3 * (1 + len(METHODS) + 2 * 2)
-    scored = [p.name for p in tasks.points if p.measure and ("tasks" in p.measure.path or p.measure.kwargs)]
+    scored = [p.name for p in tasks.points if p.measure and (p.measure.name == "measure_tasks" or p.measure.kwargs)]
     assert len(scored) == 3 * 7 and not any("calibration-" in name for name in scored)
 
 

@@ -9,7 +9,7 @@ import pytest
 from statsmodels.stats.weightstats import ttost_paired
 
 from moe_lit.config import ConfigError
-from moe_lit.studies.engine import Start, path_fingerprint
+from moe_lit.studies.identity import Start, path_fingerprint
 from moe_lit.studies.study import parse_study
 from tests.helpers.corpus import prepare_corpus
 
@@ -50,12 +50,12 @@ def test_each_seed_pretrains_every_model_and_measures_each_rule_and_granularity(
     assert parent.start is None and parent.run.steps == 4 and parent.run.train.seed == 1
     child = by_name["moe/gate_up/expert/s1"]
     assert (child.start.parent, child.start.mode) == ("moe/pretrain/s1", "init") and child.run.steps == 0
-    assert child.measure.path == "moe_lit.studies.kinds.sparsity:measure_sparsity"
+    assert child.measure.name == "measure_sparsity"
     assert child.measure.kwargs["seed"] == 1 and child.measure.kwargs["targets"] == [0.0, 0.5, 0.9]
     assert (child.measure.kwargs["rule"], child.measure.kwargs["granularity"]) == ("gate_up", "expert")
     assert "dense/gate/expert/s0" not in by_name and by_name["dense/gate/layer/s0"].start.parent == "dense/pretrain/s0"
     assert len({p.hash for p in points}) == len(points)
-    assert "suite_limit" not in child.measure.kwargs  # a study without suite keeps its hashes
+    assert child.measure.kwargs["suite_limit"] is child.measure.kwargs["suite_batch_size"] is None  # no suite
     with_suite = {p.name: p for p in parse_study({**TINY, "suite": {"limit": 7}}).points}
     assert with_suite["moe/gate_up/expert/s1"].measure.kwargs["suite_limit"] == 7
     assert with_suite["moe/pretrain/s1"].hash == parent.hash

@@ -8,6 +8,7 @@ import pytest
 import scipy.stats
 
 from moe_lit.config import ConfigError
+from moe_lit.convert.expand import MAX_COPIES
 from moe_lit.studies.kinds.upcycling import analyse
 from moe_lit.studies.study import parse_study, run_study
 from moe_lit.studies.verdicts import NO_MARGIN
@@ -69,7 +70,7 @@ def test_spec_errors_name_the_field(change, message):
     assert message in str(info.value)
 
 
-def test_rewarm_restarts_every_arms_schedule_at_tau_and_max_copies_joins_the_hash_only_when_set():
+def test_rewarm_restarts_every_arms_schedule_at_tau_and_max_copies_joins_the_upcycling_arguments():
     plain = parse_study(TINY).points
     rewarmed = parse_study({**TINY, "rewarm": True}).points
     assert all(p.run.optim.rewarm_at is None for p in plain)
@@ -77,8 +78,10 @@ def test_rewarm_restarts_every_arms_schedule_at_tau_and_max_copies_joins_the_has
     assert {p.hash for p in plain}.isdisjoint(p.hash for p in rewarmed)
     capped = parse_study({**TINY, "arms": [{"name": "utility_copy", "selection": "utility", "max_copies": 5}]}).points
     (child,) = [p for p in capped if p.name == "up_utility_copy"]
-    grow = next(c for c in child.callbacks if c.path.endswith("ExpertUpcycling"))
+    grow = next(c for c in child.callbacks if c.name == "expert_upcycling")
     assert grow.kwargs["max_copies"] == 5
+    unset = next(c for c in plain[2].callbacks if c.name == "expert_upcycling")
+    assert unset.kwargs["max_copies"] == MAX_COPIES  # null: the transform's default, passed as it is
     assert [p.hash for p in capped][:2] == [p.hash for p in plain][:2]  # the fixed arms are unchanged
     assert capped[2].hash != plain[2].hash
 
