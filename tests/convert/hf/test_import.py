@@ -5,9 +5,9 @@ import torch
 
 from moe_lit.checkpoint import load_model
 from moe_lit.console_script import main
-from moe_lit.convert.hf import from_hf
+from moe_lit.convert.hf import FAMILIES, from_hf
 from moe_lit.errors import MoeLitError
-from tests.helpers.hf import FAMILY_NAMES, hf_model, tokens
+from tests.helpers.hf import CONFIG_CLASSES, FAMILY_NAMES, hf_model, tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,6 +18,11 @@ EXPECTED = {  # what each tiny model must turn into
     "qwen2_moe": dict(renormalize=False, qkv_bias=True, shared=(24, True), moe_layers=(1, 2)),
     "qwen3_moe": dict(renormalize=True, qk_norm="head", head_dim=16, moe_layers=(1,)),
 }
+
+
+def test_every_registered_family_has_a_tiny_model_so_the_parity_tests_cover_it():
+    assert FAMILY_NAMES == list(FAMILIES.names()) == list(EXPECTED)
+    assert CONFIG_CLASSES == {name: FAMILIES[name].config_class for name in FAMILY_NAMES}
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
