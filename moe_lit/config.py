@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -338,7 +339,7 @@ class ModelConfig(ConfigBase):
         data = load_yaml(source, name or cls.section)
         return cls.from_dict(data["model"] if isinstance(data.get("model"), dict) else data, name)
 
-    def in_context(self, context: dict[str, Any]) -> Self:
+    def in_context(self, context: Mapping[str, Any]) -> Self:
         """A model config of a study spec takes the run's ``seq_len`` (moe_lit.studies.spec.parser)."""
         return self.replace(seq_len=context["seq_len"]) if "seq_len" in context else self
 
