@@ -5,18 +5,23 @@ or ``--model configs/model/tiny-moe.yaml --trainer configs/trainer/cpu.yaml``). 
 size comes from the prepared data (``data.vocab_size`` after the datamodule is built) and the
 sequence length from ``data.seq_len``; neither is set in a model YAML.
 
-Every run gets, besides the configured ones, a ``checkpoint`` (ModelCheckpoint: ``last.ckpt``,
-rewritten every 100 steps; ``--checkpoint.*`` changes it), a ``routing`` monitor
-(RoutingMonitor), a ``divergence`` guard (DivergenceGuard: a non-finite loss stops the run with one
-line and exit 2; ``--divergence.policy skip`` skips such steps instead), a ThroughputMonitor
-(tokens/s, FLOPs/s and, on devices with a known peak, MFU), a progress bar (on a terminal
-MoEProgressBar, one line: step / max_steps, ETA, loss, lr, tokens/s, load imbalance, ...; else
-StepLines, plain lines for logs; unless ``trainer.enable_progress_bar`` is false), a ``Preemption``
-handler (SIGTERM, SIGINT or SIGUSR1: ``last.ckpt`` at the next step boundary, one line with the
-command that resumes, exit 128 + signal), a ``ThreadShare`` (a CPU run's threads: the cores other
-processes leave free), a model summary with the analytic FLOPs per token
-(MoEModelSummary; unless ``trainer.enable_model_summary`` is false) and a CSV logger in the run directory
-(``--trainer.logger lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
+The Trainer is the one builder's, as train_run's: the parsed ``data``, ``model.optim``, ``train``
+(TrainConfig's fields) and ``trainer`` sections make a RunConfig (:func:`moe_lit.lit.trainer.experiment_run`;
+``trainer.max_steps``, an integer ``trainer.val_check_interval`` and ``seed_everything`` stand for
+train's fields left unset), and :func:`moe_lit.lit.trainer.trainer_arguments` builds the Trainer of
+it. Every run gets, besides the configured callbacks, a ModelCheckpoint (``last.ckpt`` at every
+validation, or every ``train.checkpoint_every`` steps; ``--checkpoint.*`` changes its other
+arguments), a RoutingMonitor (every ``trainer.log_every_n_steps``), a ``divergence`` guard
+(DivergenceGuard: a non-finite loss stops the run with one line and exit 2; ``--divergence.policy
+skip`` skips such steps instead), a ThroughputMonitor (tokens/s, FLOPs/s and, on devices with a
+known peak, MFU), a progress bar (on a terminal MoEProgressBar, one line: step / max_steps, ETA,
+loss, lr, tokens/s, load imbalance, ...; else StepLines, plain lines for logs; unless
+``trainer.enable_progress_bar`` is false), a ``Preemption`` handler (SIGTERM, SIGINT or SIGUSR1:
+``last.ckpt`` at the next step boundary, one line with the command that resumes, exit 128 +
+signal), a ``ThreadShare`` (a CPU run's threads: the cores other processes leave free), a model
+summary with the analytic FLOPs per token (MoEModelSummary; unless ``trainer.enable_model_summary``
+is false) and a CSV logger in the run directory (``--trainer.logger
+lightning.pytorch.loggers.TensorBoardLogger`` for TensorBoard).
 
 Every run writes into one run directory (``--out DIR``, or ``--trainer.default_root_dir DIR``, or
 the ``save_dir`` of a logger configured with one; by default the run holding ``--ckpt_path``,
@@ -112,7 +117,7 @@ LIGHTNING_LOG_EVERY = 50
 
 
 class MoELightningCLI(LightningCLI):
-    """LightningCLI with our links, default callbacks and one-line config errors."""
+    """LightningCLI with our links, the one Trainer builder and one-line config errors."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -163,7 +168,6 @@ class MoELightningCLI(LightningCLI):
         seed = section["train"]["seed"]
         if seed is not None:  # NOTE: the CLI seeds before it builds anything, as train_run does
             section["seed_everything"] = seed
-        self.run_config(section["trainer"].as_dict())  # NOTE: a train mistake is one line before any output
         absolute_data_dir(section["data"])
 
     @override
@@ -223,6 +227,8 @@ class MoELightningCLI(LightningCLI):
         if trained is not None and default_seq_len:
             # NOTE: the link data.seq_len -> model.model.seq_len ran at parse time, with the default.
             self._section()["data"]["seq_len"] = self._section()["model"]["model"]["seq_len"] = trained.seq_len
+        # NOTE: a train mistake is one line before any output; after the checks of what a resume resumes.
+        self.run_config(self._section()["trainer"].as_dict())
 
     def _section(self) -> Any:
         """The parsed config of the running subcommand."""
