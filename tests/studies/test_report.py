@@ -39,7 +39,7 @@ def study_dir(tmp_path_factory):
 def test_runs_csv_has_one_row_per_run_with_language_columns(study_dir):
     paths = write_report(study_dir)
     rows = list(csv.DictReader(paths["runs_csv"].open()))
-    assert len(rows) == 15
+    assert len(rows) == 17  # 15 points + the 2 capacity points' dropless-validation children
     header = list(rows[0])
     assert header[:3] == ["name", "config_name", "hash"]
     assert (
@@ -60,7 +60,7 @@ def test_summary_and_plots(study_dir):
     paths = write_report(study_dir)
     text = paths["summary"].read_text()
     assert "Command: `moe-lit study run t.yaml`" in text
-    assert "15 points: 14 ok, 1 failed, 0 pending; seeds [0]" in text
+    assert "17 points: 14 ok, 3 failed, 0 pending; seeds [0]" in text
     assert "| S/E8k2 | " in text and "ValueError: diverged (fake)" in text  # the failed-runs table
     assert {p.name for p in (study_dir / "plots").iterdir()} == {"loss_vs_total_params.png"}  # one plot of its own
     assert paths["loss_vs_total_params"].read_bytes()[:4] == b"\x89PNG"
