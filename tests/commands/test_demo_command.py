@@ -67,8 +67,9 @@ def test_the_models_are_the_study_best_arm_active_matched():
     assert abs(counts["m"].active - counts["d"].active) / counts["d"].active < 1e-3
     assert study.header.prepare_config().vocab_size == 2048
     grow = demo.upcycling(dense, moe, steps=244, seed=0)
-    assert (grow.at_steps, grow.recipe, grow.num_experts, grow.top_k, grow.granularity) == ([122], "granular", 32, 2, 2)
-    assert grow.moe_fields["expert_output_bias"] is False
+    plan = grow.upcycling
+    assert (grow.at_steps, plan.recipe, plan.num_experts, plan.top_k, plan.granularity) == ([122], "granular", 32, 2, 2)
+    assert plan.moe["expert_output_bias"] is False
 
 
 def test_settings_go_over_the_yaml_and_the_model_optimizer(first_run, tmp_path):
