@@ -43,6 +43,8 @@ CONFIGS = (
     "moe_lit.analysis.routing.RoutingAnalysisConfig",
     "moe_lit.inference.sparsity.SparsityConfig",
     "moe_lit.convert.dot_moe.DotMoEConfig",
+    "moe_lit.convert.dense_to_moe.UpcyclingConfig",
+    "moe_lit.convert.expand.ExpansionConfig",
     "moe_lit.convert.moe_to_dense.MoeToDenseConfig",
     "moe_lit.convert.importance.MaestroConfig",
     "moe_lit.studies.executors.ExecutorConfig",
