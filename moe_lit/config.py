@@ -344,8 +344,6 @@ class ModelConfig(ConfigBase):
         return self.replace(seq_len=context["seq_len"]) if "seq_len" in context else self
 
 
-# NOTE: ConfigError, refuse_unknown_keys and the validators live in moe_lit.configbase (the bottom
-# layer); they stay importable from here, where the code has always found them (the private names:
-# moe_lit.studies.executors).
-_require, _require_choice, _require_positive_int = require, require_choice, require_positive_int
+# NOTE: ConfigError and refuse_unknown_keys live in moe_lit.configbase (the bottom layer); they stay
+# importable from here, next to the model config most code already imports.
 __all__ = ["ConfigError", "MoEConfig", "ModelConfig", "refuse_unknown_keys"]

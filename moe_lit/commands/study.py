@@ -84,7 +84,7 @@ def _start_label(start) -> str:
 
 def _points_table(study, out_dir: Path) -> str:
     from moe_lit.accounting import markdown_table, training_flops_per_token
-    from moe_lit.studies.engine import point_record, point_status
+    from moe_lit.studies.identity import point_record, point_status
 
     rows, flops = [], 0
     for point in study.points:
@@ -131,7 +131,7 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
     if args.spec is not None:  # the plan follows the study file (its points may have new hashes)
-        from moe_lit.studies.engine import STUDY_FILE, read_record
+        from moe_lit.studies.identity import STUDY_FILE, read_record
         from moe_lit.studies.study import write_plan
 
         study = _load(args)
@@ -148,7 +148,7 @@ def _run_report(args: argparse.Namespace) -> int:
 def check_records(out_dir: Path) -> None:
     """A point's record that is there but unreadable (cut short, edited by hand) is one line naming
     it, instead of a report that counts the point as missing."""
-    from moe_lit.studies.engine import RUNS_DIR
+    from moe_lit.studies.identity import RUNS_DIR
 
     for path in sorted((Path(out_dir) / RUNS_DIR).glob("*.json")):
         try:

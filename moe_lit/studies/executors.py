@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import submitit
 
-from moe_lit.config import ConfigError, _require, _require_choice, _require_positive_int
+from moe_lit.configbase import ConfigError, require, require_choice, require_positive_int
 from moe_lit.errors import MoeLitError
 
 ExecutorKind = Literal["local", "slurm", "submitit_local"]
@@ -63,10 +63,10 @@ class ExecutorConfig:
     """Extra sbatch options without the leading dashes, e.g. {constraint: a100, mail-type: END}."""
 
     def __post_init__(self) -> None:
-        _require_choice(self.kind, "executor.kind", EXECUTOR_KINDS)
+        require_choice(self.kind, "executor.kind", EXECUTOR_KINDS)
         for name in ("parallel", "timeout_min", "array_parallelism"):
-            _require_positive_int(getattr(self, name), f"executor.{name}")
-        _require(
+            require_positive_int(getattr(self, name), f"executor.{name}")
+        require(
             isinstance(self.gpus_per_node, int)
             and not isinstance(self.gpus_per_node, bool)
             and self.gpus_per_node >= 0,
@@ -74,8 +74,8 @@ class ExecutorConfig:
             f"must be an integer >= 0, got {self.gpus_per_node!r}",
         )
         if self.cpus_per_task is not None:
-            _require_positive_int(self.cpus_per_task, "executor.cpus_per_task")
-        _require(
+            require_positive_int(self.cpus_per_task, "executor.cpus_per_task")
+        require(
             self.mem_gb is None
             or (isinstance(self.mem_gb, (int, float)) and not isinstance(self.mem_gb, bool) and self.mem_gb > 0),
             "executor.mem_gb",
@@ -83,17 +83,17 @@ class ExecutorConfig:
         )
         for name in ("folder", "partition", "account", "qos"):
             value = getattr(self, name)
-            _require(
+            require(
                 value is None or (isinstance(value, str) and value),
                 f"executor.{name}",
                 f"must be a non-empty string or null, got {value!r}",
             )
-        _require(
+        require(
             isinstance(self.setup, list) and all(isinstance(line, str) for line in self.setup),
             "executor.setup",
             f"must be a list of shell lines, got {self.setup!r}",
         )
-        _require(
+        require(
             isinstance(self.additional, dict) and all(isinstance(k, str) and k for k in self.additional),
             "executor.additional",
             f"must be a mapping of sbatch option names to values, got {self.additional!r}",

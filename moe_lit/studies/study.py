@@ -25,8 +25,10 @@ from moe_lit.config import ConfigError
 from moe_lit.errors import MoeLitError
 from moe_lit.io import atomic_write_json
 from moe_lit.lit.run_config import RunConfig, read_yaml
-from moe_lit.studies import engine
+from moe_lit.studies.identity import STUDY_FILE, Point, Start, finalize, point_record, read_record
 from moe_lit.studies.kinds import kind_module
+from moe_lit.studies.run import TrainFn, measure_only
+from moe_lit.studies.schedule import Log, run_points
 from moe_lit.studies.spec import errors_under, known_keys
 
 HEADER_FIELDS = ("name", "kind", "description", "seeds", "data", "run", "executor")
@@ -86,14 +88,14 @@ class StudyHeader:
     def point_name(self, config_name: str, seed: int) -> str:
         return config_name + (f"/s{seed}" if len(self.seeds) > 1 else "")
 
-    def point(self, config_name: str, seed: int, *args: Any, **kwargs: Any) -> engine.Point:
+    def point(self, config_name: str, seed: int, *args: Any, **kwargs: Any) -> Point:
         """The point of ``config_name`` at ``seed``, named by :meth:`point_name`; ``args`` and
-        ``kwargs``: the rest of :class:`~moe_lit.studies.engine.Point` (model, run, info, ...)."""
-        return engine.Point(self.point_name(config_name, seed), config_name, seed, *args, **kwargs)
+        ``kwargs``: the rest of :class:`~moe_lit.studies.identity.Point` (model, run, info, ...)."""
+        return Point(self.point_name(config_name, seed), config_name, seed, *args, **kwargs)
 
-    def start(self, config_name: str, seed: int, mode: str = "init", step: int | None = None) -> engine.Start:
+    def start(self, config_name: str, seed: int, mode: str = "init", step: int | None = None) -> Start:
         """A start from the point ``config_name`` of ``seed`` (its final weights, or those after ``step``)."""
-        return engine.Start(parent=self.point_name(config_name, seed), step=step, mode=mode)
+        return Start(parent=self.point_name(config_name, seed), step=step, mode=mode)
 
 
 def _executor(value: Any):
@@ -114,7 +116,7 @@ class Study:
     header: StudyHeader
     kind: ModuleType
     spec: Any
-    points: list[engine.Point]
+    points: list[Point]
 
     @property
     def name(self) -> str:
@@ -137,7 +139,7 @@ def parse_study(data: Any, data_dir: str | None = None) -> Study:
         header_fields["run"] = header_fields["run"].replace(data={"data_dir": str(data_dir)})
     header = StudyHeader(**header_fields)
     spec = module.parse(own, header)
-    return Study(header, module, spec, engine.finalize(module.expand(spec, header)))
+    return Study(header, module, spec, finalize(module.expand(spec, header)))
 
 
 def load_study(path: str | Path, data_dir: str | None = None) -> Study:
@@ -156,7 +158,7 @@ def ensure_data(study: Study) -> None:
     data_dir = study.header.run.data.resolved_dir()
     vocab = read_meta(data_dir).get("vocab_size")
     # NOTE: a measure-only point's model (on disk) brings its own tokenizer; the data is only text to it.
-    wrong = sorted({p.model.vocab_size for p in study.points if not engine.measure_only(p)} - {vocab})
+    wrong = sorted({p.model.vocab_size for p in study.points if not measure_only(p)} - {vocab})
     if wrong:
         raise MoeLitError(
             f"vocab_size: the study's models have {wrong} but data_dir {data_dir!r} has a tokenizer of {vocab}; "
@@ -174,9 +176,9 @@ def write_plan(study: Study, out_dir: Path, command: str = "") -> Path:
         "seeds": study.header.seeds,
         "run": study.header.run.to_dict(),
         "spec": dataclasses.asdict(study.spec) if dataclasses.is_dataclass(study.spec) else study.spec,
-        "points": [engine.point_record(p) for p in study.points],
+        "points": [point_record(p) for p in study.points],
     }
-    return atomic_write_json(Path(out_dir) / engine.STUDY_FILE, plan)
+    return atomic_write_json(Path(out_dir) / STUDY_FILE, plan)
 
 
 def run_study(
@@ -185,10 +187,10 @@ def run_study(
     *,
     parallel: int | None = None,
     retry_failed: bool = False,
-    train_fn: engine.TrainFn | None = None,
+    train_fn: TrainFn | None = None,
     prepare_data: bool = True,
     command: str = "",
-    log: engine.Log = print,
+    log: Log = print,
     only: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every unfinished point of ``study``; returns the records of all finished points.
@@ -202,7 +204,7 @@ def run_study(
         ensure_data(study)
     write_plan(study, out_dir, command)
     executor = study.header.executor
-    return engine.run_points(
+    return run_points(
         study.points,
         out_dir,
         parallel=executor.parallel if parallel is None else parallel,
@@ -217,9 +219,9 @@ def run_study(
 
 def study_from_plan(out_dir: Path) -> dict[str, Any]:
     """The ``study.json`` of a results directory (what reports read)."""
-    plan = engine.read_record(Path(out_dir) / engine.STUDY_FILE)
+    plan = read_record(Path(out_dir) / STUDY_FILE)
     if plan is None:
-        raise MoeLitError(f"--out: {out_dir} holds no {engine.STUDY_FILE}; run `moe-lit study run` first")
+        raise MoeLitError(f"--out: {out_dir} holds no {STUDY_FILE}; run `moe-lit study run` first")
     return plan
 
 

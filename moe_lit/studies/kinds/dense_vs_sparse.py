@@ -22,7 +22,7 @@ from moe_lit.config import ConfigError, ModelConfig, MoEConfig
 from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
-from moe_lit.studies.engine import Call, Point, Start, finalize
+from moe_lit.studies.identity import Call, Point, Start, finalize
 from moe_lit.studies.kinds import Analysis
 from moe_lit.studies.records import group as grouped
 from moe_lit.studies.records import minus
@@ -204,7 +204,6 @@ def dropless(model):
 def _dropless_validation(parent: Point) -> Point:
     """A 0-step child validating ``parent``'s final weights dropless; its info is the parent's (the capacity
     factor it trained with) in no group, with ``validation: dropless``."""
-    # NOTE: appended after every other point, each a new identity: the committed points keep their hashes.
     config_name = f"{parent.config_name}/{DROPLESS_VALIDATION}"
     return Point(
         parent.name.replace(parent.config_name, config_name, 1),
