@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities import rank_zero_only
 
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
 from moe_lit.callbacks.compile import CompileBlocks
@@ -105,7 +106,7 @@ def trainer_arguments(
     )
     if choice is not None:
         kwargs["precision"] = choice.precision
-        if pl.utilities.rank_zero_only.rank == 0:
+        if rank_zero_only.rank == 0:
             print(choice.line(), flush=True)
     return kwargs
 
