@@ -1,8 +1,8 @@
 """DDP and FSDP2 on CPU (2 gloo processes) against one process, and checkpoints across strategies.
 
-One chain of runs, each a subprocess (Lightning's launcher re-runs the command for rank 1):
-DDP trains steps 1-2, FSDP2 resumes its checkpoint for steps 3-4, one process resumes FSDP2's
-checkpoint for steps 5-6. A single-process run of steps 1-4 and 5-6 in this process is the
+One chain of runs: DDP trains steps 1-2, FSDP2 resumes its checkpoint for steps 3-4 (each a
+subprocess: Lightning's launcher re-runs the command for rank 1), one process (this one) resumes
+FSDP2's checkpoint for steps 5-6. A single-process run of steps 1-4 and 5-6 in this process is the
 reference: weights (read back through ``moe_lit.checkpoint.load_model``, the CPU path) and the
 loss on a fixed batch agree after step 4 and after step 6, so each strategy trains like one
 process and each checkpoint, Adam moments included, resumes under another strategy.
@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("strategies")
     ddp2 = run_script("ddp", 2, root / "ddp2")
     fsdp4 = run_script("fsdp2", 4, root / "fsdp4", resume=ddp2)
-    single6 = run_script("single", 6, root / "single6", resume=fsdp4)
+    single6 = train_script.train("single", 6, root / "single6", resume=fsdp4)
     ref4 = train_script.train("single", 4, root / "ref4")
     ref6 = train_script.train("single", 6, root / "ref6", resume=ref4)
     return {"fsdp4": fsdp4, "single6": single6, "ref4": ref4, "ref6": ref6}
