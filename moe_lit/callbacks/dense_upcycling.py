@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from moe_lit.callbacks.upcycling import ModelSwapCallback, with_fields
+from moe_lit.callbacks.upcycling import ModelSwapCallback
 from moe_lit.convert.dense_to_moe import UpcyclingConfig, upcycle, upcycled_config
 from moe_lit.model import Transformer
 
@@ -36,21 +36,19 @@ class DenseToMoEUpcycling(ModelSwapCallback):
         at_step: int,
         upcycling: UpcyclingConfig = DEFAULT_UPCYCLING,
         optimizer_state: str = "copy",
-        **upcycling_fields: Any,
     ) -> None:
         """
         Args:
             at_step: Optimizer step after which the FFNs become MoE layers (>= 1).
             upcycling: The upcycling (moe_lit.convert.dense_to_moe.UpcyclingConfig: recipe,
-                num_experts, top_k, granularity, drop_fraction, seed, moe); ``expert_output_bias``
+                num_experts, top_k, granularity, drop_fraction, seed, moe), or its fields as a
+                mapping; ``expert_output_bias``
                 is false unless its ``moe`` gives it, as in the shipped configs (no export format
                 holds an expert output bias).
             optimizer_state: copy (unchanged tensors keep their AdamW moments) | reset.
-            upcycling_fields: Fields of ``upcycling`` given one by one (``recipe="granular",
-                num_experts=8``).
         """
         super().__init__([at_step], optimizer_state)
-        upcycling = with_fields(upcycling, upcycling_fields, UpcyclingConfig, "DenseToMoEUpcycling.upcycling")
+        upcycling = UpcyclingConfig.from_dict(upcycling, "DenseToMoEUpcycling.upcycling")
         self.upcycling = upcycling.replace(moe={**UPCYCLED_MOE_DEFAULTS, **upcycling.moe})
 
     @override

@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
-from moe_lit.callbacks.upcycling import ModelSwapCallback, with_fields
+from moe_lit.callbacks.upcycling import ModelSwapCallback
 from moe_lit.config import ConfigError
 from moe_lit.convert.expand import (
     ExpansionConfig,
@@ -46,20 +46,18 @@ class ExpertUpcycling(ModelSwapCallback):
         expansion: ExpansionConfig = DEFAULT_EXPANSION,
         optimizer_state: str = "copy",
         utility_batches: int = 10,
-        **expansion_fields: Any,
     ) -> None:
         """
         Args:
             at_steps: Optimizer steps after which to expand (strictly increasing, >= 1).
             expansion: The expansion (moe_lit.convert.expand.ExpansionConfig: factor, selection,
-                noise, balancing, ...); its seed plus the step seeds each expansion.
+                noise, balancing, ...), or its fields as a mapping (a YAML's or a study point's);
+                its seed plus the step seeds each expansion.
             optimizer_state: copy (copies inherit their source's AdamW moments) | reset.
             utility_batches: Optimizer steps before the expansion whose gradients make the utility.
-            expansion_fields: Fields of ``expansion`` given one by one (``factor=4, noise=0``), as
-                the points of the upcycling study kind give them.
         """
         super().__init__(at_steps, optimizer_state)
-        expansion = with_fields(expansion, expansion_fields, ExpansionConfig, "ExpertUpcycling.expansion")
+        expansion = ExpansionConfig.from_dict(expansion, "ExpertUpcycling.expansion")
         if expansion.factor is None:
             raise ConfigError("ExpertUpcycling.expansion.counts: the expert count grows at every step; give a factor")
         if not (isinstance(utility_batches, int) and utility_batches >= 1):

@@ -25,8 +25,8 @@ Shape legend: R rows of a grown parameter (dim 0).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -34,21 +34,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from moe_lit.config import ConfigError
-from moe_lit.configbase import ConfigBase
 from moe_lit.convert.common import next_token_loss
 from moe_lit.errors import MoeLitError
 from moe_lit.model import Transformer
 
 OPTIMIZER_STATES = ("copy", "reset")
-C = TypeVar("C", bound=ConfigBase)
-
-
-def with_fields(config: C | Mapping[str, Any], fields: Mapping[str, Any], cls: type[C], owner: str) -> C:
-    """A callback's transform config (a :class:`~moe_lit.configbase.ConfigBase`): ``config`` (a
-    ``cls``, or its fields as a mapping, as a study point's JSON gives it) with ``fields`` over it;
-    an error is one line naming the field under ``owner`` (``ExpertUpcycling.expansion.factor: ...``)."""
-    data = config.to_dict() if isinstance(config, cls) else dict(config)
-    return cls.from_dict({**data, **fields}, owner)
 
 
 def _positive_steps(at_steps: Sequence[int], owner: str) -> list[int]:

@@ -167,13 +167,13 @@ def upcycling(dense: ModelConfig, moe: ModelConfig, steps: int, seed: int) -> De
     the swap and stays active-matched (as :func:`matched_moe_config`'s granularity); ``moe``'s
     balancing, without an expert output bias (so it exports)."""
     from moe_lit.callbacks.dense_upcycling import DenseToMoEUpcycling
+    from moe_lit.convert.dense_to_moe import UpcyclingConfig
 
     if moe.moe is None or dense.moe is not None:
         raise MoeLitError(f"demo: upcycling grows a dense model into an MoE; got {MODELS['dense']}, {MODELS['moe']}")
     m = moe.moe
     fields = {"expert_output_bias": False, "balancing": m.balancing, "aux_loss_coef": m.aux_loss_coef}
-    return DenseToMoEUpcycling(
-        at_step=max(1, steps // 2),
+    plan = UpcyclingConfig(
         recipe="granular",
         num_experts=m.num_experts,
         top_k=m.top_k,
@@ -181,6 +181,7 @@ def upcycling(dense: ModelConfig, moe: ModelConfig, steps: int, seed: int) -> De
         seed=seed,
         moe=fields | {"backend": m.backend},
     )
+    return DenseToMoEUpcycling(at_step=max(1, steps // 2), upcycling=plan)
 
 
 def check_work_dir(args: argparse.Namespace, settings: dict[str, object], inputs: dict[str, object]) -> None:

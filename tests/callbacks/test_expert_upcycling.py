@@ -62,7 +62,7 @@ def _fit(cfg, callbacks, max_steps, ckpt_path=None, module=None):
 
 def test_expansion_mid_run_keeps_function_schedule_and_copies_moments():
     cfg = tiny(top_k=1, balancing="bias")
-    grow = ExpertUpcycling(at_steps=[3], factor=2, noise=0.0)
+    grow = ExpertUpcycling(at_steps=[3], expansion={"factor": 2, "noise": 0.0})
     recorder = Recorder(at_step=3)
     trainer, module = _fit(cfg, [grow, recorder], max_steps=6)
     _, baseline = _fit(cfg, [reference := Recorder()], max_steps=6)
@@ -104,7 +104,11 @@ def test_checkpoint_after_expansion_resumes_into_the_expanded_shape(tmp_path):
     cfg = tiny(top_k=2)
 
     def grow():
-        return ExpertUpcycling(at_steps=[2], selection="utility", utility_batches=2, balancing=None, noise=0.0)
+        return ExpertUpcycling(
+            at_steps=[2],
+            expansion={"factor": 2, "selection": "utility", "balancing": None, "noise": 0.0},
+            utility_batches=2,
+        )
 
     _, straight = _fit(cfg, [grow(), SaveAt(4, tmp_path / "mid.ckpt")], max_steps=6)
     resumed_grow = grow()
@@ -117,8 +121,10 @@ def test_checkpoint_after_expansion_resumes_into_the_expanded_shape(tmp_path):
 
 def test_dense_to_moe_mid_run_is_exact_keeps_attention_moments_and_can_grow_again():
     recorder = Recorder(at_step=2)
-    upcycle = DenseToMoEUpcycling(at_step=2, recipe="granular", num_experts=4, top_k=2, granularity=2)
-    grow = ExpertUpcycling(at_steps=[3], factor=2)
+    upcycle = DenseToMoEUpcycling(
+        at_step=2, upcycling={"recipe": "granular", "num_experts": 4, "top_k": 2, "granularity": 2}
+    )
+    grow = ExpertUpcycling(at_steps=[3], expansion={"factor": 2})
     _, module = _fit(tiny(dense=True), [upcycle, grow, recorder], max_steps=4)
     (event,) = upcycle.events
     assert event["loss_after"] == pytest.approx(event["loss_before"], abs=1e-5)
@@ -134,20 +140,32 @@ def test_dense_to_moe_mid_run_is_exact_keeps_attention_moments_and_can_grow_agai
     [
         (lambda: ExpertUpcycling(at_steps=[]), r"ExpertUpcycling.at_steps: need one or more integers >= 1"),
         (lambda: ExpertUpcycling(at_steps=[5, 3]), "must be strictly increasing"),
-        (lambda: ExpertUpcycling(at_steps=[2], factor=1), "ExpertUpcycling.expansion.factor: must be an integer >= 2"),
-        (lambda: ExpertUpcycling(at_steps=[2], optimizer_state="keep"), "allowed values: copy, reset"),
-        (lambda: ExpertUpcycling(at_steps=[2], selection="best"), "ExpertUpcycling.expansion.selection: got 'best'"),
         (
-            lambda: ExpertUpcycling(at_steps=[2], fator=2),
+            lambda: ExpertUpcycling(at_steps=[2], expansion={"factor": 1}),
+            "ExpertUpcycling.expansion.factor: must be an integer >= 2",
+        ),
+        (lambda: ExpertUpcycling(at_steps=[2], optimizer_state="keep"), "allowed values: copy, reset"),
+        (
+            lambda: ExpertUpcycling(at_steps=[2], expansion={"factor": 2, "selection": "best"}),
+            "ExpertUpcycling.expansion.selection: got 'best'",
+        ),
+        (
+            lambda: ExpertUpcycling(at_steps=[2], expansion={"fator": 2}),
             r"ExpertUpcycling.expansion: unknown key\(s\) \['fator'\], allowed keys: \['factor', ",
         ),
-        (lambda: ExpertUpcycling(at_steps=[2], counts=[2, 1]), "ExpertUpcycling.expansion.factor/counts: give exactly"),
+        (
+            lambda: ExpertUpcycling(at_steps=[2], expansion={"factor": 2, "counts": [2, 1]}),
+            "ExpertUpcycling.expansion.factor/counts: give exactly",
+        ),
         (
             lambda: ExpertUpcycling(at_steps=[2], expansion=ExpansionConfig(counts=[2, 1])),
             "ExpertUpcycling.expansion.counts: the expert count grows at every step; give a factor",
         ),
         (lambda: DenseToMoEUpcycling(at_step=0), r"DenseToMoEUpcycling.at_steps: need one or more integers >= 1"),
-        (lambda: DenseToMoEUpcycling(at_step=2, recipe="split"), "DenseToMoEUpcycling.upcycling.recipe: got 'split'"),
+        (
+            lambda: DenseToMoEUpcycling(at_step=2, upcycling={"recipe": "split"}),
+            "DenseToMoEUpcycling.upcycling.recipe: got 'split'",
+        ),
         (
             lambda: DenseToMoEUpcycling(
                 at_step=2, upcycling={"recipe": "granular", "num_experts": 6, "granularity": 4}
@@ -162,7 +180,9 @@ def test_bad_arguments_fail_at_construction(make, message):
 
 
 def test_bad_upcycling_shape_fails_at_setup_not_mid_run():
-    grow = DenseToMoEUpcycling(at_step=5, recipe="granular", num_experts=6, top_k=3, granularity=3)
+    grow = DenseToMoEUpcycling(
+        at_step=5, upcycling={"recipe": "granular", "num_experts": 6, "top_k": 3, "granularity": 3}
+    )
     with pytest.raises(ConfigError, match="model.d_ff: must be a multiple of granularity=3, got 64"):
         _fit(tiny(dense=True), [grow], max_steps=6)
     with pytest.raises(MoeLitError, match="the model is dense; add a DenseToMoEUpcycling callback"):
@@ -175,7 +195,7 @@ def test_a_model_upcycled_by_dense_to_moe_with_its_defaults_exports_to_transform
     from moe_lit.console_script import main
 
     cfg = tiny(dense=True, n_kv_heads=2, d_ff=16)
-    _, module = _fit(cfg, [DenseToMoEUpcycling(at_step=1, num_experts=4)], 3)
+    _, module = _fit(cfg, [DenseToMoEUpcycling(at_step=1, upcycling={"num_experts": 4})], 3)
     ours = module.model.eval()
     assert ours.config.moe.num_experts == 4 and not ours.config.moe.expert_output_bias
     export_model(ours, tmp_path / "ours")
@@ -191,17 +211,16 @@ def test_a_model_upcycled_by_dense_to_moe_with_its_defaults_exports_to_transform
     assert generated.shape == (2, 10) and torch.equal(generated[:, :6], prompt)
 
 
-def test_the_transform_config_comes_as_an_object_a_mapping_or_its_fields():
+def test_the_transform_config_comes_as_an_object_or_a_mapping():
     from moe_lit.convert.dense_to_moe import UpcyclingConfig
 
     expansion = ExpansionConfig(factor=4, noise=0.0, selection="utility")
     by_mapping = ExpertUpcycling(at_steps=[2], expansion={"factor": 4, "noise": 0.0, "selection": "utility"})
-    by_fields = ExpertUpcycling(at_steps=[2], factor=4, noise=0.0, selection="utility")
     assert ExpertUpcycling(at_steps=[2], expansion=expansion).expansion == by_mapping.expansion == expansion
-    assert by_fields.expansion == expansion
     upcycling = UpcyclingConfig(recipe="granular", num_experts=4, granularity=2)
     by_object = DenseToMoEUpcycling(at_step=1, upcycling=upcycling)
-    assert (
-        by_object.upcycling == DenseToMoEUpcycling(at_step=1, recipe="granular", num_experts=4, granularity=2).upcycling
-    )
+    by_mapping_up = DenseToMoEUpcycling(at_step=1, upcycling={"recipe": "granular", "num_experts": 4, "granularity": 2})
+    assert by_object.upcycling == by_mapping_up.upcycling
     assert by_object.upcycling.moe == {"expert_output_bias": False}
+    with pytest.raises(TypeError, match="factor"):
+        ExpertUpcycling(at_steps=[2], factor=4)  # type: ignore[call-arg]  # one way in: the config

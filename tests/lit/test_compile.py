@@ -182,7 +182,7 @@ def test_dropless_moe_compiles_once_not_once_per_routing():
 @pytest.mark.slow
 def test_blocks_brought_in_by_an_expert_upcycling_swap_are_compiled():
     cfg = _cfg()
-    swap = ExpertUpcycling(at_steps=[2], factor=2)
+    swap = ExpertUpcycling(at_steps=[2], expansion={"factor": 2})
     _, module, recorder = _fit(cfg, [swap, CompileBlocks(backend="aot_eager")], max_steps=4)
     assert module.config.moe.num_experts == 2 * cfg.moe.num_experts
     assert all(is_compiled(block) for block in module.model.blocks)

@@ -10,7 +10,7 @@ def test_dry_run_lists_every_point_with_its_status(tmp_path, capsys):
     assert main(["study", "run", str(spec), "--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| point")]
-    assert len(rows) == 15 * 4 and all(row.endswith("| pending |") for row in rows)  # 14 configs + 1 dropless child x 4 seeds
+    assert len(rows) == 15 * 4 and all(row.endswith("| pending |") for row in rows)  # 15 configs (1 dropless child) x 4
     assert rows[0].startswith("| S/dense/s0 | ")
     assert "60 points, " in out and f" training FLOPs in all -> {tmp_path}" in out
 

@@ -26,7 +26,7 @@ from typing import Any
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.callbacks.study import CopySeparation, ValidationProbe
 from moe_lit.config import ConfigError, ModelConfig
-from moe_lit.convert.expand import MAX_COPIES, SELECTIONS
+from moe_lit.convert.expand import MAX_COPIES, SELECTIONS, ExpansionConfig
 from moe_lit.plotting import seed_band, seed_errorbar, spread_note, zero_line
 from moe_lit.stats import (
     ALPHA,
@@ -155,12 +155,19 @@ def parse(fields: dict[str, Any], header) -> UpcyclingSpec:
 
 
 def _grow(spec: UpcyclingSpec, arm: ArmSpec, seed: int) -> tuple[Call, ...]:
-    grow = {"at_steps": [spec.expand_at], "factor": spec.factor, "utility_batches": spec.utility_batches, "seed": seed}
-    grow["max_copies"] = arm.max_copies or MAX_COPIES
-    arm_fields = ("selection", "optimizer_state", "noise", "router_noise", "drop_fraction")
+    expansion = ExpansionConfig(
+        factor=spec.factor,
+        selection=arm.selection,
+        max_copies=arm.max_copies or MAX_COPIES,
+        noise=arm.noise,
+        seed=seed,
+        router_noise=arm.router_noise,
+        drop_fraction=arm.drop_fraction,
+    )
+    grow = {"at_steps": [spec.expand_at], "expansion": stable_dict(expansion), "utility_batches": spec.utility_batches}
     return (
         Call.of(ValidationProbe, step=spec.expand_at, key="before"),
-        Call.of(ExpertUpcycling, **grow, **{k: getattr(arm, k) for k in arm_fields}),
+        Call.of(ExpertUpcycling, **grow, optimizer_state=arm.optimizer_state),
         Call.of(ValidationProbe, step=spec.expand_at, key="after"),
         Call.of(CopySeparation, every=spec.separation_every),
     )

@@ -8,7 +8,7 @@ import pytest
 import scipy.stats
 
 from moe_lit.config import ConfigError
-from moe_lit.convert.expand import MAX_COPIES
+from moe_lit.convert.expand import MAX_COPIES, ExpansionConfig
 from moe_lit.studies.kinds.upcycling import analyse
 from moe_lit.studies.study import parse_study, run_study
 from moe_lit.studies.verdicts import NO_MARGIN
@@ -79,9 +79,10 @@ def test_rewarm_restarts_every_arms_schedule_at_tau_and_max_copies_joins_the_upc
     capped = parse_study({**TINY, "arms": [{"name": "utility_copy", "selection": "utility", "max_copies": 5}]}).points
     (child,) = [p for p in capped if p.name == "up_utility_copy"]
     grow = next(c for c in child.callbacks if c.name == "expert_upcycling")
-    assert grow.kwargs["max_copies"] == 5
+    assert grow.kwargs["expansion"]["max_copies"] == 5
     unset = next(c for c in plain[2].callbacks if c.name == "expert_upcycling")
-    assert unset.kwargs["max_copies"] == MAX_COPIES  # null: the transform's default, passed as it is
+    assert "max_copies" not in unset.kwargs["expansion"]  # null: the transform's default, left out of the hash
+    assert ExpansionConfig.from_dict(unset.kwargs["expansion"]).max_copies == MAX_COPIES
     assert [p.hash for p in capped][:2] == [p.hash for p in plain][:2]  # the fixed arms are unchanged
     assert capped[2].hash != plain[2].hash
 
