@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,14 @@ def test_auto_keeps_an_moe_model_in_fp32(model, bf16_cpu, monkeypatch):
         choice = choose_precision("auto", trainer, model, 2, 16)
         assert choice.precision == "32-true" and "an MoE model" in choice.reason
     assert choose_precision("bf16-mixed", CPU, model, 2, 16).precision == "bf16-mixed"
+
+
+def test_auto_keeps_moe_in_fp32_while_its_quoted_bf16_verdict_is_not_reproduced():
+    """auto follows the stored verdict: the result file MOE_BF16_REASON quotes exists, and its MoE claim
+    (bf16-mixed trains to fp32's mean validation loss) is not reproduced."""
+    result = json.loads((Path(__file__).parents[2] / precision.MOE_BF16_RESULT).read_text())
+    assert precision.MOE_BF16_RESULT in precision.MOE_BF16_REASON
+    assert result["models"]["moe"]["claim"]["verdict"] != "reproduced"
 
 
 def test_auto_without_native_bf16_keeps_fp32(dense, tmp_path, monkeypatch):
