@@ -124,6 +124,10 @@ class TrainConfig(ConfigBase):
     """A resume with another step budget than the run's (e.g. a finished run extended): keep (the
     learning-rate schedule of the run's budget; past its end the lr stays at its end value) |
     replan (the schedule stretched over the new budget: the lr rises again). One line says which."""
+    deterministic: bool = False
+    """torch's deterministic algorithms (Lightning's ``deterministic``): a CUDA run repeats its
+    bits for the same seed, or stops with torch's error at an op without a deterministic kernel;
+    false: torch's default kernels."""
 
     def __post_init__(self) -> None:
         if (self.max_tokens is None) == (self.max_steps is None):
@@ -140,6 +144,8 @@ class TrainConfig(ConfigBase):
             raise ConfigError(f"seed: must be an integer, got {self.seed!r}")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile: must be true or false, got {self.compile!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic: must be true or false, got {self.deterministic!r}")
         if self.extend_schedule not in EXTEND_SCHEDULE:
             raise ConfigError(
                 f"extend_schedule: got {self.extend_schedule!r}, allowed values: {', '.join(EXTEND_SCHEDULE)}"
@@ -210,29 +216,22 @@ class RunConfig(ConfigBase):
         its ``data``, ``model.optim``, ``train`` and ``trainer`` sections, ``seed_everything`` as
         train.seed, the trainer's max_steps and integer val_check_interval and the checkpoint's
         every_n_train_steps as train's fields where train leaves them unset; ``model.model``
-        (inline or a path relative to the YAML) is the model. The two give equal Trainer arguments
-        (tests/lit/test_trainer_arguments.py)."""
+        (inline or a path relative to the YAML) is the model. The sections' translation is
+        :func:`moe_lit.lit.trainer.experiment_run`, the one ``moe-lit fit`` uses."""
         from moe_lit.config import ModelConfig
+        from moe_lit.lit.trainer import experiment_run
 
         path = Path(path)
         config = read_yaml(path, "experiment")
         module = _section_file(config.get("model") or {}, path, "model")
         model = _section_file(module.get("model") or {}, path, "model.model")
-        data = {k: v for k, v in (_section_file(config.get("data") or {}, path, "data")).items() if k != "seed"}
-        trainer = _section_file(config.get("trainer") or {}, path, "trainer")
-        train = dict(config.get("train") or {})
-        if "seed_everything" in config:
-            train.setdefault("seed", config["seed_everything"])
-        if "max_steps" in trainer and "max_tokens" not in train:
-            train.setdefault("max_steps", trainer["max_steps"])
-        if isinstance(trainer.get("val_check_interval"), int):  # NOTE: a float is a fraction of an epoch
-            train.setdefault("val_every", trainer["val_check_interval"])
-        every = (config.get("checkpoint") or {}).get("every_n_train_steps")
-        if every is not None:
-            train.setdefault("checkpoint_every", every)
-        trainer = {k: v for k, v in trainer.items() if k not in ("max_steps", "callbacks", "logger")}
-        run = cls(data=data, optim=module.get("optim") or {}, train=train, trainer=trainer)
-        return ModelConfig.from_dict(model), run
+        sections = {
+            **config,
+            "model": module,
+            "data": _section_file(config.get("data") or {}, path, "data"),
+            "trainer": _section_file(config.get("trainer") or {}, path, "trainer"),
+        }
+        return ModelConfig.from_dict(model), experiment_run(sections)
 
 
 def read_yaml(path: str | Path, what: str) -> dict[str, Any]:

@@ -93,6 +93,7 @@ def trainer_arguments(
         "val_check_interval": eval_every,
         "check_val_every_n_epoch": None,
         "num_sanity_val_steps": 0,
+        "deterministic": run.train.deterministic,
         "log_every_n_steps": log_every,
         "logger": CSVLogger(out_dir, name="", version="") if logger is None else logger,
         "enable_model_summary": False,

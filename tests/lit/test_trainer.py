@@ -3,6 +3,7 @@ equal RunConfigs; what each interface adds (callbacks, checkpoint arguments) goe
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
 from moe_lit.callbacks import DivergenceGuard, RoutingMonitor
@@ -38,15 +39,16 @@ def _reach(monkeypatch, module, train) -> RunConfig:
     return caught.value.value
 
 
-def _built(monkeypatch, argv) -> pl.Trainer:
-    """The Trainer ``moe-lit <argv>`` builds (its fit patched to stop there)."""
+def _built(monkeypatch, train) -> pl.Trainer:
+    """The Trainer that ``moe-lit <train>`` (a list of arguments) or ``train()`` builds (its fit
+    patched to stop there)."""
 
     def fit(self, *args, **kwargs):
         raise Reached(self)
 
     monkeypatch.setattr(pl.Trainer, "fit", fit)
     with pytest.raises(Reached) as caught:
-        main(argv)
+        main(train) if isinstance(train, list) else train()
     return caught.value.value
 
 
@@ -109,3 +111,19 @@ def test_experiment_run_reads_the_trainer_budget_cadence_and_seed_where_train_le
     assert (got.steps, got.eval_every, got.train.checkpoint_every, got.train.seed) == (10, 2, 4, 1)
     with pytest.raises(ConfigError, match=r"^train\.val_every: must be a positive integer, got 0$"):
         experiment_run({**sections, "train": {"val_every": 0}})
+
+
+def test_train_deterministic_reaches_the_trainer_of_both_interfaces(prepared, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # NOTE: Lightning sets it for deterministic runs
+    argv = ["fit", "--config", EXPERIMENT, "--data.data_dir", str(prepared), "--train.precision", "32-true"]
+    try:
+        _built(monkeypatch, [*argv, "--out", str(tmp_path / "fit"), "--train.deterministic", "true"])
+        assert torch.are_deterministic_algorithms_enabled()
+        _built(monkeypatch, [*argv, "--out", str(tmp_path / "plain")])
+        assert not torch.are_deterministic_algorithms_enabled()
+        model, run_config = RunConfig.from_experiment(EXPERIMENT)
+        run_config = run_config.replace(data={"data_dir": str(prepared)}, train={"deterministic": True})
+        _built(monkeypatch, lambda: train_run(model, run_config, tmp_path / "run"))
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
