@@ -49,13 +49,6 @@ def check_output(
     return out
 
 
-def yaml_problem(exc: Exception) -> str:
-    """``line L, column C: problem`` of a YAML parse error (its first line when it has no position)."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else str(problem)
-
-
 def umask() -> int:
     """The process's file mode creation mask (``/proc/self/status`` where the system has it)."""
     # NOTE: os.umask can only read the mask by setting it, and a file another thread creates in

@@ -82,9 +82,10 @@ from moe_lit.callbacks import DivergenceGuard
 from moe_lit.callbacks.preemption import Preemption, exit_status
 from moe_lit.checkpoint import checkpoint_config, read_lightning_checkpoint
 from moe_lit.config import ModelConfig
+from moe_lit.configbase import yaml_problem
 from moe_lit.convert.model_input import load_any_config, load_any_model
 from moe_lit.errors import MoeLitError
-from moe_lit.io import check_output, yaml_problem
+from moe_lit.io import check_output
 from moe_lit.lit.console import MoEModelSummary, evaluation_table, quiet_lightning
 from moe_lit.lit.datamodule import MoEDataModule
 from moe_lit.lit.module import MoELitModule
