@@ -74,15 +74,18 @@ DEMO_DIR ?= results/demo
 EVAL_CHECKPOINTS ?= $(or $(patsubst %/model.safetensors,%,$(shell find $(DEMO_DIR) -name model.safetensors 2>/dev/null | sort)),$(shell find $(DEMO_DIR) -name '*.ckpt' 2>/dev/null | sort))
 EVAL_ARGS ?= --batch-size 32
 EVAL_RESULTS ?= results
+# NOTE: an exported model does not record the data it trained on; the demo's is the dense_vs_sparse
+# study's (vocabulary 2048), which `make demo` prepares.
+EVAL_DATA ?= data_cache/v2048
 
 eval: $(STAMP)
 	@test -n "$(strip $(EVAL_CHECKPOINTS))" || { echo "make eval: no checkpoints under $(DEMO_DIR); run make demo first"; exit 1; }
 	@for ckpt in $(EVAL_CHECKPOINTS); do \
 	  echo "== $$ckpt"; \
 	  name=$$(basename $$(dirname $$(dirname $$ckpt)))-$$(basename $$ckpt .ckpt); \
-	  $(PY) -m moe_lit.console_script eval --checkpoint $$ckpt --tasks moe_lit_suite --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
+	  $(PY) -m moe_lit.console_script eval --checkpoint $$ckpt --tasks moe_lit_suite --data $(EVAL_DATA) --out $(EVAL_RESULTS)/eval/$$name --force $(EVAL_ARGS) || exit $$?; \
 	  if $(PY) -c "import sys; from moe_lit.checkpoint import load_config; sys.exit(not load_config(sys.argv[1]).is_moe)" $$ckpt; \
-	  then $(PY) -m moe_lit.console_script analyze routing --checkpoint $$ckpt --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
+	  then $(PY) -m moe_lit.console_script analyze routing --checkpoint $$ckpt --data $(EVAL_DATA) --out $(EVAL_RESULTS)/analysis/$$name --force || exit $$?; fi; \
 	done
 
 # `make smollm2`: SmolLM2-135M-Instruct as an imported moe_lit model directory ($(SMOLLM2)/), what
