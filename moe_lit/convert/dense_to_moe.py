@@ -90,7 +90,7 @@ class UpcyclingConfig(ConfigBase):
 
 def dense_to_moe(
     model: Transformer,
-    recipe: str = "copy",
+    recipe: Recipe = "copy",
     num_experts: int = 8,
     top_k: int = 2,
     granularity: int = 1,

@@ -306,7 +306,8 @@ def _checked_counts(counts: Sequence[int], num_experts: int) -> list[int]:
 
 
 def _counts_from_factor(model: Transformer, config: ExpansionConfig, utility: ExpertUtility | None) -> dict:
-    num_experts, factor = model.config.moe.num_experts, config.factor
+    num_experts, factor = model.config.moe_section().num_experts, config.factor
+    assert factor is not None  # NOTE: the caller's branch: counts were not given, so a factor was
     blocks = model.config.moe_layer_ids
     if config.selection == "uniform":
         return {b: [factor] * num_experts for b in blocks}

@@ -42,7 +42,7 @@ for _family in (llama.FAMILY, mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qw
 
 def family(name: str | None) -> Family:
     """The family of a format / ``model_type``; a one-line error naming the allowed ones."""
-    if name not in FAMILIES:
+    if name is None or name not in FAMILIES:
         raise MoeLitError(f"hf: model_type={name!r} is not supported; allowed: {', '.join(FAMILIES.names())}")
     return FAMILIES[name]
 
