@@ -45,3 +45,13 @@ def reference_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
             y = y + layer.shared_expert(x_TD[t])
         rows.append(y)
     return torch.stack(rows)
+
+
+def skewed_routing(num_tokens: int, small: list[int], num_experts: int) -> torch.Tensor:
+    """Top-2 indices (T, 2): expert e < len(small) gets exactly ``small[e]`` tokens, the others share the rest."""
+    big = num_experts - len(small)
+    t = torch.arange(num_tokens)
+    second = len(small) + t % big
+    first = len(small) + (t + 1 + t // big % (big - 1)) % big  # never the token's second expert
+    first[: sum(small)] = torch.repeat_interleave(torch.arange(len(small)), torch.tensor(small))
+    return torch.stack([first, second], dim=1)

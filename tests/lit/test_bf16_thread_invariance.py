@@ -19,8 +19,7 @@ from moe_lit.inference.precision import native_bf16_flags
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts
 from moe_lit.model.transformer import Transformer
-from tests.helpers.models import random_init
-from tests.model.test_thread_invariance import _skewed_routing
+from tests.helpers.models import random_init, skewed_routing
 
 pytestmark = pytest.mark.skipif(not native_bf16_flags(), reason="the CPU has no native bf16 (avx512_bf16, amx_bf16)")
 
@@ -43,7 +42,7 @@ def test_experts_under_bf16_autocast_are_the_same_bits_at_1_2_and_3_threads(stra
     # blocks below SERIAL_BLOCK_ROWS (one thread) and above it (threaded bf16 GEMMs), at the demo's sizes
     experts_cfg, _ = load_module_config(MODELS["moe"])
     d_model, size = experts_cfg.d_model, experts_cfg.moe.expert_size
-    indices = _skewed_routing(2048, [2, 5, 11, 20, 33, 40, 64, 100], num_experts=experts_cfg.moe.num_experts)
+    indices = skewed_routing(2048, [2, 5, 11, 20, 33, 40, 64, 100], num_experts=experts_cfg.moe.num_experts)
     experts = random_init(
         TorchExperts(d_model, ExpertLayout.of([size] * experts_cfg.moe.num_experts), strategy=strategy)
     )

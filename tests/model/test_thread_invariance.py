@@ -16,7 +16,7 @@ from moe_lit.distributed.grad_norm import clip_grad_norm
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts
 from moe_lit.model.transformer import Transformer
-from tests.helpers.models import random_init
+from tests.helpers.models import random_init, skewed_routing
 
 D, F = 128, 255
 
@@ -31,20 +31,10 @@ def _threads(count: int):
         torch.set_num_threads(start)
 
 
-def _skewed_routing(num_tokens: int, small: list[int], num_experts: int) -> torch.Tensor:
-    """Top-2 indices (T, 2): expert e < len(small) gets exactly ``small[e]`` tokens, the others share the rest."""
-    big = num_experts - len(small)
-    t = torch.arange(num_tokens)
-    second = len(small) + t % big
-    first = len(small) + (t + 1 + t // big % (big - 1)) % big  # never the token's second expert
-    first[: sum(small)] = torch.repeat_interleave(torch.arange(len(small)), torch.tensor(small))
-    return torch.stack([first, second], dim=1)
-
-
 @pytest.mark.parametrize("strategy", ["looped", "batched"])
 def test_experts_forward_and_backward_are_the_same_bits_at_1_2_and_3_threads(strategy):
     # experts 0-5 get 2, 5, 6, 7, 10 and 11 tokens: the skinny GEMMs that used to follow the thread count
-    indices = _skewed_routing(1024, [2, 5, 6, 7, 10, 11], num_experts=10)
+    indices = skewed_routing(1024, [2, 5, 6, 7, 10, 11], num_experts=10)
     experts = random_init(TorchExperts(D, ExpertLayout.of([F] * 10), strategy=strategy))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1024, D, generator=gen)
