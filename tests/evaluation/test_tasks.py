@@ -92,8 +92,17 @@ def test_builtin_prompt_runs_on_local_jsonl(tmp_path, lm):
     assert story["target"] == 1 and story["arguments"][1][1] == " Tom had to write the letter again."
 
 
-def test_unreachable_dataset_is_a_user_error(tmp_path, lm):
+def test_unreachable_dataset_is_a_user_error(tmp_path, lm, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
     from lm_eval.tasks import TaskManager
+
+    # NOTE: offline as the users this error is for are (and as this machine is): online, the hub
+    # client retries the network for many seconds before it gives up the same way. The libraries
+    # read the flags once, at import, so the test sets their constants.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
     (tmp_path / "remote.yaml").write_text(
         "task: remote_only\ndataset_path: nobody/no_such_dataset_xyz\noutput_type: loglikelihood\n"
