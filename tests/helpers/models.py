@@ -1,9 +1,13 @@
 """Tiny model configs, seeded parameters and a reference MoE forward written apart from the backends."""
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from moe_lit.config import ModelConfig, MoEConfig
+from moe_lit.distributed.grad_norm import clip_grad_norm
 from moe_lit.model.moe import MoELayer
 
 
@@ -55,3 +59,43 @@ def skewed_routing(num_tokens: int, small: list[int], num_experts: int) -> torch
     first = len(small) + (t + 1 + t // big % (big - 1)) % big  # never the token's second expert
     first[: sum(small)] = torch.repeat_interleave(torch.arange(len(small)), torch.tensor(small))
     return torch.stack([first, second], dim=1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` inside, restored after."""
+    start = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(start)
+
+
+def experts_pass(experts, indices, x, gates, dy, threads: int, bf16: bool = False) -> list[torch.Tensor]:
+    """``y`` and every gradient (input, gates, parameters) of one forward and backward of ``experts`` at
+    ``threads`` intra-op threads (under CPU bf16 autocast when ``bf16``)."""
+    with torch_threads(threads):
+        x_in, gates_in = x.clone().requires_grad_(True), gates.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y, _ = experts(x_in, gates_in, indices, None)
+        grads = torch.autograd.grad((y.float() * dy).sum(), [x_in, gates_in, *experts.parameters()])
+    return [y.detach(), *grads]
+
+
+def train_at_threads(model, thread_schedule: list[int], batches: list[torch.Tensor], lr: float, bf16: bool = False):
+    """Optimizer steps of ``model`` on ``batches`` (AdamW, clipping 1.0; the forward under CPU bf16 autocast
+    when ``bf16``, as bf16-mixed takes them), step i at ``thread_schedule[i]`` threads; the losses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    losses = []
+    for threads, tokens in zip(thread_schedule, batches, strict=True):
+        with torch_threads(threads):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(tokens[:, :-1], tokens[:, 1:])
+            loss = out.ce + out.aux_loss
+            loss.backward()
+            clip_grad_norm(model.parameters(), 1.0)
+            optim.step()
+            optim.zero_grad()
+        losses.append(loss.item())
+    return losses

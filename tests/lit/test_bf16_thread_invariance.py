@@ -6,7 +6,6 @@ Only meaningful where the CPU has native bf16 (``avx512_bf16`` or ``amx_bf16``):
 it, and ``train.precision: auto`` never picks bf16 there.
 """
 
-import contextlib
 import copy
 import dataclasses
 
@@ -14,27 +13,16 @@ import pytest
 import torch
 
 from moe_lit.commands.demo import MODELS, load_module_config
-from moe_lit.distributed.grad_norm import clip_grad_norm
 from moe_lit.inference.precision import native_bf16_flags
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts
 from moe_lit.model.transformer import Transformer
-from tests.helpers.models import random_init, skewed_routing
+from tests.helpers.models import experts_pass, random_init, skewed_routing, train_at_threads
 
 pytestmark = pytest.mark.skipif(not native_bf16_flags(), reason="the CPU has no native bf16 (avx512_bf16, amx_bf16)")
 
 VOCAB, SEQ, BATCH = 2048, 128, 16
 """The demo's vocabulary and batch (configs/runs/demo.yaml): the expert blocks get the demo's row counts."""
-
-
-@contextlib.contextmanager
-def _threads(count: int):
-    start = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(start)
 
 
 @pytest.mark.parametrize("strategy", ["looped", "batched"])
@@ -51,36 +39,11 @@ def test_experts_under_bf16_autocast_are_the_same_bits_at_1_2_and_3_threads(stra
     gates = torch.rand(2048, 2, generator=gen)
     dy = torch.randn(2048, d_model, generator=gen)
 
-    def run(threads: int) -> list[torch.Tensor]:
-        with _threads(threads):
-            x_in, gates_in = x.clone().requires_grad_(True), gates.clone().requires_grad_(True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                y, _ = experts(x_in, gates_in, indices, None)
-            grads = torch.autograd.grad((y.float() * dy).sum(), [x_in, gates_in, *experts.parameters()])
-        return [y.detach(), *grads]
-
-    one = run(1)
+    one = experts_pass(experts, indices, x, gates, dy, threads=1, bf16=True)
     assert one[0].dtype == torch.bfloat16  # the experts did run in bf16
     for threads in (2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(one, run(threads), strict=True)), threads
-
-
-def _train_bf16(model: Transformer, thread_schedule: list[int], batches: list[torch.Tensor]) -> list[float]:
-    """Optimizer steps of ``model`` as bf16-mixed takes them (forward under bf16 autocast, fp32 weights,
-    gradients and AdamW, gradient clipping 1.0 as the demo), step i at ``thread_schedule[i]`` threads."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    losses = []
-    for threads, tokens in zip(thread_schedule, batches, strict=True):
-        with _threads(threads):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = model(tokens[:, :-1], tokens[:, 1:])
-            loss = out.ce + out.aux_loss
-            loss.backward()
-            clip_grad_norm(model.parameters(), 1.0)
-            optim.step()
-            optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+        other = experts_pass(experts, indices, x, gates, dy, threads, bf16=True)
+        assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True)), threads
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -94,5 +57,7 @@ def test_demo_models_train_in_bf16_to_the_same_losses_and_weights_at_1_and_2_thr
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in schedule]
-    assert _train_bf16(model, [1] * len(schedule), batches) == _train_bf16(twin, schedule, batches)
+    assert train_at_threads(model, [1] * len(schedule), batches, 1e-3, bf16=True) == train_at_threads(
+        twin, schedule, batches, 1e-3, bf16=True
+    )
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True))

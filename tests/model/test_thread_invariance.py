@@ -5,30 +5,18 @@ GEMM, which MKL rounds differently at 1 and 2 threads (rows 5-11 against 128 or 
 here are the demo's (d_model 128, expert size 255) so that the threaded kernels run.
 """
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
 from moe_lit.config import ModelConfig, MoEConfig
-from moe_lit.distributed.grad_norm import clip_grad_norm
 from moe_lit.model.experts.layout import ExpertLayout
 from moe_lit.model.experts.torch_backend import TorchExperts
 from moe_lit.model.transformer import Transformer
-from tests.helpers.models import random_init, skewed_routing
+from tests.helpers.models import experts_pass, random_init, skewed_routing, train_at_threads
 
 D, F = 128, 255
-
-
-@contextlib.contextmanager
-def _threads(count: int):
-    start = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(start)
 
 
 @pytest.mark.parametrize("strategy", ["looped", "batched"])
@@ -41,32 +29,10 @@ def test_experts_forward_and_backward_are_the_same_bits_at_1_2_and_3_threads(str
     gates = torch.rand(1024, 2, generator=gen)
     dy = torch.randn(1024, D, generator=gen)
 
-    def run(threads: int) -> list[torch.Tensor]:
-        with _threads(threads):
-            x_in, gates_in = x.clone().requires_grad_(True), gates.clone().requires_grad_(True)
-            y, _ = experts(x_in, gates_in, indices, None)
-            grads = torch.autograd.grad((y * dy).sum(), [x_in, gates_in, *experts.parameters()])
-        return [y.detach(), *grads]
-
-    one = run(1)
+    one = experts_pass(experts, indices, x, gates, dy, threads=1)
     for threads in (2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(one, run(threads), strict=True)), threads
-
-
-def _train(model: Transformer, thread_schedule: list[int], batches: list[torch.Tensor]) -> list[float]:
-    """Optimizer steps of ``model`` on ``batches``, step i at ``thread_schedule[i]`` threads; the losses."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    losses = []
-    for threads, tokens in zip(thread_schedule, batches, strict=True):
-        with _threads(threads):
-            out = model(tokens[:, :-1], tokens[:, 1:])
-            loss = out.ce + out.aux_loss
-            loss.backward()
-            clip_grad_norm(model.parameters(), 1.0)
-            optim.step()
-            optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+        other = experts_pass(experts, indices, x, gates, dy, threads)
+        assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True)), threads
 
 
 @pytest.mark.parametrize(
@@ -82,5 +48,7 @@ def test_tiny_moe_trains_to_the_same_losses_and_weights_whatever_the_threads(sch
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(256, (4, 33), generator=gen) for _ in schedule]
-    assert _train(model, [1] * len(schedule), batches) == _train(twin, schedule, batches)
+    assert train_at_threads(model, [1] * len(schedule), batches, 1e-2) == train_at_threads(
+        twin, schedule, batches, 1e-2
+    )
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True))
