@@ -1,4 +1,7 @@
-"""A small dense_vs_sparse study spec (every grid axis and ablation, a tiny budget)."""
+"""Small dense_vs_sparse study specs: every grid axis and ablation (planning only), and one that trains
+real tiny models on a written corpus."""
+
+from pathlib import Path
 
 
 def small_spec(**changes) -> dict:
@@ -21,6 +24,27 @@ def small_spec(**changes) -> dict:
         },
         "run": {"data": {"seq_len": 16, "batch_size": 4, "val_batches": 1}, "train": {"max_tokens": 4096}},
         "seeds": [0],
+    }
+    spec.update(changes)
+    return spec
+
+
+def trained_spec(tmp_path: Path, corpus: Path, steps: int, **changes) -> dict:
+    """A dense_vs_sparse study of real ``steps``-step runs of 1-layer models on ``corpus`` (prepared
+    into ``tmp_path/data``, vocabulary 300): S budget, E4 top-2 (``grid``/``ablations`` in ``changes``)."""
+    spec = {
+        "name": "e2e",
+        "kind": "dense_vs_sparse",
+        "data": {"source": str(corpus), "vocab_size": 300, "val_fraction": 0.1, "test_fraction": 0.1},
+        "base": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64},
+        "budgets": [{"name": "S"}],
+        "grid": {"num_experts": [4], "top_k": [2], "moe": {"backend": "torch"}},
+        "run": {
+            "data": {"data_dir": str(tmp_path / "data"), "seq_len": 16, "batch_size": 4, "val_batches": 1},
+            "optim": {"warmup_steps": 1},
+            "train": {"max_tokens": 16 * 4 * steps},
+            "trainer": {"enable_progress_bar": False},
+        },
     }
     spec.update(changes)
     return spec

@@ -8,27 +8,14 @@ import pytest
 from moe_lit.studies.report import write_report
 from moe_lit.studies.study import parse_study, run_study
 from tests.helpers.corpus import write_corpus
+from tests.helpers.studies import trained_spec
 
 
 @pytest.mark.slow
 def test_tiny_study_trains_real_models_and_reports(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    spec = parse_study(
-        {
-            "name": "e2e",
-            "kind": "dense_vs_sparse",
-            "data": {"source": str(corpus), "vocab_size": 300, "val_fraction": 0.1, "test_fraction": 0.1},
-            "base": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64},
-            "budgets": [{"name": "S"}],
-            "grid": {"num_experts": ["dense", 4], "top_k": [2], "moe": {"backend": "torch"}},
-            "run": {
-                "data": {"data_dir": str(tmp_path / "data"), "seq_len": 16, "batch_size": 4, "val_batches": 1},
-                "optim": {"warmup_steps": 1},
-                "train": {"max_tokens": 16 * 4 * 6},
-                "trainer": {"enable_progress_bar": False},
-            },
-        }
-    )
+    grid = {"num_experts": ["dense", 4], "top_k": [2], "moe": {"backend": "torch"}}
+    spec = parse_study(trained_spec(tmp_path, corpus, steps=6, grid=grid))
     records = run_study(spec, tmp_path / "out", log=lambda _: None)
     assert [(r["name"], r["status"]) for r in records] == [("S/dense", "ok"), ("S/E4k2", "ok")], records[-1].get(
         "error"

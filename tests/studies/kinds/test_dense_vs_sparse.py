@@ -343,25 +343,11 @@ def test_without_its_dropless_validation_the_capacity_claim_is_untestable_here()
 def test_a_trained_capacity_point_is_validated_dropless_from_its_final_weights(tmp_path):
     from moe_lit.studies.study import run_study
     from tests.helpers.corpus import write_corpus
+    from tests.helpers.studies import trained_spec
 
     corpus = write_corpus(tmp_path / "corpus", files=2, paragraphs=30)
-    spec = parse_study(
-        {
-            "name": "e2e",
-            "kind": "dense_vs_sparse",
-            "data": {"source": str(corpus), "vocab_size": 300, "val_fraction": 0.1, "test_fraction": 0.1},
-            "base": {"vocab_size": 300, "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64},
-            "budgets": [{"name": "S"}],
-            "grid": {"num_experts": [4], "top_k": [2], "moe": {"backend": "torch"}},
-            "ablations": {"budget": "S", "num_experts": 4, "top_k": 2, "capacity_factor": [0.25]},
-            "run": {
-                "data": {"data_dir": str(tmp_path / "data"), "seq_len": 16, "batch_size": 4, "val_batches": 1},
-                "optim": {"warmup_steps": 1},
-                "train": {"max_tokens": 16 * 4 * 3},
-                "trainer": {"enable_progress_bar": False},
-            },
-        }
-    )
+    ablations = {"budget": "S", "num_experts": 4, "top_k": 2, "capacity_factor": [0.25]}
+    spec = parse_study(trained_spec(tmp_path, corpus, steps=3, ablations=ablations))
     records = {r["name"]: r for r in run_study(spec, tmp_path / "out", log=lambda _: None)}
     parent, child = records["S/E4k2/cf=0.25"], records["S/E4k2/cf=0.25/dropless-val"]
     assert child["status"] == "ok", child.get("error")
