@@ -27,9 +27,15 @@ def rebuild(model: Transformer, cfg: ModelConfig) -> Transformer:
     return new.train(model.training)
 
 
+def dropless(model: Transformer) -> Transformer:
+    """The same weights with ``moe.capacity_factor: null``: every routed token reaches its experts
+    (``model`` keeps its capacity)."""
+    return rebuild(model, model.config.replace(moe={"capacity_factor": None}))
+
+
 def next_token_loss(model: Transformer, batch_BL1: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of a ``(B, L+1)`` token batch (inputs ``[:, :-1]``)."""
     return model(batch_BL1[:, :-1], batch_BL1[:, 1:]).ce
 
 
-__all__ = ["next_token_loss", "rebuild"]
+__all__ = ["dropless", "next_token_loss", "rebuild"]

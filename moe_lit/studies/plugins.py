@@ -19,6 +19,7 @@ from typing import Any
 from moe_lit.callbacks.expert_upcycling import ExpertUpcycling
 from moe_lit.callbacks.study import CopySeparation, ValidationProbe
 from moe_lit.convert import recipes
+from moe_lit.convert.common import dropless
 from moe_lit.convert.expand import expand_experts
 from moe_lit.registry import Entry, Registry, UnknownName
 from moe_lit.studies import measures
@@ -47,7 +48,7 @@ KINDS: Registry[Any] = Registry("study kind")
 POINT_PLUGINS = (TRANSFORMS, MEASUREMENTS, CALLBACKS, MODULES)
 
 TRANSFORMS.register("expand_experts", expand_experts)
-TRANSFORMS.register("dropless", dense_vs_sparse.dropless)
+TRANSFORMS.register("dropless", dropless)
 TRANSFORMS.register("partition_on_stream", measures.partition_on_stream)
 TRANSFORMS.register("prune_by_importance", recipes.prune_by_importance)
 TRANSFORMS.register("moe_to_dense_on_text", recipes.moe_to_dense_on_text)

@@ -19,6 +19,7 @@ from typing import Any
 
 from moe_lit.accounting import matched_moe_config
 from moe_lit.config import ConfigError, ModelConfig, MoEConfig
+from moe_lit.convert.common import dropless
 from moe_lit.stats import summarize
 from moe_lit.studies import plots
 from moe_lit.studies import spec as check
@@ -191,14 +192,6 @@ def expand(spec: DenseVsSparseSpec, header) -> list[Point]:
 
 def _drops_tokens(point: Point) -> bool:
     return point.model.moe is not None and point.model.moe.capacity_factor is not None
-
-
-def dropless(model):
-    """The same weights with ``moe.capacity_factor: null``: every routed token reaches its experts (a pure
-    transform: ``model`` keeps its capacity)."""
-    from moe_lit.convert.common import rebuild
-
-    return rebuild(model, model.config.replace(moe={"capacity_factor": None}))
 
 
 def _dropless_validation(parent: Point) -> Point:

@@ -265,8 +265,8 @@ def test_the_expert_size_claim_is_a_paired_interaction_of_top_k_and_e(shift, ver
 
 # ----------------------------------------------------------------------------- dropless validation
 def test_a_capacity_limited_point_has_a_0_step_child_validating_its_weights_dropless():
+    from moe_lit.convert.common import dropless
     from moe_lit.studies.identity import finalize
-    from moe_lit.studies.kinds.dense_vs_sparse import dropless
 
     points = {p.name: p for p in parse_study(small_spec(seeds=[0, 1])).points}
     parent, child = points["M/E4k2/cf=1/s1"], points["M/E4k2/cf=1/dropless-val/s1"]
@@ -282,8 +282,8 @@ def test_the_dropless_transform_keeps_the_weights_and_only_stops_dropping():
     import torch
 
     from moe_lit.config import ModelConfig
+    from moe_lit.convert.common import dropless
     from moe_lit.model import Transformer
-    from moe_lit.studies.kinds.dense_vs_sparse import dropless
 
     moe = {"num_experts": 4, "expert_size": 16, "top_k": 2, "capacity_factor": 0.5}
     cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=64, seq_len=16, moe=moe)
