@@ -15,13 +15,14 @@ elementwise ops per layer; its 2*256 norm weights per layer replace our 256 expe
 the parameter count) and runs its experts with transformers' default ``grouped_mm`` path
 (``torch._grouped_mm``; ``--olmoe-experts eager`` times the per-expert loop instead).
 
-``--thread-fix MODEL`` times instead the cost of the MoE's thread invariance (issue 53): the training
-step of a trained demo MoE (``results/demo/models/moe``, made by ``make demo``) and of the same model
-freshly initialised, on the demo's first training batch, with the expert blocks of fewer than
-``SERIAL_BLOCK_ROWS`` slots on one thread (``serial``, the default) and with every block on all
-threads (``threaded``: the constant set to 0 around the step, the behaviour before it), interleaved,
-as the median per-round ratio serial / threaded; beside it, how many expert blocks of that batch
-are that small and their share of the routed assignments (of the expert FLOPs).
+``--thread-fix MODEL [MODEL ...]`` times instead the cost of thread invariance (issue 53,
+``moe_lit/model/invariant.py``): the training step of trained demo models (``results/demo/models/moe``
+and ``.../dense``, made by ``make demo``) and of the same configs freshly initialised, on the demo's
+first training batch, ``invariant`` (the default: expert blocks of fewer than ``SERIAL_BLOCK_ROWS``
+slots and the SwiGLU product on one thread) against ``threaded`` (every op on all threads, the
+behaviour before it), interleaved, as the median per-round ratio invariant / threaded; beside it, for
+an MoE, how many expert blocks of that batch are that small and their share of the routed
+assignments (of the expert FLOPs).
 
 ``--compile`` adds a compiled twin of every model (same initial weights; each transformer block /
 OLMoE decoder layer compiled in place with inductor, as ``train.compile`` does), timed in the same
@@ -34,9 +35,11 @@ best GEMM rate of the run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -253,53 +256,58 @@ def small_blocks(model: Transformer, batch_BL1: torch.Tensor, rows: int) -> dict
     }
 
 
-def thread_fix_cost(path: str, rounds: int, warmup: int, clock: str) -> dict[str, object]:
-    """The training step of the trained MoE at ``path`` and of its config freshly initialised, with
-    and without the single-thread small blocks (see the module docstring)."""
+def thread_fix_cost(paths: list[str], rounds: int, warmup: int, clock: str) -> dict[str, object]:
+    """The training step of each trained model in ``paths`` and of its config freshly initialised, with
+    and without the thread-invariant ops (see the module docstring)."""
     from moe_lit.checkpoint import load_model
     from moe_lit.commands.demo import RUN, prepare_default_data
     from moe_lit.lit.datamodule import MoEDataModule
     from moe_lit.lit.run_config import RunConfig
+    from moe_lit.model import invariant
     from moe_lit.model.experts import grouped_swiglu
 
     run = RunConfig.from_yaml(RUN)
     data = run.replace(data={"data_dir": str(prepare_default_data(run.data.data_dir))}).data
     batch_BL1 = next(iter(MoEDataModule.from_config(data, run.train.seed).train_dataloader()))
-    trained = load_model(path)
-    torch.manual_seed(0)
-    models = {"trained": trained, "init": Transformer(trained.config)}
+    models: dict[str, Transformer] = {}
+    for path in paths:
+        trained = load_model(path)
+        torch.manual_seed(0)
+        models |= {f"{Path(path).name}/trained": trained, f"{Path(path).name}/init": Transformer(trained.config)}
 
-    def with_serial_rows(rows: int, step: Callable[[], None]) -> Callable[[], None]:
+    def all_threads(step: Callable[[], None]) -> Callable[[], None]:
+        # NOTE: the behaviour before the fix: no block serial, and one_thread a no-op where swiglu looks it up
         def timed() -> None:
-            kept, grouped_swiglu.SERIAL_BLOCK_ROWS = grouped_swiglu.SERIAL_BLOCK_ROWS, rows
+            kept = grouped_swiglu.SERIAL_BLOCK_ROWS, invariant.one_thread
+            grouped_swiglu.SERIAL_BLOCK_ROWS, invariant.one_thread = 0, contextlib.nullcontext
             try:
                 step()
             finally:
-                grouped_swiglu.SERIAL_BLOCK_ROWS = kept
+                grouped_swiglu.SERIAL_BLOCK_ROWS, invariant.one_thread = kept
 
         return timed
 
     serial_rows = grouped_swiglu.SERIAL_BLOCK_ROWS
-    cases = {
-        f"{name}/{variant}": with_serial_rows(rows, training_step(copy.deepcopy(model), batch_BL1))
-        for name, model in models.items()
-        for variant, rows in (("serial", serial_rows), ("threaded", 0))
-    }
+    cases: dict[str, Callable[[], None]] = {}
+    for name, model in models.items():
+        cases[f"{name}/invariant"] = training_step(copy.deepcopy(model), batch_BL1)
+        cases[f"{name}/threaded"] = all_threads(training_step(copy.deepcopy(model), batch_BL1))
     times = interleaved_times(cases, rounds=rounds, warmup=warmup, clock=clock)
     tokens = batch_BL1[:, :-1].numel()
     return {
         "setup": {
-            "model": path,
+            "models": paths,
             "batch": list(batch_BL1[:, :-1].shape),
             "serial_block_rows": serial_rows,
+            "threads": torch.get_num_threads(),
             "rounds": rounds,
             "clock": clock,
         },
         "models": {
             name: {
-                "serial_over_threaded_time": paired_ratio(times, f"{name}/serial", f"{name}/threaded"),
-                **small_blocks(model, batch_BL1, serial_rows),
-                **{f"{v}_tokens_per_s": tokens / median(times[f"{name}/{v}"]) for v in ("serial", "threaded")},
+                "invariant_over_threaded_time": paired_ratio(times, f"{name}/invariant", f"{name}/threaded"),
+                **(small_blocks(model, batch_BL1, serial_rows) if model.config.moe else {}),
+                **{f"{v}_tokens_per_s": tokens / median(times[f"{name}/{v}"]) for v in ("invariant", "threaded")},
             }
             for name, model in models.items()
         },
@@ -339,8 +347,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--thread-fix",
+        nargs="+",
         metavar="MODEL",
-        help="only time the MoE at MODEL with and without its single-thread small blocks",
+        help="only time the trained models at MODEL (and their fresh twins) with and without the thread-invariant ops",
     )
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()

@@ -43,7 +43,7 @@ MOE_BF16_RESULT = "benchmarks/results/bf16_accuracy-20261206-073201.json"
 benchmarks.bf16_accuracy``): the demo MoE's mean final validation loss in bf16-mixed equals fp32's
 within one fp32 seed sd over 8 seeds of each (Welch's TOST: reproduced; docs/performance.md), and
 bf16-mixed gives the same bits at 1 and 2 threads on an avx512_bf16 CPU
-(``tests/lit/test_bf16_thread_invariance.py``)."""
+(``tests/model/test_thread_invariance.py``)."""
 PROBE_MAX_TOKENS = 2048
 """Tokens of the probe batch at most (the probe takes a few training steps' time)."""
 FP32 = ("32-true", "32", "None")

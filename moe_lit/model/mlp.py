@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from moe_lit.model.invariant import swiglu
 
 
 class SwiGLU(nn.Module):
@@ -20,4 +21,4 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.v1(x))
+        return self.w2(swiglu(self.w1(x), self.v1(x)))

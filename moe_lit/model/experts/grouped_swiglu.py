@@ -21,7 +21,7 @@ flat hidden buffers.
 The SwiGLU runs in two halves around its elementwise product, each with its backward:
 :func:`project_gate_up` (gather the slots' token rows, gate and up projections) and
 :func:`project_down_combine` (down projection, gate-weighted combine); ``ops.py`` registers them
-as custom ops and computes the product between them in plain torch.
+as custom ops and computes the product between them (``model/invariant.py:swiglu``).
 
 Token rows move with gathers only (no scatter-add over tokens): the dispatch gathers token rows
 into slots, the combine is ``F.embedding_bag`` (a fused gather + weighted sum over the k slots of
@@ -31,14 +31,13 @@ assignment (capacity mode) points at an appended zero row of the output buffers.
 
 Every op here gives the same bits at any intra-op thread count (``torch.set_num_threads``), as the
 dense FFN does: a block of fewer than :data:`SERIAL_BLOCK_ROWS` slots runs its matmuls on one
-thread (:meth:`ExpertBlocks._each_block`).
+thread (:meth:`ExpertBlocks._each_block`; ``model/invariant.py`` says why).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 
 from moe_lit._compat import grouped_mm_op
 from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.invariant import one_thread
 
 # NOTE: the fixed cost of one chunk in the batched path, in rows of compute: the copy of its
 # expert's weights and the reduction of their gradients, plus the per-matrix overhead of a batched
@@ -320,20 +320,6 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> 
     return op(a, b, offs=offs)
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Intra-op work on one thread inside the block, the caller's thread count restored after it."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b``."""
     torch.matmul(a, b, out=out)
@@ -364,7 +350,7 @@ def _gate_of_slots(gate_TK: torch.Tensor, slots: Slots) -> torch.Tensor:
 # ---------------------------------------------------------------------- the two halves of the SwiGLU
 # NOTE: the experts' SwiGLU ``y_t = sum_k gate_tk * (silu(x_t w1_e^T) * (x_t v1_e^T)) w2_e`` runs in two
 # halves around its elementwise product, each with its hand-written backward: the product itself is
-# plain torch, which torch.compile fuses (``ops.py``).
+# ``model/invariant.py:swiglu``, which torch.compile fuses (``ops.py``).
 def project_gate_up(
     x_TD: torch.Tensor, w1_SD: torch.Tensor, v1_SD: torch.Tensor, slots: Slots, layout: ExpertLayout
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

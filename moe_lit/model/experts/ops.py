@@ -6,7 +6,7 @@ H hidden cells (see ``grouped_swiglu.py``).
 :func:`routed_swiglu` is the torch backend's whole expert computation, in three steps:
 
     x_PD, h1_H, h2_H, plan = moe_lit::experts_gate_up(x_TD, indices_TK, w1_SD, v1_SD)  # dispatch, gate/up GEMMs
-    act_H = silu(h1_H) * h2_H                                                         # plain torch
+    act_H = swiglu(h1_H, h2_H)                                                        # model/invariant.py
     y_TD = moe_lit::experts_down(act_H, w2_SD, gate_TK, plan)                          # down GEMMs, gated combine
 
 Each op has a fake implementation (output shapes only) and a hand-written backward, itself an op
@@ -36,7 +36,6 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from moe_lit.model.experts.grouped_swiglu import (
     Geometry,
@@ -49,6 +48,7 @@ from moe_lit.model.experts.grouped_swiglu import (
     restore_slots,
 )
 from moe_lit.model.experts.layout import ExpertLayout
+from moe_lit.model.invariant import swiglu
 
 Plan = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(assign_P, slot_TK, routed_counts_E)``: a routing's slot index maps and per-expert counts."""
@@ -76,11 +76,8 @@ def routed_swiglu(
     if needs_autograd or torch.compiler.is_compiling():
         gate_up, down = torch.ops.moe_lit.experts_gate_up, torch.ops.moe_lit.experts_down
     x_PD, h1_H, h2_H, *plan = gate_up(x_TD, indices_TK, w1_SD, v1_SD, sizes, geometry, capacity)
-    if needs_autograd:
-        act_H = F.silu(h1_H) * h2_H
-    else:
-        # NOTE: without autograd the product overwrites the gate projection's buffer (one hidden buffer fewer).
-        act_H = F.silu(h1_H, inplace=True).mul_(h2_H)
+    # NOTE: without autograd the product overwrites the gate projection's buffer (one hidden buffer fewer).
+    act_H = swiglu(h1_H, h2_H, overwrite=not needs_autograd)
     y_TD = down(act_H, w2_SD, gate_TK, *plan, sizes, geometry, capacity)
     return y_TD, plan[2]
 
