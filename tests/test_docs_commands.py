@@ -121,19 +121,6 @@ def docs_env(tmp_path_factory):
         yield DocsEnv(cwd, root / "corpus", prepared, export, set())
 
 
-@pytest.fixture(autouse=True)
-def fast_lightning_parser(monkeypatch):
-    # NOTE: LightningCLI reads every field docstring of Trainer & co. for --help at each parser build
-    # (seconds per line here); without them the parser accepts exactly the same words.
-    import jsonargparse
-
-    set_parsing_settings = jsonargparse.set_parsing_settings
-    set_parsing_settings(docstring_parse_attribute_docstrings=False)
-    monkeypatch.setattr(jsonargparse, "set_parsing_settings", lambda **settings: None)
-    yield
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # what moe-lit itself sets
-
-
 def _mode(cmd: DocCommand) -> str:
     """run | parse | names (moe-lit lines), or the program's check."""
     if cmd.program != "moe-lit":

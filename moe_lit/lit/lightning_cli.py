@@ -558,8 +558,10 @@ def run_lightning_cli(argv: Sequence[str]) -> int:
     """Run ``fit|validate|test`` with ``argv`` (subcommand first); config errors raise MoeLitError."""
     from jsonargparse import set_parsing_settings
 
-    # NOTE: attribute docstrings (the line under each dataclass field) become --help text.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # NOTE: attribute docstrings (the line under each dataclass field) become --help text. Reading
+    # them parses the source of every class the parser covers (the Trainer's and nn.Module's
+    # included), most of the parser's build time, so only a run that prints help reads them.
+    set_parsing_settings(docstring_parse_attribute_docstrings=any(arg in ("-h", "--help") for arg in argv))
     try:
         with warnings.catch_warnings(), quiet_lightning():
             # NOTE: argv is sys.argv's tail when run as `moe-lit`; Lightning warns about getting both.
