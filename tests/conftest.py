@@ -16,6 +16,7 @@ pytest_plugins = ("tests.helpers.fixtures",)
 
 def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "loadgroup", False):  # what pytest-xdist sets in a worker of --dist loadgroup
+        keep_xdist_groups(items)
         # NOTE: the slow tests go first (a stable sort, the same on every worker): loadgroup (make
         # test) hands out one test at a time in this order, so the long ones spread over the workers
         # at the start and short ones fill the end, instead of a long test started last running
@@ -28,6 +29,21 @@ def pytest_collection_modifyitems(config, items):
         # NOTE: the marker, not the keywords: keywords include directory names such as tests/gpu/.
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def keep_xdist_groups(items) -> None:
+    """Give each test marked ``xdist_group(NAME)`` the ``@NAME`` nodeid suffix by which loadgroup keeps a group
+    on one worker (a module's module-scoped runs are then made once, not once per worker).
+
+    NOTE: pytest-xdist 3.8 writes that suffix to ``item._nodeid``, which pytest 9.2 no longer reads (the
+    id lives in ``item._id``): without this the groups are silently ignored. A suffixed id is left alone.
+    """
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{mark.args[0] if mark.args else mark.kwargs['name']}")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -22,7 +22,8 @@ from moe_lit.model.experts import TorchExperts
 from tests.distributed import ep_script, launch
 from tests.gpu import megablocks_standins
 
-pytestmark = pytest.mark.slow
+# NOTE: one worker runs the module: its module-scoped runs are then made once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("expert_parallel")]
 TIMEOUT_S = 300
 
 

@@ -19,7 +19,8 @@ from tests.distributed import fsdp1_script, launch
 from tests.distributed.fsdp1_script import CONFIG
 from tests.distributed.train_script import tokens
 
-pytestmark = pytest.mark.slow
+# NOTE: one worker runs the module: its module-scoped runs are then made once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp1_optimizer_state")]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ from moe_lit.checkpoint import load_model
 from tests.distributed import train_script
 from tests.distributed.launch import run_script
 
-pytestmark = pytest.mark.slow
+# NOTE: one worker runs the module: its module-scoped runs are then made once, not once per worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("strategies_cpu")]
 
 
 @pytest.fixture(scope="module")
