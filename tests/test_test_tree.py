@@ -1,7 +1,9 @@
-"""The test tree's own rule: shared builders come from tests/helpers, never from a conftest or a test file."""
+"""The test tree's own rules: shared builders come from tests/helpers, never from a conftest or a test file; xdist groups hold."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 
@@ -42,3 +44,11 @@ def test_the_rule_catches_both_import_forms(tmp_path):
         "test_other.helper",
         "tests.test_x",
     ]
+
+
+@pytest.mark.xdist_group("test_tree")
+def test_a_grouped_test_carries_its_group_under_loadgroup(request):
+    # loadgroup keeps a group on one worker by this nodeid suffix (tests/conftest.py: keep_xdist_groups)
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("only --dist loadgroup (make test) groups tests")
+    assert request.node.nodeid.endswith("@test_tree")
