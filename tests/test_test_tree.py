@@ -1,4 +1,4 @@
-"""The test tree's own rules: shared builders come from tests/helpers, never from a conftest or a test file; xdist groups hold."""
+"""The test tree's own rules: shared builders come from tests/helpers (never a conftest or test file); groups hold."""
 
 import ast
 from pathlib import Path
