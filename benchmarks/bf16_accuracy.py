@@ -40,11 +40,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import yaml
 
 from benchmarks.common import report, set_threads
-from moe_lit.commands.demo import MODELS, RUN, load_module_config, prepare_default_data
+from moe_lit.commands.demo import MODELS, RUN, load_module_config, model_runs, prepare_default_data
 from moe_lit.config import ModelConfig
+from moe_lit.configbase import load_yaml
 from moe_lit.inference.precision import native_bf16_flags
 from moe_lit.io import atomic_write_json
 from moe_lit.lit.run import train_run
@@ -70,15 +70,11 @@ CLAIM_POLL_S = 30
 
 
 def demo_runs(data_dir: Path) -> dict[str, tuple[ModelConfig, RunConfig]]:
-    """Per demo model: its ModelConfig and the demo's RunConfig for it (``RUN`` under the model
-    YAML's optimizer, the run file's own optim fields over it, as ``moe-lit demo`` builds it)."""
-    base = RunConfig.from_yaml(RUN).replace(data={"data_dir": str(data_dir)}, trainer={"enable_progress_bar": False})
-    run_optim = (yaml.safe_load(RUN.read_text()) or {}).get("optim") or {}
-    runs = {}
-    for name, path in MODELS.items():
-        model_cfg, optim = load_module_config(path)
-        runs[name] = (model_cfg, base.replace(optim={**optim, **run_optim}))
-    return runs
+    """Per demo model: its ModelConfig and the run ``moe-lit demo`` gives it (:func:`model_runs`), on ``data_dir``."""
+    settings = {"data.data_dir": str(data_dir), "trainer.enable_progress_bar": False}
+    models = {name: load_module_config(path) for name, path in MODELS.items()}
+    runs = model_runs(RunConfig.merge(load_yaml(RUN, "--config"), settings), models)
+    return {name: (model_cfg, runs[name]) for name, (model_cfg, _) in models.items()}
 
 
 def packaged(path: Path) -> str:

@@ -37,7 +37,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -121,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
     run_doc = RunConfig.merge(run_doc, {"data.data_dir": str(data_dir)})
     preemption = Preemption(resume=resume_command(), label="moe-lit demo")
     models = {name: load_module_config(path) for name, path in MODELS.items()}
-    runs = {
-        name: RunConfig.from_dict(RunConfig.merge({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}}))
-        for name, (_, optim) in models.items()
-    }
+    runs = model_runs(run_doc, models)
     trained: dict[str, RunResult] = {}
     grow = upcycling(models["dense"][0], models["moe"][0], runs["dense"].steps, base.train.seed)
     for index in range(args.seeds):
@@ -224,6 +221,17 @@ def resume_command() -> str:
 
     command = command_line()
     return command if "--resume" in command.split() else f"{command} --resume"
+
+
+def model_runs(
+    run_doc: dict[str, Any], models: dict[str, tuple[ModelConfig, dict[str, object]]]
+) -> dict[str, RunConfig]:
+    """Per demo model, its run: the ``run_doc`` sections under the model YAML's optimizer, the run's own
+    optim fields over it."""
+    return {
+        name: RunConfig.from_dict(RunConfig.merge({**run_doc, "optim": optim}, {"optim": run_doc.get("optim") or {}}))
+        for name, (_, optim) in models.items()
+    }
 
 
 def train_model(

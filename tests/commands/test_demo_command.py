@@ -217,3 +217,15 @@ def test_a_demo_interrupted_twice_in_training_and_resumed_equals_an_uninterrupte
     assert all(torch.equal(cut["state_dict"][k], v) for k, v in full["state_dict"].items())  # bit-exact
     runs = {name: json.loads((tmp_path / name / card.RESULTS_JSON).read_text())["runs"] for name in ("full", "cut")}
     assert {n: r["val_loss"] for n, r in runs["cut"].items()} == {n: r["val_loss"] for n, r in runs["full"].items()}
+
+
+def test_each_model_runs_the_run_file_under_its_own_optimizer_and_keeps_its_trainer_settings():
+    # benchmarks.bf16_accuracy trains the demo's runs through this too: a run without the file's clipping
+    # would be another recipe
+    run_doc = yaml.safe_load(demo.RUN.read_text())
+    models = {name: demo.load_module_config(path) for name, path in demo.MODELS.items()}
+    runs = demo.model_runs({**run_doc, "optim": {"warmup_steps": 7}}, models)
+    for name, (_, optim) in models.items():
+        assert runs[name].trainer == run_doc["trainer"] and runs[name].trainer["gradient_clip_val"] == 1.0
+        assert runs[name].optim == OptimConfig(**{**optim, "warmup_steps": 7}), name
+        assert runs[name].train.max_tokens == run_doc["train"]["max_tokens"]
