@@ -86,14 +86,21 @@ def test_experts_forward_and_backward_are_the_same_bits_at_1_2_3_and_5_threads(s
         assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True)), threads
 
 
+ROUTING_OPTIONS = {"score_func": "sigmoid", "shared_expert_size": 256, "shared_expert_gate": True, "z_loss_coef": 1e-3}
+"""The other router and expert options, on the demo MoE (with per-head qk norm)."""
+
+
 @pytest.mark.parametrize("bf16", PRECISIONS)
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [*sorted(MODELS), "moe-options"])
 def test_demo_models_train_to_the_same_losses_and_weights_whatever_the_threads(name, bf16):
     # steps at 3, 1 and 5 threads (changing mid-run, as ThreadShare does) against 1 thread throughout;
     # two of the demo model's layers at its batch: the same GEMM and SwiGLU shapes, half the time
     schedule = [3, 1, 5]
+    cfg = demo_config(name.removesuffix("-options"), n_layers=2)
+    if name.endswith("-options"):
+        cfg = dataclasses.replace(cfg, qk_norm="head", moe=dataclasses.replace(cfg.moe, **ROUTING_OPTIONS))
     torch.manual_seed(0)
-    model = Transformer(demo_config(name, n_layers=2))
+    model = Transformer(cfg)
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(2)
     batches = [torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in schedule]
