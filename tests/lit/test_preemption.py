@@ -3,12 +3,9 @@ rerunning into a run directory offers --resume beside --force."""
 
 import json
 import os
-import re
 import shlex
 import signal
-import subprocess
 import sys
-import time
 
 import lightning.pytorch as pl
 import pytest
@@ -27,10 +24,10 @@ from tests.helpers.cli_runs import TINY
 from tests.helpers.cli_runs import fit as _fit
 from tests.helpers.models import tiny
 from tests.helpers.paths import EXPERIMENT
+from tests.helpers.signals import interruption, signal_when_checkpointed
 from tests.lit.fakes import RandomTokenDataModule
 
 STEPS = 10
-LINE = re.compile(r"SIGTERM at step (\d+) of \d+: checkpoint (\S+); resume: (.+) \(exit 143\)$")
 
 
 class SignalAt(pl.Callback):
@@ -113,30 +110,6 @@ def _rows(path) -> dict[int, float]:
     return {int(row["step"]): row["train/loss"] for row in read_metrics(path) if "train/loss" in row}
 
 
-def _signal_when_checkpointed(argv, cwd, checkpoints, timeout_s=300.0) -> tuple[int, str]:
-    """Start ``python -m moe_lit.console_script *argv``, SIGTERM it once a ``last.ckpt`` matches ``checkpoints``
-    (it checkpoints every step), and return its exit status and stderr."""
-    with open(cwd / "stderr.txt", "w") as err, open(cwd / "stdout.txt", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moe_lit.console_script", *argv], cwd=cwd, stdout=out, stderr=err
-        )
-        deadline = time.monotonic() + timeout_s
-        while not list(cwd.glob(checkpoints)) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=timeout_s)
-    return code, (cwd / "stderr.txt").read_text()
-
-
-def _interruption(stderr: str) -> tuple[int, str, str]:
-    """(step, checkpoint, resume command) of the one interruption line."""
-    lines = [line for line in stderr.splitlines() if "SIGTERM at step" in line]
-    assert len(lines) == 1, stderr
-    match = LINE.search(lines[0])
-    assert match, lines[0]
-    return int(match.group(1)), match.group(2), match.group(3)
-
-
 @pytest.mark.slow
 def test_sigterm_stops_a_fit_subprocess_with_exit_143_and_its_resume_repeats_the_losses(
     prepared, tmp_path, monkeypatch
@@ -145,9 +118,9 @@ def test_sigterm_stops_a_fit_subprocess_with_exit_143_and_its_resume_repeats_the
     assert _fit(prepared, "--trainer.max_steps", str(STEPS), "--out", "full") == 0
     args = ["--data.data_dir", str(prepared), *TINY, "--trainer.max_steps", str(STEPS)]
     argv = ["fit", "--config", EXPERIMENT, *args, "--checkpoint.every_n_train_steps", "1", "--out", "cut"]
-    code, stderr = _signal_when_checkpointed(argv, tmp_path, "cut/checkpoints/last.ckpt")
+    code, stderr = signal_when_checkpointed(argv, tmp_path, "cut/checkpoints/last.ckpt")
     assert code == 143, stderr
-    step, checkpoint, resume = _interruption(stderr)
+    step, checkpoint, resume = interruption(stderr)
     assert 1 <= step < STEPS and read_lightning_checkpoint(checkpoint)["global_step"] == step
     assert resume.startswith("moe-lit fit --config") and resume.endswith("--out cut --resume")
     assert main(shlex.split(resume)[1:]) == 0  # the printed command, as printed
@@ -174,11 +147,11 @@ def test_sigterm_stops_a_study_worker_and_the_rerun_continues_its_point(prepared
         },
     }
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(spec))
-    code, stderr = _signal_when_checkpointed(
+    code, stderr = signal_when_checkpointed(
         ["study", "run", "study.yaml", "--out", "cut"], tmp_path, "cut/runs/*/checkpoints/last.ckpt"
     )
     assert code == 143, stderr
-    step, checkpoint, resume = _interruption(stderr)
+    step, checkpoint, resume = interruption(stderr)
     assert "study point S/E4k2: SIGTERM" in stderr and resume == "moe-lit study run study.yaml --out cut"
     assert not list((tmp_path / "cut" / "runs").glob("*.json"))  # no record: the point is not finished
     monkeypatch.chdir(tmp_path)

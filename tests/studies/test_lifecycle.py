@@ -173,3 +173,37 @@ def test_conversion_seeds_add_the_partition_stage_only_and_keep_every_hash(tiny)
     assert len(extra) == 2 * STAGES["partition"]  # the dense model is measured once
     with pytest.raises(ConfigError, match="conversion_seeds"):
         parse_study({**tiny[2], "conversion_seeds": [-1]})
+
+
+@pytest.mark.slow
+def test_a_distillation_stopped_by_sigterm_resumes_to_the_uninterrupted_record(tiny, tmp_path, monkeypatch, caplog):
+    # NOTE: the study's costliest points (a DOT-MoE partition, then its distillation from the dense
+    # teacher) are the ones a session ends in the middle of; the rerun continues from last.ckpt
+    # with the teacher built again and the transformed start kept for the "before" measure.
+    import json
+    import shlex
+    from pathlib import Path
+
+    import yaml
+
+    from moe_lit.console_script import main
+    from tests.helpers.signals import interruption, signal_when_checkpointed
+
+    study = {**tiny[2], "methods": ["dot_moe"], "recovery": {"steps": 6, "lr": 1e-4, "warmup": 1}}
+    study["run"] = {**study["run"], "train": {"max_steps": 6, "checkpoint_every": 1}}
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
+    argv = ["study", "run", "study.yaml", "--only", "E4k2/dot_moe"]
+    code, stderr = signal_when_checkpointed([*argv, "--out", "cut"], tmp_path, "cut/runs/*/checkpoints/last.ckpt")
+    assert code == 143, stderr
+    step, checkpoint, resume = interruption(stderr)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("INFO"):
+        assert main(shlex.split(resume)[1:]) == 0
+    restored = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Restoring states from")]
+    assert restored == [f"Restoring states from the checkpoint path at {Path(checkpoint).relative_to(tmp_path)}"]
+    assert main([*argv, "--out", "full"]) == 0
+    (cut_record,) = (tmp_path / "cut" / "runs").glob("*.json")
+    cut, full = (json.loads(p.read_text()) for p in (cut_record, tmp_path / "full" / "runs" / cut_record.name))
+    assert 1 <= step < 6 and cut["status"] == full["status"] == "ok", cut.get("error")
+    for field in ("steps", "curve", "val_loss", "bpb", "suite", "before"):
+        assert cut[field] == full[field], field
