@@ -281,6 +281,11 @@ def point_status(out_dir: Path, point: Point) -> str:
     return record["status"] if record else STATUS_PENDING
 
 
+def is_done(out_dir: Path, point: Point, retry_failed: bool = False) -> bool:
+    """Whether a runner leaves ``point`` alone: it has a record, ok or (unless ``retry_failed``) failed."""
+    return point_status(out_dir, point) in ({STATUS_OK} if retry_failed else {STATUS_OK, STATUS_FAILED})
+
+
 def point_record(point: Point) -> dict[str, Any]:
     """What is known of a point before it runs: identity, axes, analytic params and FLOPs."""
     counts = count_config_params(point.model)
@@ -317,6 +322,7 @@ __all__ = [
     "fork_steps",
     "path_fingerprint",
     "point_record",
+    "is_done",
     "point_status",
     "read_record",
     "record_path",

@@ -28,8 +28,8 @@ from moe_lit.studies.identity import (
     TRANSFORMED_START,
     Point,
     fork_checkpoint,
+    is_done,
     point_record,
-    point_status,
     read_record,
     record_path,
     run_dir,
@@ -187,20 +187,22 @@ def run_leased(
     parents: dict[str, Point],
     save_at: Sequence[int] = (),
     train_fn: TrainFn | None = None,
+    retry_failed: bool = False,
     ttl_s: float = LEASE_TTL_S,
 ) -> dict[str, Any] | None:
     """:func:`run_point` under an exclusive lease (:mod:`moe_lit.studies.leases`); None when another
-    runner holds the point or finished it meanwhile. The lease is taken in the process that trains,
-    so a dead submitter leaves no point leased and a point submitted twice costs an empty job."""
+    runner holds the point or finished it meanwhile (failed too, unless ``retry_failed``: another
+    runner's failure is a record, not a retry). The lease is taken in the process that trains, so a
+    dead submitter leaves no point leased and a point submitted twice costs an empty job."""
     from moe_lit.studies.leases import try_lease
 
-    if point_status(out_dir, point) == STATUS_OK:
+    if is_done(out_dir, point, retry_failed):
         return None
     lease = try_lease(out_dir, point.hash, ttl_s)
     if lease is None:
         return None
     with lease:
-        if point_status(out_dir, point) == STATUS_OK:
+        if is_done(out_dir, point, retry_failed):
             return None
         return run_point(point, out_dir, parents, save_at, train_fn)
 

@@ -23,6 +23,7 @@ from moe_lit.studies.identity import (
     STATUS_PENDING,
     Point,
     fork_steps,
+    is_done,
     point_record,
     point_status,
     read_record,
@@ -41,7 +42,7 @@ INTERRUPTED_EXIT_CODES = tuple(
 )
 
 
-def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
+def _worker(point, out_dir, parents, save_at, train_fn, retry_failed, threads) -> None:
     """Body of one spawned process: its own log file and thread count, then :func:`run_leased`."""
     log_file = run_dir(out_dir, point).with_suffix(".log")
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +55,7 @@ def _worker(point, out_dir, parents, save_at, train_fn, threads) -> None:
 
     torch.set_num_threads(threads)
     try:
-        run_leased(point, out_dir, parents, save_at, train_fn)
+        run_leased(point, out_dir, parents, save_at, train_fn, retry_failed)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT_CODES[0])
 
@@ -131,8 +132,7 @@ def run_points(
     out_dir = Path(out_dir)
     parents = {p.name: p for p in points}
     save_at = fork_steps(points)
-    skip = {STATUS_OK} if retry_failed else {STATUS_OK, STATUS_FAILED}
-    unfinished = [p for p in points if point_status(out_dir, p) not in skip]
+    unfinished = [p for p in points if not is_done(out_dir, p, retry_failed)]
     todo = [p for p in unfinished if _selected(p, only)]
     left = f" ({len(unfinished) - len(todo)} others not selected)" if only else ""
     finished = len(points) - len(unfinished)
@@ -159,7 +159,7 @@ def run_points(
         on_done(point, _parent_failed_record(point, out_dir))
 
     def args(point: Point) -> tuple:
-        return point, out_dir, parents, sorted(save_at.get(point.name, ())), train_fn
+        return point, out_dir, parents, sorted(save_at.get(point.name, ())), train_fn, retry_failed
 
     if executor is not None and executor.kind != "local":
         _run_submitit(schedule, executor, out_dir, args, on_done, blocked, label)
@@ -212,7 +212,8 @@ def _run_parallel(schedule, out_dir, args, train_fn, parallel, on_done, blocked)
     try:
         while True:
             while len(running) < parallel and (point := schedule.take_ready(blocked)) is not None:
-                proc = ctx.Process(target=_worker, args=(*args(point)[:4], train_fn, threads))
+                packed = args(point)
+                proc = ctx.Process(target=_worker, args=(*packed[:4], train_fn, *packed[5:], threads))
                 proc.start()
                 running[proc.sentinel] = (proc, point)
             if not running:

@@ -175,6 +175,23 @@ def test_a_point_leased_by_another_runner_is_left_to_it(tmp_path):
     assert len(run_points(points, tmp_path, train_fn=fakes.fake_train, log=lambda _: None)) == 3
 
 
+def test_a_point_another_runner_failed_is_left_failed_unless_retry_failed(tmp_path):
+    # NOTE: a runner's schedule is made at its start; a point failed since by another runner has a
+    # record then, and --retry-failed alone runs it again (not every runner that reaches it).
+    from moe_lit.studies.run import run_leased, run_point
+
+    parent = next(p for p in _family() if p.name == "parent")
+    assert run_point(parent, tmp_path, {}, train_fn=_broken)["status"] == "failed"  # the other runner
+    assert run_leased(parent, tmp_path, {}, train_fn=fakes.fake_train) is None
+    assert fakes.read_calls(tmp_path) == [] and json.loads(record_path(tmp_path, parent).read_text())["error"]
+    assert run_leased(parent, tmp_path, {}, train_fn=fakes.fake_train, retry_failed=True)["status"] == "ok"
+    assert len(fakes.read_calls(tmp_path)) == 1
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+
 @pytest.mark.slow
 def test_submitit_local_executor_runs_the_waves(tmp_path):
     from moe_lit.studies.executors import ExecutorConfig
