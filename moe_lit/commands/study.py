@@ -70,7 +70,7 @@ def _run_run(args: argparse.Namespace) -> int:
         print(_points_table(study, out_dir))
         return 0
     options = {"parallel": args.parallel, "retry_failed": args.retry_failed, "only": args.only}
-    run_study(study, out_dir, **options, command=_command_line(args))
+    run_study(study, out_dir, **options, command=_recorded_command(args, out_dir, keep=bool(args.only)))
     check_records(out_dir)
     _print_report(write_report(out_dir, readme=args.readme, force=args.force))
     return 0
@@ -131,13 +131,11 @@ def _run_report(args: argparse.Namespace) -> int:
     if args.spec is None and args.out is None:
         raise MoeLitError("study report: give the study YAML or --out DIR")
     if args.spec is not None:  # the plan follows the study file (its points may have new hashes)
-        from moe_lit.studies.identity import STUDY_FILE, read_record
         from moe_lit.studies.study import write_plan
 
         study = _load(args)
         out_dir = _out_dir(args, study)
-        previous = read_record(out_dir / STUDY_FILE) or {}
-        write_plan(study, out_dir, previous.get("command") or _command_line(args, "run"))
+        write_plan(study, out_dir, _recorded_command(args, out_dir, keep=True))
     else:
         out_dir = Path(args.out)
     check_records(out_dir)
@@ -165,9 +163,18 @@ def _print_report(paths: dict[str, Path]) -> None:
     print("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
-def _command_line(args: argparse.Namespace, action: str = "run") -> str:
+def _recorded_command(args: argparse.Namespace, out_dir: Path, *, keep: bool) -> str:
+    """The command study.json keeps. ``keep``: the one already there, if any (a report, or a slice
+    run with ``--only``: slices share the results directory of the run that the command names)."""
+    from moe_lit.studies.identity import STUDY_FILE, read_record
+
+    previous = (read_record(out_dir / STUDY_FILE) or {}).get("command") if keep else None
+    return previous or _command_line(args)
+
+
+def _command_line(args: argparse.Namespace) -> str:
     """The run command (kept in study.json, shown in summary.md)."""
-    words = ["moe-lit", "study", action, str(args.spec)]
+    words = ["moe-lit", "study", "run", str(args.spec)]
     for flag, value in (
         ("--parallel", getattr(args, "parallel", None)),
         ("--out", args.out),

@@ -1,4 +1,10 @@
+import json
+from pathlib import Path
+
+import yaml
+
 from moe_lit.console_script import main
+from moe_lit.studies import study as study_module
 from moe_lit.studies.study import parse_study, run_study
 from tests.helpers.paths import STUDIES
 from tests.helpers.studies import small_spec
@@ -34,3 +40,23 @@ def test_bad_study_file_is_a_one_line_error(tmp_path, capsys):
     assert err == "moe-lit study run: error: grid.match: got 'params', allowed values: active, total\n"
     assert main(["study", "run", str(tmp_path / "missing.yaml")]) == 2
     assert "study: no such file" in capsys.readouterr().err
+
+
+def test_a_slice_run_keeps_the_command_of_the_run_it_slices(tmp_path, monkeypatch, capsys):
+    def with_fake_training(*args, **kwargs):
+        return run_study(*args, **kwargs, train_fn=fakes.fake_train, prepare_data=False, log=lambda _: None)
+
+    monkeypatch.setattr(study_module, "run_study", with_fake_training)
+    monkeypatch.chdir(tmp_path)
+    Path("t.yaml").write_text(yaml.safe_dump(small_spec(ablations=None)))
+
+    def recorded_after(*flags: str) -> str:
+        assert main(["study", *flags]) == 0
+        capsys.readouterr()
+        return json.loads(Path("results/t/study.json").read_text())["command"]
+
+    whole = "moe-lit study run t.yaml --parallel 1"
+    assert recorded_after("run", "t.yaml", "--parallel", "1", "--only", "S/*") == whole
+    assert recorded_after("run", "t.yaml", "--only", "M/*") == whole
+    assert recorded_after("report", "t.yaml") == whole
+    assert recorded_after("run", "t.yaml") == "moe-lit study run t.yaml"
