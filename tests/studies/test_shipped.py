@@ -90,6 +90,28 @@ def test_the_upcycling_utility_claim_is_judged_by_its_registered_design():
     assert utility["second_analysis"].startswith("Second analysis, not the verdict")
 
 
+def _seed_unit_row(claim: dict) -> str:
+    """The numbers of a judged claim as docs/lifecycle-smollm2.md's "seed as the unit" table gives them."""
+    low, high = claim["ci"]
+    holm_low, holm_high = claim["ci_holm"]
+    p = "1" if claim["p_holm"] >= 1 else f"{claim['p_holm']:#.2g}"
+    return (
+        f"| {claim['estimate']:+.3f} [{low:+.3f}, {high:+.3f}] | [{holm_low:+.3f}, {holm_high:+.3f}] "
+        f"| {p} | {claim['mde']:.2f} | {claim['verdict']} |"
+    )
+
+
+def test_the_lifecycle_page_gives_every_judged_claim_with_the_reports_numbers():
+    claims = json.loads((RESULTS / "lifecycle-smollm2" / "report.json").read_text())["claims"]
+    judged = [c for c in claims if c["verdict"] != UNTESTABLE]
+    page = (REPO / "docs" / "lifecycle-smollm2.md").read_text()
+    assert judged and f"Holm over the {len(judged)} claims judged" in page
+    table = [line for line in page.splitlines() if line.endswith(tuple(f"| {v} |" for v in VERDICTS))]
+    assert len(table) == len(judged)
+    for claim in judged:
+        assert any(line.endswith(_seed_unit_row(claim)) for line in table), (claim["claim"], _seed_unit_row(claim))
+
+
 def test_no_old_verdict_words_in_results_readme_docs_or_code():
     files = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *RESULTS.glob("*/summary.md")]
     files += [*RESULTS.glob("*/report.json"), *(REPO / "moe_lit").rglob("*.py"), *STUDIES.glob("*.yaml")]
