@@ -112,6 +112,22 @@ def test_the_lifecycle_page_gives_every_judged_claim_with_the_reports_numbers():
         assert any(line.endswith(_seed_unit_row(claim)) for line in table), (claim["claim"], _seed_unit_row(claim))
 
 
+def test_the_lifecycle_pages_model_table_carries_each_records_numbers():
+    runs = (RESULTS / "lifecycle-smollm2" / "runs").glob("*.json")
+    records = {record["name"]: record for record in (json.loads(path.read_text()) for path in runs)}
+    page = (REPO / "docs" / "lifecycle-smollm2.md").read_text()
+    rows = page.split("| point | params | bpb | task acc | bpb before | task acc before |", 1)[1].split("\n\n", 1)[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in rows.splitlines()[2:]]
+    assert len(cells) == 12
+    for name, _, bpb, acc, bpb_before, acc_before in cells:
+        record = records[name.split()[0]]
+        assert bpb == f"{record['bpb_mean']:.3f}", name
+        assert acc == f"{record['task_acc']:.3f} ± {record['task_acc_se']:.3f}", name
+        before = record.get("before") or {}
+        shown = (f"{before['bpb_mean']:.3f}", f"{before['task_acc']:.3f}") if before else ("", "")
+        assert (bpb_before, acc_before) == shown, name
+
+
 def test_no_old_verdict_words_in_results_readme_docs_or_code():
     files = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *RESULTS.glob("*/summary.md")]
     files += [*RESULTS.glob("*/report.json"), *(REPO / "moe_lit").rglob("*.py"), *STUDIES.glob("*.yaml")]
