@@ -1,5 +1,5 @@
-"""Small dense_vs_sparse study specs: every grid axis and ablation (planning only), and one that trains
-real tiny models on a written corpus."""
+"""Small study specs: dense_vs_sparse with every grid axis and ablation (planning only) and one that
+trains real tiny models on a written corpus; the run section and model of the kinds' tiny studies."""
 
 from pathlib import Path
 
@@ -48,3 +48,19 @@ def trained_spec(tmp_path: Path, corpus: Path, steps: int, **changes) -> dict:
     }
     spec.update(changes)
     return spec
+
+
+def tiny_kind_run() -> dict:
+    """The run section of a kind's tiny study: 16-token windows, 2 a batch, 4 CPU steps."""
+    return {
+        "data": {"data_dir": "some/data", "seq_len": 16, "batch_size": 2, "val_batches": 1},
+        "optim": {"warmup_steps": 1},
+        "train": {"max_steps": 4, "val_every": 4},
+        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
+    }
+
+
+def tiny_kind_model(**moe) -> dict:
+    """A 2-layer, d_model-32 model over 300 tokens: an MoE with these ``moe`` fields, dense without."""
+    model = {"vocab_size": 300, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64}
+    return {**model, "moe": moe} if moe else model

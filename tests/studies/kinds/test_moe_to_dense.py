@@ -11,25 +11,14 @@ from moe_lit.studies.kinds.moe_to_dense import analyse, factor_spreads, screen_v
 from moe_lit.studies.study import load_study, parse_study
 from moe_lit.studies.verdicts import judge
 from tests.helpers.corpus import prepare_corpus
+from tests.helpers.studies import tiny_kind_model, tiny_kind_run
 
 TINY = {
     "name": "m2d",
     "kind": "moe_to_dense",
     "seeds": [0, 1],
-    "run": {
-        "data": {"data_dir": "some/data", "seq_len": 16, "batch_size": 2, "val_batches": 1},
-        "optim": {"warmup_steps": 1},
-        "train": {"max_steps": 4, "val_every": 4},
-        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
-    },
-    "model": {
-        "vocab_size": 300,
-        "d_model": 32,
-        "n_layers": 2,
-        "n_heads": 2,
-        "d_ff": 64,
-        "moe": {"num_experts": 4, "expert_size": 16, "top_k": 2, "expert_output_bias": False},
-    },
+    "run": tiny_kind_run(),
+    "model": tiny_kind_model(num_experts=4, expert_size=16, top_k=2, expert_output_bias=False),
     "keep": 3,
     "groups": 2,
     "distill": ["do_acp/single/gate_mass", "frequency/kmeans/uniform"],
@@ -94,7 +83,7 @@ def test_the_shipped_study_screens_the_whole_grid_over_three_seeds():
         ({"distill": ["do_acp/single"]}, "distill: expected 'score/grouping/scaling', got 'do_acp/single'"),
         ({"distill": ["do_acp/blend/uniform"]}, "distill: 'do_acp/blend/uniform': grouping: got 'blend'"),
         ({"finetune": "random/single/uniform"}, "finetune: must be null or one of distill"),
-        ({"model": {k: v for k, v in TINY["model"].items() if k != "moe"}}, "model.moe: the parent must be an MoE"),
+        ({"model": tiny_kind_model()}, "model.moe: the parent must be an MoE"),
         (
             {"model": {**TINY["model"], "moe": {**TINY["model"]["moe"], "first_dense_layers": 1}}},
             "model.moe: every layer must be MoE",

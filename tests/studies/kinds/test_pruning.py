@@ -13,25 +13,14 @@ from moe_lit.studies.kinds.pruning import analyse, retention_values
 from moe_lit.studies.study import load_study, parse_study
 from moe_lit.studies.verdicts import NOT_DETECTED, UNTESTABLE, judge
 from tests.helpers.corpus import prepare_corpus
+from tests.helpers.studies import tiny_kind_model, tiny_kind_run
 
 TINY = {
     "name": "prune",
     "kind": "pruning",
     "seeds": [0, 1],
-    "run": {
-        "data": {"data_dir": "some/data", "seq_len": 16, "batch_size": 2, "val_batches": 1},
-        "optim": {"warmup_steps": 1},
-        "train": {"max_steps": 4, "val_every": 4},
-        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
-    },
-    "model": {
-        "vocab_size": 300,
-        "d_model": 32,
-        "n_layers": 2,
-        "n_heads": 2,
-        "d_ff": 64,
-        "moe": {"num_experts": 4, "expert_size": 32, "top_k": 1},
-    },
+    "run": tiny_kind_run(),
+    "model": tiny_kind_model(num_experts=4, expert_size=32, top_k=1),
     "calibration_tokens": 64,
     "recovery_steps": 2,
     "recovery_warmup": 1,
@@ -137,11 +126,11 @@ def test_the_shipped_study_prunes_e16_top2_parents_over_three_seeds():
         ({"fractions": [0.5, 1.0]}, "fractions: [1.0] not allowed, each must be in (0, 1)"),
         ({"fractions": [0.95]}, "fractions: fraction/num: removing 4 of the 4 experts"),
         (
-            {"fractions": [0.75], "model": {**TINY["model"], "moe": {"num_experts": 4, "expert_size": 32, "top_k": 2}}},
+            {"fractions": [0.75], "model": tiny_kind_model(num_experts=4, expert_size=32, top_k=2)},
             "fractions: 0.75 keeps 1 of 4 experts, fewer than top_k=2",
         ),
         ({"methods": ["maestro", "magic"]}, "methods: unknown ['magic'], allowed values: maestro, frequency"),
-        ({"model": {k: v for k, v in TINY["model"].items() if k != "moe"}}, "model.moe: the parent must be an MoE"),
+        ({"model": tiny_kind_model()}, "model.moe: the parent must be an MoE"),
         ({"calibration_split": "dev"}, "calibration_split: got 'dev', allowed values: train, val, test"),
         ({"recovery_steps": 0}, "recovery_steps: must be a positive integer, got 0"),
         ({"damping": 0.0}, "damping: must be a number in (0, 1], got 0.0"),

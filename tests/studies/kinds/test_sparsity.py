@@ -12,26 +12,15 @@ from moe_lit.config import ConfigError
 from moe_lit.studies.identity import Start, path_fingerprint
 from moe_lit.studies.study import parse_study
 from tests.helpers.corpus import prepare_corpus
+from tests.helpers.studies import tiny_kind_model, tiny_kind_run
 
-MOE = {
-    "vocab_size": 300,
-    "d_model": 32,
-    "n_layers": 2,
-    "n_heads": 2,
-    "d_ff": 64,
-    "moe": {"num_experts": 4, "expert_size": 32, "top_k": 1},
-}
-DENSE = {k: v for k, v in MOE.items() if k != "moe"}
+MOE = tiny_kind_model(num_experts=4, expert_size=32, top_k=1)
+DENSE = tiny_kind_model()
 TINY = {
     "name": "sparse",
     "kind": "sparsity",
     "seeds": [0, 1],
-    "run": {
-        "data": {"data_dir": "some/data", "seq_len": 16, "batch_size": 2, "val_batches": 1},
-        "optim": {"warmup_steps": 1},
-        "train": {"max_steps": 4, "val_every": 4},
-        "trainer": {"enable_progress_bar": False, "accelerator": "cpu"},
-    },
+    "run": tiny_kind_run(),
     "models": {"moe": MOE, "dense": DENSE},
     "targets": [0.0, 0.5, 0.9],
     "calibration_tokens": 128,
