@@ -35,7 +35,7 @@ import yaml
 from moe_lit.config import ModelConfig, MoEConfig
 from moe_lit.configbase import to_data, yaml_problem
 from moe_lit.errors import MoeLitError
-from moe_lit.io import atomic_directory
+from moe_lit.io import atomic_directory, atomic_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -125,6 +125,29 @@ def _refusal(message: str) -> str:
     if "Weights only load failed" in message:
         return "it holds objects other than weights and plain data (loading never runs code)"
     return "not a readable checkpoint (truncated or another format)"
+
+
+TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers")
+"""What a Lightning checkpoint holds only to continue its run (:func:`drop_training_state`)."""
+
+
+def has_training_state(path: str | Path) -> bool:
+    """Whether a Lightning checkpoint can continue its run: it holds the optimizer state."""
+    return "optimizer_states" in read_lightning_checkpoint(path)
+
+
+def drop_training_state(path: str | Path) -> bool:
+    """Rewrite a Lightning checkpoint in place (atomically) without :data:`TRAINING_STATE_KEYS`: its
+    weights and config load as before (:func:`load_model`), but it no longer resumes a run, as a
+    ``save_weights_only`` checkpoint. False when it held none."""
+    checkpoint = read_lightning_checkpoint(path)
+    if not any(key in checkpoint for key in TRAINING_STATE_KEYS):
+        return False
+    for key in TRAINING_STATE_KEYS:
+        checkpoint.pop(key, None)
+    with atomic_file(path) as tmp:
+        torch.save(checkpoint, tmp)
+    return True
 
 
 def checkpoint_config(checkpoint: dict[str, Any], path: str | Path) -> ModelConfig:

@@ -177,3 +177,21 @@ def test_a_run_directory_given_as_a_model_points_to_its_last_checkpoint(tmp_path
     (line,) = capsys.readouterr().err.strip().splitlines()
     last = run / "checkpoints" / "last.ckpt"
     assert line == f"moe-lit export: error: checkpoint {run}: a run directory; pass its newest checkpoint {last}"
+
+
+def test_dropping_the_training_state_keeps_the_weights_bit_for_bit(tmp_path):
+    from moe_lit.checkpoint import drop_training_state, has_training_state
+
+    model = Transformer(tiny())
+    path = lightning_checkpoint(tmp_path / "last.ckpt", model)
+    checkpoint = read_lightning_checkpoint(path)
+    adam = {"state": {0: {"exp_avg": torch.ones(3)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+    torch.save({**checkpoint, "optimizer_states": [adam], "lr_schedulers": [{"last_epoch": 3}], "global_step": 3}, path)
+    assert has_training_state(path) and drop_training_state(path)
+    kept = read_lightning_checkpoint(path)
+    assert set(kept) == {"state_dict", "hyper_parameters", "global_step"} and not has_training_state(path)
+    assert kept["state_dict"].keys() == checkpoint["state_dict"].keys()
+    assert all(torch.equal(kept["state_dict"][k], v) for k, v in checkpoint["state_dict"].items())
+    loaded = load_model(path).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    assert not drop_training_state(path)  # nothing left to drop: the file is not rewritten

@@ -16,7 +16,7 @@ import json
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,11 @@ def _start_arguments(point: Point, parents: dict[str, Point], out_dir: Path) -> 
             f"{point.name}: the parent's checkpoint {checkpoint} is missing; delete {record_path(out_dir, parent)} "
             "to train the parent again"
         )
+    if point.start.mode == "resume" and point.start.step is None and not _resumable(checkpoint):
+        raise MoeLitError(
+            f"{point.name}: start.mode resume, but the parent's checkpoint {checkpoint} keeps its weights only "
+            f"(compacted when the parent finished); delete {record_path(out_dir, parent)} to train the parent again"
+        )
     return _from_weights(point, checkpoint, out_dir)
 
 
@@ -128,9 +133,10 @@ def run_point(
 ) -> dict[str, Any]:
     """Run one point and write its record atomically; a failure is recorded, never raised.
 
-    ``KeyboardInterrupt`` (and other non-``Exception`` exits, such as the ``Interrupted`` of a
-    signal) propagate and leave no record, so the point runs again on resume: from its
-    :func:`interrupted_checkpoint` when it has one.
+    ``parents``: the study's points by name (a parent among them; whether one resumes from this
+    point decides what :func:`compact_finished` keeps). ``KeyboardInterrupt`` (and other
+    non-``Exception`` exits, such as the ``Interrupted`` of a signal) propagate and leave no record,
+    so the point runs again on resume: from its :func:`interrupted_checkpoint` when it has one.
     """
     workdir = run_dir(out_dir, point)
     interrupted = interrupted_checkpoint(out_dir, point)
@@ -168,17 +174,54 @@ def run_point(
         )
     record["study_wall_s"] = round(time.perf_counter() - start, 3)
     atomic_write_json(record_path(out_dir, point), record)
+    if record["status"] == STATUS_OK:
+        compact_finished(out_dir, point, parents.values())
     return record
+
+
+def compact_finished(out_dir: Path, point: Point, points: Iterable[Point]) -> None:
+    """Free the disk a finished point no longer needs: its transformed start weights, and the
+    optimizer state in its ``last.ckpt`` unless one of ``points`` resumes training from there. The
+    weights stay, for the children started from them and for eval or export."""
+    workdir = run_dir(out_dir, point)
+    shutil.rmtree(workdir / TRANSFORMED_START, ignore_errors=True)
+    resumed = any(
+        p.start is not None and p.start.parent == point.name and p.start.step is None and p.start.mode == "resume"
+        for p in points
+    )
+    checkpoint = fork_checkpoint(out_dir, point, None)
+    if resumed or not checkpoint.is_file():
+        return
+    from moe_lit.checkpoint import drop_training_state
+
+    try:
+        drop_training_state(checkpoint)
+    except MoeLitError:
+        pass  # NOTE: not a checkpoint of ours (a test's fake); compaction only frees disk
+
+
+def _resumable(checkpoint: Path) -> bool:
+    """False for a readable checkpoint without optimizer state (compacted); an unreadable one is left
+    to the resume, which says what is wrong with it."""
+    from moe_lit.checkpoint import has_training_state
+
+    try:
+        return has_training_state(checkpoint)
+    except MoeLitError:
+        return True
 
 
 def interrupted_checkpoint(out_dir: Path, point: Point) -> Path | None:
     """The ``last.ckpt`` of a point that stopped without a record (a signal, a killed runner): its
-    run continues from there. None when there is none or the point has a record (a failed point is
-    retried from its start)."""
+    run continues from there. None when there is none, when the point has a record (a failed point
+    is retried from its start) or when it keeps weights only (:func:`compact_finished`)."""
     from moe_lit.lit.run import CHECKPOINT_DIR, LAST_CHECKPOINT
 
     checkpoint = run_dir(out_dir, point) / CHECKPOINT_DIR / LAST_CHECKPOINT
-    return checkpoint if checkpoint.is_file() and read_record(record_path(out_dir, point)) is None else None
+    if not checkpoint.is_file() or read_record(record_path(out_dir, point)) is not None:
+        return None
+    # NOTE: a finished point's compacted checkpoint (its record deleted to run it again) cannot resume.
+    return checkpoint if _resumable(checkpoint) else None
 
 
 def run_leased(
@@ -215,6 +258,7 @@ def run_leased_item(item: tuple) -> dict[str, Any] | None:
 __all__ = [
     "LEASE_TTL_S",
     "TrainFn",
+    "compact_finished",
     "default_train_fn",
     "interrupted_checkpoint",
     "measure_only",
