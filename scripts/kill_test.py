@@ -1,18 +1,18 @@
-"""kill -9 at random moments of a data preparation, a training run and a study, then rerun the same command.
+"""kill -9 at random moments of a data preparation, a training run and a study, then rerun the command.
 
     python scripts/kill_test.py --trials 5 [--seed 0] [--work DIR]
 
 Per trial and job, the command is started, sent SIGKILL after a random delay (uniform over the
 time an uninterrupted run of it took; every other fit trial is killed that long after its first
 checkpoint appeared, uniform over the reference's time from first checkpoint to end), and started
-again, unchanged, until it exits 0. The result
-must equal the uninterrupted run's, byte for byte:
+again until it exits 0 (unchanged; a fit with the flag its refusal names). The result must equal
+the uninterrupted run's, byte for byte:
 
 * ``moe-lit data prepare`` of a tiny generated corpus: every file of the prepared directory (an
   interrupted preparation leaves only a temporary sibling, which is never taken for prepared);
-* ``moe-lit fit`` of a tiny MoE for a few steps with ``last.ckpt`` after every step and
-  ``--ckpt_path last`` (a fresh start when there is none, else a resume): the final weights and
-  optimizer state;
+* ``moe-lit fit`` of a tiny MoE for a few steps with ``last.ckpt`` after every step, rerun as its
+  refusal says (``--resume`` from its ``last.ckpt``, ``--force`` when the kill came before one):
+  the final weights and optimizer state;
 * ``moe-lit study run`` of a tiny upcycling study (fixed E, fixed mE and an arm that forks from the
   fixed-E run's checkpoint): every point's final and per-language validation loss and curve
   (a point killed mid-run has no record and runs again; its claim, held by the dead process, is
@@ -24,6 +24,7 @@ Prints one JSON line per trial and a summary; exits 1 on any mismatch. CPU only,
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -107,17 +108,21 @@ def fit_command(data: Path, out: Path) -> list[str]:
         str(STEPS),
         "--trainer.enable_progress_bar",
         "false",
-        "--trainer.default_root_dir",
+        "--out",
         str(out),
         "--trainer.logger",
         "false",
-        "--checkpoint.dirpath",
-        str(out / "checkpoints"),
         "--checkpoint.every_n_train_steps",
         "1",
-        "--ckpt_path",
-        "last",
     ]
+
+
+def fit_rerun_flag(out: Path) -> list[str]:
+    """What the refusal of a rerun into a killed fit's directory asks for: ``--resume`` from its
+    ``last.ckpt``, ``--force`` when none was written (nothing to add when the kill left no directory)."""
+    if (out / LAST).is_file():
+        return ["--resume"]
+    return ["--force"] if out.exists() else []
 
 
 STUDY = {
@@ -227,15 +232,17 @@ def same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def killed_then_rerun(cmd: list[str], delay: float, last: Path, after_checkpoint: bool) -> tuple[int, int | None]:
-    """Kill once ``delay`` seconds after the start (or after the first checkpoint), then rerun until
-    it exits 0. Returns the number of starts and the step of the checkpoint the rerun resumed from
-    (None: none was written, a fresh start)."""
+def killed_then_rerun(
+    cmd: list[str], delay: float, last: Path, after_checkpoint: bool, rerun_flags=lambda: []
+) -> tuple[int, int | None]:
+    """Kill once ``delay`` seconds after the start (or after the first checkpoint), then rerun with
+    ``rerun_flags()`` added until it exits 0. Returns the number of starts and the step of the
+    checkpoint the rerun resumed from (None: none was written, a fresh start)."""
     rc, _ = run(cmd, kill_after=delay, after_file=last if after_checkpoint else None)
     resumed_from = torch.load(last, map_location="cpu", weights_only=True)["global_step"] if last.is_file() else None
     starts = 1
     while rc != 0:
-        rc, _ = run(cmd)
+        rc, _ = run([*cmd, *rerun_flags()])
         starts += 1
     return starts, resumed_from
 
@@ -292,7 +299,11 @@ def main() -> int:
         after_checkpoint = trial % 2 == 1
         delay = rng.uniform(0.0, fit_s - first_ckpt_s if after_checkpoint else fit_s)
         starts, resumed_from = killed_then_rerun(
-            fit_command(work / "data_ref", run_dir), delay, run_dir / LAST, after_checkpoint
+            fit_command(work / "data_ref", run_dir),
+            delay,
+            run_dir / LAST,
+            after_checkpoint,
+            rerun_flags=functools.partial(fit_rerun_flag, run_dir),
         )
         ok = same_training(training_result(run_dir), fit_ref)
         failures += not ok
