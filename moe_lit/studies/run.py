@@ -197,7 +197,7 @@ def compact_finished(out_dir: Path, point: Point, points: Iterable[Point]) -> No
     try:
         drop_training_state(checkpoint)
     except MoeLitError:
-        pass  # NOTE: not a checkpoint of ours (a test's fake); compaction only frees disk
+        pass  # NOTE: a file it cannot read stays as it is: compaction only frees disk
 
 
 def _resumable(checkpoint: Path) -> bool:
