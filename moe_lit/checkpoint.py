@@ -90,8 +90,9 @@ def _config_from(value: Any, path: Path) -> ModelConfig:
         raise MoeLitError(f"checkpoint {path}: its model config is invalid ({exc})") from exc
 
 
-def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The raw checkpoint dict, loaded without running code (a MoeLitError naming the file if not)."""
+def read_lightning_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """The raw checkpoint dict, loaded without running code (a MoeLitError naming the file if not);
+    ``mmap``: its tensors mapped from the file instead of read (for a look at its keys)."""
     path = _existing(path)
     if path.is_dir():
         raise MoeLitError(f"checkpoint {path}: is a directory, expected a Lightning .ckpt file")
@@ -103,7 +104,7 @@ def read_lightning_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         # NOTE: the allow-list is scoped to this call (a context manager), never added globally.
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise MoeLitError(f"checkpoint {path}: refused, {_refusal(str(exc))}") from exc
     except PermissionError as exc:
@@ -133,7 +134,7 @@ TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers")
 
 def has_training_state(path: str | Path) -> bool:
     """Whether a Lightning checkpoint can continue its run: it holds the optimizer state."""
-    return "optimizer_states" in read_lightning_checkpoint(path)
+    return "optimizer_states" in read_lightning_checkpoint(path, mmap=True)
 
 
 def drop_training_state(path: str | Path) -> bool:
